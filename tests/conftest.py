@@ -1,0 +1,25 @@
+"""Fixtures shared by every test area.
+
+Area-specific fixtures live in ``tests/<area>_fixtures.py`` and are pulled in by the
+test modules that need them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# vLLM on CPU sizes its KV cache from this (GiB); the default would take a large share
+# of the machine's memory per engine, and tests start several engines.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default tiny random-weight Llama model (seed 0), built once per test session."""
+    from vllm_kvbridge.models.tiny_llama import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), seed=0)

@@ -1,0 +1,1 @@
+"""The ``vllm-kvbridge`` command line."""

@@ -1,0 +1,157 @@
+"""The transport contract every connector implements.
+
+A connector moves one *payload* (anything the wire codec encodes: a dict of tensors,
+a :class:`~vllm_kvbridge.wire.KVCacheTransferData`, ...) from a sender stage to a
+receiver stage under a *key* (see :mod:`vllm_kvbridge.connectors.keys`).
+
+Roles:
+  * the sender calls :meth:`Connector.put`; the returned :class:`PutResult.metadata`
+    is what the receiver needs to find the data (an address, a segment name). The
+    pipeline forwards it to the receiver as "sender info".
+  * the receiver calls :meth:`Connector.get` with the same key and that metadata.
+
+Semantics every implementation keeps (the shared contract test suite checks them):
+  * ``get`` returns the decoded payload, or ``None`` only for "not there yet" when no
+    deadline was given. With a deadline it waits until the payload arrives or the
+    deadline (``time.monotonic()`` seconds) passes, then raises :class:`TransferTimeout`.
+    Corrupt data raises :class:`TransferCorrupt`; a refused operation
+    :class:`TransferRefused`. A get is destructive by default: a key is read once.
+  * ``put`` never reports ``ok=True`` for data the receiver cannot get.
+  * ``cleanup(key)`` releases everything held for that key on this side; ``close()``
+    releases everything and is idempotent. Both are safe to call twice.
+  * ``health()`` returns a JSON-safe dict of counters; counters are thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_kvbridge.errors import ConnectorClosed
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """Outcome of a put: whether it landed, how many bytes moved, and the receiver's clues."""
+
+    ok: bool
+    nbytes: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+class ConnectorStats:
+    """Thread-safe counters behind :meth:`Connector.health`."""
+
+    _FIELDS = (
+        "puts",
+        "put_bytes",
+        "put_failures",
+        "gets",
+        "get_bytes",
+        "get_misses",
+        "get_failures",
+        "timeouts",
+        "cleanups",
+    )
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, float] = {name: 0 for name in self._FIELDS}
+        self._values["put_seconds"] = 0.0
+        self._values["get_seconds"] = 0.0
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._values[name] = self._values.get(name, 0) + delta
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._values)
+
+
+class Connector(ABC):
+    """Base class of every transport. Subclasses implement the ``_``-free abstract methods."""
+
+    #: Registry name, set by subclasses (e.g. ``"SharedMemoryConnector"``).
+    name: str = "Connector"
+    #: True when the connector can move one packed uint8 (device) tensor as-is, so the
+    #: KV manager may hand it ``KVCacheTransferData.to_gpu_tensor()`` instead of the object.
+    supports_raw_data: bool = False
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        self.config: dict[str, Any] = dict(config or {})
+        self.stats = ConnectorStats()
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    # -- the contract -------------------------------------------------------------------
+    @abstractmethod
+    def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
+        """Make ``payload`` available to ``to_stage`` under ``key``."""
+
+    @abstractmethod
+    def get(
+        self,
+        from_stage: int | str,
+        to_stage: int | str,
+        key: str,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        deadline: float | None = None,
+    ) -> Any | None:
+        """Return the payload stored under ``key`` (see the module docstring for semantics)."""
+
+    @abstractmethod
+    def cleanup(self, key: str) -> None:
+        """Release whatever this side still holds for ``key``. Idempotent."""
+
+    def health(self) -> dict[str, Any]:
+        """JSON-safe status and counters."""
+        return {"connector": self.name, "closed": self._closed, **self.stats.snapshot()}
+
+    def close(self) -> None:
+        """Release every resource. Idempotent; later calls to put/get raise ConnectorClosed."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._close()
+
+    @abstractmethod
+    def _close(self) -> None:
+        """Release resources; called once by :meth:`close`."""
+
+    # -- helpers for subclasses ---------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConnectorClosed(f"{self.name} is closed")
+
+    @staticmethod
+    def remaining(deadline: float | None) -> float | None:
+        """Seconds left until ``deadline`` (monotonic), ``None`` for no deadline, never < 0."""
+        if deadline is None:
+            return None
+        return max(0.0, deadline - time.monotonic())
+
+    def __enter__(self) -> Connector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
+        try:
+            if not self._closed:
+                self.close()
+        except Exception:
+            pass

@@ -1,0 +1,43 @@
+"""The exception hierarchy shared by every layer.
+
+Each layer raises the narrowest class that fits, so callers can tell a malformed
+payload (never worth retrying) from a transport failure (maybe worth retrying) from
+a configuration mistake (fix the YAML).
+"""
+
+from __future__ import annotations
+
+
+class KVBridgeError(Exception):
+    """Base class of every error vllm-kvbridge raises on purpose."""
+
+
+class ConfigError(KVBridgeError, ValueError):
+    """A stage config, connector config or argument is invalid.
+
+    The message names the offending key path, e.g. ``stages[1].kv_transfer.trigger``.
+    """
+
+
+class PayloadError(KVBridgeError, ValueError):
+    """Bytes that claim to be a payload or a packed KV cache are malformed or exceed limits."""
+
+
+class TransferError(KVBridgeError):
+    """A transfer failed for a reason other than "not there yet"."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """The deadline passed before the data arrived."""
+
+
+class TransferCorrupt(TransferError):
+    """Data arrived but does not decode (wrapped PayloadError, size mismatch, ...)."""
+
+
+class TransferRefused(TransferError):
+    """The transport or the peer refused the operation (too big, unauthenticated, closed)."""
+
+
+class ConnectorClosed(TransferRefused):
+    """The connector was used after ``close()``."""
