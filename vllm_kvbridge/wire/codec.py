@@ -1,0 +1,541 @@
+"""The payload codec: a msgpack skeleton plus one out-of-band buffer per tensor/array.
+
+:func:`encode` turns a stage payload into an :class:`Encoded`: a small msgpack *skeleton*
+(msgspec) describing the structure, and a list of *buffers*, each the raw bytes of one
+tensor or array, not copied. A connector moves ``Encoded.frames()`` as separate messages
+(ZMQ with ``copy=False``) or writes :meth:`Encoded.pack_into` into one buffer (shared
+memory: one copy per buffer). :func:`decode_frames` / :func:`decode_packed` invert them,
+building tensors as views of the received buffers unless ``copy=True``.
+
+Values: dict (str or int keys), list, tuple (comes back as a tuple; dict/list/tuple
+subclasses come back as the base type), ``torch.Tensor`` and ``numpy.ndarray`` of an
+allow-listed dtype (:mod:`vllm_kvbridge.wire.dtypes`), str, bytes, int (int64 range), float,
+bool, None, and :class:`~vllm_kvbridge.wire.kv_format.KVCacheTransferData`. Anything else
+raises :class:`PayloadError` naming the type and where it was found.
+
+Skeleton (msgpack): ``["kvbw", 1, root]``, where ``root`` is the payload with these
+explicit extension types (never a type guessed from dict keys):
+
+* ext 1, torch tensor: data = msgpack ``[buffer index, dtype name, shape]``
+* ext 2, numpy array: same data
+* ext 3, tuple marker: empty data; only valid as the first element of an array, which
+  then decodes as a tuple of the remaining elements
+* ext 4, KVCacheTransferData: data = msgpack KV header
+  (:class:`~vllm_kvbridge.wire.kv_format.KVHeader`) whose tensor ``offset`` fields are
+  buffer indices
+
+Every buffer must be referenced exactly once. GPU tensors are copied to the host once at
+encode; decoded tensors are on the CPU.
+
+Packed single-buffer layout (little-endian), written by :meth:`Encoded.pack_into`::
+
+    offset       size   field
+    0            4      magic b"KVBW"
+    4            2      version (u16, 1)
+    6            2      flags (u16, must be 0)
+    8            4      n_buffers (u32)
+    12           4      skeleton_len (u32)
+    16           8      total_len (u64): bytes of the whole packed message
+    24           16*n   frame table: n x (offset u64, nbytes u64), offsets from byte 0,
+                        each a multiple of 64, increasing, non-overlapping
+    24+16n       S      skeleton (S = skeleton_len)
+    ...                 buffers at their table offsets; gaps are zero
+
+A decoder accepts a buffer longer than ``total_len`` (pooled segments).
+
+Limits (:class:`~vllm_kvbridge.wire.limits.Limits`) are enforced on encode and decode:
+depth, item count (every value, container or scalar, counts one), buffer count, total
+buffer bytes, ndim, skeleton size and string size. Sizes are checked against the actual
+buffers before any tensor is built.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from vllm_kvbridge.errors import PayloadError
+from vllm_kvbridge.wire import kv_format
+from vllm_kvbridge.wire._buffers import (
+    ALIGN,
+    INT64_MAX,
+    INT64_MIN,
+    align_up,
+    array_bytes,
+    array_from_view,
+    byte_view,
+    check_shape,
+    prepare_array,
+    prepare_tensor,
+    tensor_bytes,
+    tensor_from_view,
+    writable_byte_view,
+)
+from vllm_kvbridge.wire.kv_format import KVCacheTransferData
+from vllm_kvbridge.wire.limits import DEFAULT_LIMITS, Limits
+
+SKELETON_MAGIC = "kvbw"
+PACKED_MAGIC = b"KVBW"
+VERSION = 1
+
+EXT_TENSOR = 1
+EXT_NDARRAY = 2
+EXT_TUPLE = 3
+EXT_KV = 4
+
+_PREFIX = struct.Struct("<4sHHIIQ")
+PREFIX_SIZE = _PREFIX.size  # 24
+_U32_MAX = (1 << 32) - 1
+_ZEROS = bytes(ALIGN)
+#: Buffers at least this big are copied without holding the GIL.
+_GIL_FREE_COPY = 1 << 20
+
+_encoder = msgspec.msgpack.Encoder()
+_TUPLE_EXT = msgspec.msgpack.Ext(EXT_TUPLE, b"")
+
+
+class _Fail(Exception):
+    """Internal: a PayloadError message plus the path, built up while unwinding."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path: list[str] = []
+
+
+def _where(exc: _Fail) -> PayloadError:
+    path = "".join(reversed(exc.path))
+    return PayloadError(f"{exc.message} at payload{path}" if path else exc.message)
+
+
+def _check_str(value: str | bytes, limits: Limits) -> None:
+    n = len(value)
+    if n > limits.max_str_bytes or (
+        type(value) is str
+        and n * 4 > limits.max_str_bytes
+        and len(value.encode("utf-8", "surrogatepass")) > limits.max_str_bytes
+    ):
+        kind = "string" if type(value) is str else "bytes value"
+        raise _Fail(f"{kind} exceeds max_str_bytes={limits.max_str_bytes}")
+
+
+# -- encoding ----------------------------------------------------------------------------
+class Encoded:
+    """One encoded payload: a msgpack skeleton plus out-of-band buffers (one per tensor/array).
+
+    ``buffers`` are flat ``'B'`` memoryviews over the tensors' own memory (CPU tensors are
+    not copied; the views keep them alive). Mutating a source tensor before the payload is
+    sent changes what is sent.
+    """
+
+    __slots__ = ("buffers", "skeleton")
+
+    def __init__(self, skeleton: bytes, buffers: list[memoryview]) -> None:
+        self.skeleton = skeleton
+        self.buffers = buffers
+
+    @property
+    def nbytes(self) -> int:
+        """``len(skeleton)`` plus the size of every buffer."""
+        return len(self.skeleton) + sum(b.nbytes for b in self.buffers)
+
+    def frames(self) -> list[Any]:
+        """``[skeleton, *buffers]``, the input of :func:`decode_frames`."""
+        return [self.skeleton, *self.buffers]
+
+    def _table(self) -> tuple[list[int], int]:
+        offsets = []
+        pos = PREFIX_SIZE + 16 * len(self.buffers) + len(self.skeleton)
+        for b in self.buffers:
+            pos = align_up(pos)
+            offsets.append(pos)
+            pos += b.nbytes
+        return offsets, pos
+
+    def packed_size(self) -> int:
+        """Bytes :meth:`pack_into` writes."""
+        return self._table()[1]
+
+    def _head(self, offsets: list[int], total: int) -> bytes:
+        n = len(self.buffers)
+        table = np.empty(2 * n, dtype="<u8")
+        table[0::2] = offsets
+        table[1::2] = [b.nbytes for b in self.buffers]
+        prefix = _PREFIX.pack(PACKED_MAGIC, VERSION, 0, n, len(self.skeleton), total)
+        return prefix + table.tobytes() + self.skeleton
+
+    def pack_into(self, dst: Any, offset: int = 0) -> int:
+        """Write the packed layout into ``dst[offset:]``, one copy per buffer; returns its size.
+
+        ``dst``: any writable buffer (bytearray, memoryview, mmap, numpy uint8 array).
+        Alignment is relative to ``offset``.
+        """
+        offsets, total = self._table()
+        mv = writable_byte_view(dst)
+        if type(offset) is not int or offset < 0 or offset + total > len(mv):
+            raise PayloadError(f"destination too small: need {total} bytes at offset {offset}, has {len(mv)}")
+        region = mv[offset : offset + total]
+        head = self._head(offsets, total)
+        pos = len(head)
+        region[:pos] = head
+        base = 0
+        for start, b in zip(offsets, self.buffers):
+            if start > pos:
+                region[pos:start] = _ZEROS[: start - pos]
+            pos = start + b.nbytes
+            if b.nbytes < _GIL_FREE_COPY:
+                region[start:pos] = b
+            else:
+                # Large copies via memmove, which releases the GIL (a memoryview slice copy
+                # holds it), so other threads (the model thread) keep running meanwhile.
+                # Bounds: region has ``total`` bytes and the table keeps every buffer inside.
+                base = base or np.frombuffer(region, dtype=np.uint8).ctypes.data
+                ctypes.memmove(base + start, np.frombuffer(b, dtype=np.uint8).ctypes.data, b.nbytes)
+        return total
+
+    def to_bytes(self) -> bytes:
+        """The packed layout as ``bytes`` (one copy of each buffer)."""
+        offsets, total = self._table()
+        pieces: list[Any] = [self._head(offsets, total)]
+        pos = len(pieces[0])
+        for start, b in zip(offsets, self.buffers):
+            pieces.append(_ZEROS[: start - pos])
+            pieces.append(b)
+            pos = start + b.nbytes
+        return b"".join(pieces)
+
+
+class _EncodeWalk:
+    __slots__ = ("buffers", "items", "limits", "total")
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.buffers: list[memoryview] = []
+        self.items = 0
+        self.total = 0
+
+    def add_buffer(self, view: memoryview) -> int:
+        if len(self.buffers) >= self.limits.max_buffers:
+            raise _Fail(f"more than max_buffers={self.limits.max_buffers} tensors/arrays")
+        self.total += view.nbytes
+        if self.total > self.limits.max_total_bytes:
+            raise _Fail(f"tensor/array bytes exceed max_total_bytes={self.limits.max_total_bytes}")
+        self.buffers.append(view)
+        return len(self.buffers) - 1
+
+    def walk(self, obj: Any, depth: int) -> Any:
+        self.items += 1
+        if self.items > self.limits.max_items:
+            raise _Fail(f"payload has more than max_items={self.limits.max_items} items")
+        t = type(obj)
+        if t is str or t is bytes:
+            _check_str(obj, self.limits)
+            return obj
+        if t is int:
+            if not INT64_MIN <= obj <= INT64_MAX:
+                raise _Fail(f"int {obj} does not fit in 64 bits")
+            return obj
+        if t is float or t is bool or obj is None:
+            return obj
+        if t is dict or t is list or t is tuple or isinstance(obj, dict | list | tuple):
+            return self.container(obj, depth + 1)
+        if isinstance(obj, torch.Tensor):
+            if len(obj.shape) > self.limits.max_ndim:
+                raise _Fail(f"tensor ndim {obj.dim()} exceeds max_ndim={self.limits.max_ndim}")
+            try:
+                cpu, name = prepare_tensor(obj, "tensor")
+            except PayloadError as exc:
+                raise _Fail(str(exc)) from None
+            index = self.add_buffer(tensor_bytes(cpu))
+            return msgspec.msgpack.Ext(EXT_TENSOR, _encoder.encode((index, name, tuple(cpu.shape))))
+        if t is np.ndarray:
+            if obj.ndim > self.limits.max_ndim:
+                raise _Fail(f"array ndim {obj.ndim} exceeds max_ndim={self.limits.max_ndim}")
+            try:
+                arr, name = prepare_array(obj, "array")
+            except PayloadError as exc:
+                raise _Fail(str(exc)) from None
+            index = self.add_buffer(array_bytes(arr))
+            return msgspec.msgpack.Ext(EXT_NDARRAY, _encoder.encode((index, name, arr.shape)))
+        if isinstance(obj, KVCacheTransferData):
+            try:
+                raw, views = obj._codec_encode(self.limits, len(self.buffers))
+            except PayloadError as exc:
+                raise _Fail(str(exc)) from None
+            for view in views:
+                self.add_buffer(view)
+            return msgspec.msgpack.Ext(EXT_KV, raw)
+        raise _Fail(f"unsupported type {t.__module__}.{t.__qualname__}")
+
+    def container(self, obj: Any, depth: int) -> Any:
+        if depth > self.limits.max_depth:
+            raise _Fail(f"nesting exceeds max_depth={self.limits.max_depth}")
+        walk = self.walk
+        if isinstance(obj, dict):
+            out = {}
+            for key, value in obj.items():
+                kt = type(key)
+                if not (kt is str or (kt is int and INT64_MIN <= key <= INT64_MAX)):
+                    raise _Fail(f"dict key {key!r} ({kt.__name__}) is not a str or int64")
+                try:
+                    out[key] = walk(value, depth)
+                except _Fail as exc:
+                    exc.path.append(f"[{key!r}]")
+                    raise
+            return out
+        out_list: list[Any] = [_TUPLE_EXT] if isinstance(obj, tuple) else []
+        for i, value in enumerate(obj):
+            try:
+                out_list.append(walk(value, depth))
+            except _Fail as exc:
+                exc.path.append(f"[{i}]")
+                raise
+        return out_list
+
+
+def encode(obj: Any, *, limits: Limits | None = None) -> Encoded:
+    """Encode a payload without copying tensor bytes (see the module docstring).
+
+    Raises :class:`PayloadError` for unsupported values or anything over ``limits``.
+    """
+    limits = limits or DEFAULT_LIMITS
+    walker = _EncodeWalk(limits)
+    try:
+        root = walker.walk(obj, 0)
+    except _Fail as exc:
+        raise _where(exc) from None
+    try:
+        skeleton = _encoder.encode([SKELETON_MAGIC, VERSION, root])
+    except (msgspec.EncodeError, UnicodeEncodeError, OverflowError) as exc:
+        raise PayloadError(f"payload cannot be encoded: {exc}") from None
+    if len(skeleton) > min(limits.max_skeleton_bytes, _U32_MAX):
+        raise PayloadError(f"skeleton of {len(skeleton)} bytes exceeds max_skeleton_bytes")
+    return Encoded(skeleton, walker.buffers)
+
+
+# -- decoding ----------------------------------------------------------------------------
+class _ArrayRef:
+    """A tensor/array reference parsed from an ext, resolved against the frames later."""
+
+    __slots__ = ("code", "dtype", "index", "shape")
+
+    def __init__(self, code: int, index: Any, dtype: Any, shape: Any) -> None:
+        self.code, self.index, self.dtype, self.shape = code, index, dtype, shape
+
+
+class _KVRef:
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+
+
+class _TupleMark:
+    __slots__ = ()
+
+
+_TUPLE_MARK = _TupleMark()
+_ref_decoder = msgspec.msgpack.Decoder(tuple[int, str, list[int]])
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    # Runs inside msgspec's decode; `data` is only valid during this call, so copy what we keep.
+    if code in (EXT_TENSOR, EXT_NDARRAY):
+        try:
+            index, dtype, shape = _ref_decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise PayloadError(f"malformed tensor reference: {exc}") from None
+        return _ArrayRef(code, index, dtype, shape)
+    if code == EXT_TUPLE:
+        if len(data):
+            raise PayloadError("malformed tuple tag: non-empty data")
+        return _TUPLE_MARK
+    if code == EXT_KV:
+        return _KVRef(bytes(data))
+    raise PayloadError(f"unknown extension type {code}")
+
+
+_skeleton_decoder = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
+
+
+class _DecodeWalk:
+    __slots__ = ("copy", "frames", "items", "limits", "used")
+
+    def __init__(self, frames: list[memoryview], limits: Limits, copy: bool) -> None:
+        self.frames = frames
+        self.limits = limits
+        self.copy = copy
+        self.items = 0
+        self.used = bytearray(len(frames))
+
+    def build(self, node: Any, depth: int) -> Any:
+        self.items += 1
+        if self.items > self.limits.max_items:
+            raise _Fail(f"payload has more than max_items={self.limits.max_items} items")
+        t = type(node)
+        if t is str or t is bytes:
+            _check_str(node, self.limits)
+            return node
+        if t is int:
+            if node > INT64_MAX:
+                raise _Fail(f"int {node} does not fit in int64")
+            return node
+        if t is float or t is bool or node is None:
+            return node
+        if t is list or t is dict:
+            depth += 1
+            if depth > self.limits.max_depth:
+                raise _Fail(f"nesting exceeds max_depth={self.limits.max_depth}")
+            build = self.build
+            if t is dict:
+                for key, value in node.items():
+                    kt = type(key)
+                    if not (kt is str or (kt is int and key <= INT64_MAX)):
+                        raise _Fail(f"dict key of type {kt.__name__} (only str and int64 keys are allowed)")
+                    try:
+                        node[key] = build(value, depth)
+                    except _Fail as exc:
+                        exc.path.append(f"[{key!r}]")
+                        raise
+                return node
+            is_tuple = bool(node) and node[0] is _TUPLE_MARK
+            for i in range(1 if is_tuple else 0, len(node)):
+                try:
+                    node[i] = build(node[i], depth)
+                except _Fail as exc:
+                    exc.path.append(f"[{i - is_tuple}]")
+                    raise
+            return tuple(node[1:]) if is_tuple else node
+        if t is _ArrayRef:
+            return self.array(node)
+        if t is _KVRef:
+            try:
+                return kv_format.codec_decode(node.raw, self.frames, self.used, self.limits, self.copy)
+            except PayloadError as exc:
+                raise _Fail(str(exc)) from None
+        if t is _TupleMark:
+            raise _Fail("tuple tag outside the first position of an array")
+        # e.g. datetime from msgpack's timestamp extension, or tuple keys.
+        raise _Fail(f"unexpected decoded type {t.__name__}")
+
+    def array(self, ref: _ArrayRef) -> Any:
+        what = "tensor" if ref.code == EXT_TENSOR else "array"
+        index = ref.index
+        if not 0 <= index < len(self.frames):
+            raise _Fail(f"{what} buffer index {index} out of range ({len(self.frames)} buffers)")
+        if self.used[index]:
+            raise _Fail(f"{what} buffer {index} is referenced twice")
+        self.used[index] = 1
+        mv = self.frames[index]
+        try:
+            shape = check_shape(ref.shape, ref.dtype, len(mv), self.limits, what)
+            if ref.code == EXT_TENSOR:
+                return tensor_from_view(mv, ref.dtype, shape, self.copy, what)
+            return array_from_view(mv, ref.dtype, shape, self.copy, what)
+        except PayloadError as exc:
+            raise _Fail(str(exc)) from None
+
+
+def _decode(skeleton: memoryview, buffers: list[memoryview], limits: Limits, copy: bool) -> Any:
+    if len(skeleton) > limits.max_skeleton_bytes:
+        raise PayloadError(f"skeleton of {len(skeleton)} bytes exceeds max_skeleton_bytes")
+    try:
+        top = _skeleton_decoder.decode(skeleton)
+    except msgspec.DecodeError as exc:
+        raise PayloadError(f"malformed skeleton: {exc}") from None
+    except RecursionError:
+        raise PayloadError("malformed skeleton: nesting too deep") from None
+    except (TypeError, ValueError) as exc:  # e.g. an unhashable map key; PayloadError is a ValueError
+        if isinstance(exc, PayloadError):
+            raise
+        raise PayloadError(f"malformed skeleton: {exc}") from None
+    if type(top) is not list or len(top) != 3 or top[0] != SKELETON_MAGIC:
+        raise PayloadError("not a payload skeleton (bad magic)")
+    if top[1] != VERSION:
+        raise PayloadError(f"unsupported payload version {top[1]!r} (this build reads {VERSION})")
+    walker = _DecodeWalk(buffers, limits, copy)
+    try:
+        result = walker.build(top[2], 0)
+    except _Fail as exc:
+        raise _where(exc) from None
+    if not all(walker.used):
+        raise PayloadError(f"buffer {walker.used.index(0)} is not referenced by the skeleton")
+    return result
+
+
+def decode_frames(frames: Sequence[Any], *, limits: Limits | None = None, copy: bool = False) -> Any:
+    """Decode ``[skeleton, *buffers]`` (as from :meth:`Encoded.frames`).
+
+    Frames may be any buffer-protocol objects (bytes, memoryview, ``zmq.Frame``). Tensors
+    and arrays are views of the frames unless ``copy``; see
+    :mod:`vllm_kvbridge.wire._buffers` about read-only frames.
+    """
+    limits = limits or DEFAULT_LIMITS
+    try:
+        n = len(frames)
+    except TypeError:
+        raise PayloadError(f"frames must be a sequence, got {type(frames).__name__}") from None
+    if n == 0:
+        raise PayloadError("no frames: a payload needs at least the skeleton frame")
+    if n - 1 > limits.max_buffers:
+        raise PayloadError(f"{n - 1} buffers exceed max_buffers={limits.max_buffers}")
+    skeleton = byte_view(frames[0], "skeleton frame")
+    buffers = [byte_view(frames[i], f"frame {i}") for i in range(1, n)]
+    total = sum(len(b) for b in buffers)
+    if total > limits.max_total_bytes:
+        raise PayloadError(f"buffers hold {total} bytes, over max_total_bytes={limits.max_total_bytes}")
+    return _decode(skeleton, buffers, limits, copy)
+
+
+def decode_packed(buffer: Any, *, limits: Limits | None = None, copy: bool = False) -> Any:
+    """Decode the packed layout written by :meth:`Encoded.pack_into`.
+
+    ``buffer`` may be longer than the message. Every size and offset is checked against
+    ``len(buffer)`` and ``limits`` before use.
+    """
+    limits = limits or DEFAULT_LIMITS
+    mv = byte_view(buffer, "packed payload")
+    length = len(mv)
+    if length < PREFIX_SIZE:
+        raise PayloadError(f"packed payload truncated: {length} bytes < {PREFIX_SIZE}-byte prefix")
+    magic, version, flags, n, skeleton_len, total = _PREFIX.unpack_from(mv, 0)
+    if magic != PACKED_MAGIC:
+        hint = " (a packed KV buffer: use KVCacheTransferData.from_bytes)" if magic == kv_format.MAGIC else ""
+        raise PayloadError(f"bad magic {bytes(magic)!r}: not a packed payload{hint}")
+    if version != VERSION:
+        raise PayloadError(f"unsupported packed payload version {version} (this build reads {VERSION})")
+    if flags:
+        raise PayloadError(f"reserved flags must be 0, got {flags}")
+    if n > limits.max_buffers:
+        raise PayloadError(f"{n} buffers exceed max_buffers={limits.max_buffers}")
+    if skeleton_len > limits.max_skeleton_bytes:
+        raise PayloadError(f"skeleton of {skeleton_len} bytes exceeds max_skeleton_bytes")
+    if total > length:
+        raise PayloadError(f"packed payload truncated: header says {total} bytes, buffer has {length}")
+    table_end = PREFIX_SIZE + 16 * n
+    pos = table_end + skeleton_len
+    if pos > total:
+        raise PayloadError(f"frame table and skeleton ({pos} bytes) overrun total_len {total}")
+    table = struct.unpack_from(f"<{2 * n}Q", mv, PREFIX_SIZE) if n else ()
+    buffers = []
+    nbytes_sum = 0
+    for i in range(n):
+        start, size = table[2 * i], table[2 * i + 1]
+        if start % ALIGN:
+            raise PayloadError(f"buffer {i}: offset {start} is not {ALIGN}-byte aligned")
+        if start < pos:
+            raise PayloadError(f"buffer {i}: offset {start} overlaps the skeleton or buffer {i - 1}")
+        if size > total - start:
+            raise PayloadError(f"buffer {i}: bytes [{start}, {start + size}) outside total_len {total}")
+        nbytes_sum += size
+        if nbytes_sum > limits.max_total_bytes:
+            raise PayloadError(f"buffers exceed max_total_bytes={limits.max_total_bytes}")
+        pos = start + size
+        buffers.append(mv[start:pos])
+    return _decode(mv[table_end : table_end + skeleton_len], buffers, limits, copy)
