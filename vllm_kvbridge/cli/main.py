@@ -16,6 +16,7 @@ from collections.abc import Sequence
 SUBCOMMAND_MODULES: list[str] = [
     "vllm_kvbridge.cli.tiny_model",
     "vllm_kvbridge.cli.demo",
+    "vllm_kvbridge.cli.bench",
 ]
 
 

@@ -1,0 +1,43 @@
+"""Smoke test of ``vllm-kvbridge bench connectors`` (shape of the output, never timings)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from vllm_kvbridge.bench.connectors import kv_payload, parse_size, payload_bytes
+from vllm_kvbridge.cli.main import main
+
+# connector_fixtures also carries the pytest-forked/pytest 9 report fix.
+pytest_plugins = ["connector_fixtures"]
+pytestmark = pytest.mark.forked
+
+KEYS = {"connector", "bytes", "e2e_s", "gbps", "memcpy_gbps", "ratio", "ceiling_gbps", "ceiling_ratio"}
+
+
+def test_bench_connectors_prints_table_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    assert main(["bench", "connectors", "--connectors", "shm,zmq", "--sizes", "64KB,256KB",
+                 "--repeat", "2", "--json", str(out)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:2] == ["connector", "bytes"] and "ceiling" in table[0]
+    assert [line.split()[0] for line in table[2:]] == ["shm", "zmq", "shm", "zmq"]
+    rows = json.loads(out.read_text())
+    assert [r["connector"] for r in rows] == ["shm", "zmq", "shm", "zmq"]
+    for row in rows:
+        assert row.keys() >= KEYS
+        assert row["bytes"] > 0 and all(math.isfinite(row[k]) and row[k] > 0 for k in KEYS - {"connector"})
+
+
+def test_sizes_and_arguments_are_validated():
+    assert parse_size("64KB") == 64 << 10 and parse_size("1.5MB") == 3 << 19 and parse_size("2GB") == 2 << 30
+    for bad in ("", "xMB", "-1MB", "0"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    with pytest.raises(SystemExit):
+        main(["bench", "connectors", "--sizes", "lots"])
+    with pytest.raises(SystemExit):
+        main(["bench", "connectors", "--repeat", "0"])
+    assert abs(payload_bytes(kv_payload(64 << 20)) - (64 << 20)) < (64 << 20) // 50

@@ -1,0 +1,161 @@
+"""SharedMemoryConnector specifics: corrupt segments, crash leftovers, pool reuse."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+
+pytest.register_assert_rewrite("connector_fixtures")
+from connector_fixtures import SPECS_BY_NAME, child_put, deadline, key, make_payload, same  # noqa: E402
+
+from vllm_kvbridge.connectors import create_connector  # noqa: E402
+from vllm_kvbridge.connectors import shm_segments as seg  # noqa: E402
+from vllm_kvbridge.errors import ConfigError, TransferCorrupt  # noqa: E402
+
+pytest_plugins = ["connector_fixtures"]
+pytestmark = pytest.mark.forked
+SHM = SPECS_BY_NAME["SharedMemoryConnector"]
+
+
+def _write_segment(token: str, k: str, raw: bytes) -> str:
+    path = seg.key_path(token, k)
+    with open(path, "wb") as f:
+        f.write(raw)
+    return path
+
+
+@pytest.mark.parametrize("case", ["bad_magic", "too_short", "size_past_end", "wrong_key", "garbage_payload"])
+def test_corrupt_segment_raises_transfer_corrupt_and_is_removed(token, case):
+    header = bytearray(seg.HEADER_SIZE)
+    key_raw = key().encode()
+    size, k = 64, key()
+    if case == "wrong_key":
+        key_raw = key(9).encode()
+    if case == "size_past_end":
+        size = 1 << 30
+    fields = (seg.MAGIC, seg.READY, size, 1, os.getpid(), 0, time.time_ns(), len(key_raw))
+    seg._HDR.pack_into(header, 0, *fields)
+    header[seg._KEY_OFFSET:seg._KEY_OFFSET + len(key_raw)] = key_raw
+    if case == "bad_magic":
+        header[:8] = b"NOTKVBSH"
+    raw = bytes(header[:20]) if case == "too_short" else bytes(header) + b"\x07" * 64
+    path = _write_segment(token, k, raw)
+    with SHM.make(token) as receiver:
+        with pytest.raises(TransferCorrupt):
+            receiver.get(0, 1, k, deadline=deadline(2))
+        assert receiver.health()["get_failures"] == 1
+    assert not os.path.exists(path)
+    assert SHM.leftovers(token) == []
+
+
+def test_crashed_sender_leftovers_are_reaped(token):
+    ctx = mp.get_context("spawn")
+    out, done = ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=child_put, args=(SHM.name, token, key(), 1, 1 << 16, out, done, True))
+    child.start()
+    assert out.get(timeout=60)[0]
+    child.join(30)
+    assert child.exitcode == 3
+    left = SHM.leftovers(token)
+    assert any(".p." in n for n in left) and any(".k." in n for n in left)  # the crash left both
+    assert sorted(seg.reap_stale(token)) == left
+    assert SHM.leftovers(token) == []
+    # A live process's segments are left alone (its own TTL reaper owns them).
+    with SHM.make(token) as live:
+        assert live.put(0, 1, key("live"), make_payload(2)).ok
+        names = SHM.leftovers(token)
+        assert seg.reap_stale(token) == [] and SHM.leftovers(token) == names and names
+    assert SHM.leftovers(token) == []
+
+
+def test_close_of_a_new_connector_reaps_crash_leftovers(token):
+    ctx = mp.get_context("spawn")
+    out, done = ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=child_put, args=(SHM.name, token, key(), 1, 1 << 16, out, done, True))
+    child.start()
+    assert out.get(timeout=60)[0]
+    child.join(30)
+    assert SHM.leftovers(token)
+    conn = SHM.make(token)
+    conn.put(0, 1, key("x"), make_payload(1))  # first use of the namespace reaps
+    conn.close()
+    assert SHM.leftovers(token) == []
+
+
+def _get_and_die(token: str, k: str) -> None:
+    conn = SHM.make(token)
+    held = conn.get(0, 1, k, deadline=deadline(30))
+    assert held is not None
+    os._exit(5)  # dies holding the segment (state CLAIMED)
+
+
+def test_segment_held_by_a_dead_receiver_returns_to_the_pool(token):
+    ctx = mp.get_context("spawn")
+    with SHM.make(token, reap_interval_s=0.05) as sender:
+        assert sender.put(0, 1, key(), make_payload(1)).ok
+        child = ctx.Process(target=_get_and_die, args=(token, key()))
+        child.start()
+        child.join(60)
+        assert child.exitcode == 5
+        end = time.monotonic() + 5
+        while sender.health()["pool_free_segments"] != 1 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert sender.health()["pool_free_segments"] == 1 and sender.health()["lent"] == 0
+    assert SHM.leftovers(token) == []
+
+
+def test_pool_reuses_segments_only_after_the_receiver_releases_them(token):
+    with SHM.make(token) as sender, SHM.make(token) as receiver:
+        held = []
+        for i in range(3):
+            assert sender.put(0, 1, key(i), make_payload(i, 1 << 20)).ok
+            held.append(receiver.get(0, 1, key(i), deadline=deadline(5)))
+        pools = [n for n in SHM.leftovers(token) if ".p." in n]
+        assert len(pools) == 3  # each still viewed by the receiver: no reuse
+        assert all(same(h, make_payload(i, 1 << 20)) for i, h in enumerate(held))
+        del held
+        gc.collect()
+        for i in range(10):
+            assert sender.put(0, 1, key(i + 10), make_payload(i, 1 << 20)).ok
+            got = receiver.get(0, 1, key(i + 10), deadline=deadline(5))
+            assert same(got, make_payload(i, 1 << 20))
+            del got
+        assert len([n for n in SHM.leftovers(token) if ".p." in n]) == 3  # no growth
+        assert sender.health()["pool_free_segments"] == 3
+
+
+def test_non_destructive_reads_copy_and_leave_the_segment(token):
+    with SHM.make(token) as sender, SHM.make(token, destructive=False) as reader:
+        assert sender.put(0, 1, key(), make_payload(4)).ok
+        first = reader.get(0, 1, key(), deadline=deadline(5))
+        second = reader.get(0, 1, key(), deadline=deadline(5))
+        assert same(first, make_payload(4)) and same(second, make_payload(4))
+        sender.cleanup(key())
+        assert reader.get(0, 1, key()) is None
+    assert SHM.leftovers(token) == []
+
+
+def test_oversize_put_is_refused(token):
+    with SHM.make(token, max_payload_bytes=1 << 16) as sender:
+        result = sender.put(0, 1, key(), make_payload(1, 1 << 20))
+        assert not result.ok and "max_payload_bytes" in result.error
+        assert sender.health()["put_failures"] == 1
+
+
+def test_metadata_namespace_wins_and_names_are_validated(token):
+    with SHM.make(token) as sender, create_connector("shm", {}) as receiver:
+        result = sender.put(0, 1, key(), make_payload(1))
+        assert result.metadata["namespace"] == token
+        assert same(receiver.get(0, 1, key(), result.metadata, deadline=deadline(5)), make_payload(1))
+        with pytest.raises(ConfigError):
+            receiver.get(0, 1, "../etc/passwd")
+        with pytest.raises(ConfigError):
+            receiver.get(0, 1, key(), {"namespace": "a/b"})
+    with pytest.raises(ConfigError):
+        create_connector("shm", {"namespace": "bad name"})
+    with pytest.raises(ConfigError):
+        create_connector("shm", {"ttl_s": -1})

@@ -1,0 +1,136 @@
+"""ZmqConnector specifics: size limits, in-flight bound, CURVE, dead peers, missing metadata."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+import zmq
+
+pytest.register_assert_rewrite("connector_fixtures")
+from connector_fixtures import child_put, deadline, key, make_payload, same  # noqa: E402
+
+from vllm_kvbridge.connectors import create_connector  # noqa: E402
+from vllm_kvbridge.errors import ConfigError, TransferError, TransferRefused, TransferTimeout  # noqa: E402
+
+pytest_plugins = ["connector_fixtures"]
+pytestmark = pytest.mark.forked
+
+
+def zmq_conn(**config):
+    return create_connector("zmq", {"host": "127.0.0.1", "port": 0, **config})
+
+
+def test_oversize_payload_is_refused_before_sending():
+    with zmq_conn() as sender, zmq_conn(max_payload_bytes=1 << 16) as receiver:
+        result = sender.put(0, 1, key(), make_payload(1, 1 << 20))
+        assert result.ok
+        with pytest.raises(TransferRefused, match="max_payload_bytes"):
+            receiver.get(0, 1, key(), result.metadata, deadline=deadline(5))
+        assert sender.health()["held_payloads"] == 1  # not consumed: a bigger receiver may take it
+    with zmq_conn(max_payload_bytes=1 << 16) as small_sender:
+        result = small_sender.put(0, 1, key(), make_payload(1, 1 << 20))
+        assert not result.ok and "max_payload_bytes" in result.error
+
+
+def test_inflight_bytes_are_bounded_and_released_on_get():
+    with zmq_conn(max_inflight_bytes=3 << 20) as sender, zmq_conn() as receiver:
+        first = sender.put(0, 1, key(1), make_payload(1, 2 << 20))
+        refused = sender.put(0, 1, key(2), make_payload(2, 2 << 20))
+        assert first.ok and not refused.ok and "max_inflight_bytes" in refused.error
+        got = receiver.get(0, 1, key(1), first.metadata, deadline=deadline(5))
+        assert same(got, make_payload(1, 2 << 20))
+        assert sender.put(0, 1, key(2), make_payload(2, 2 << 20)).ok
+        sender.cleanup(key(2))
+        assert sender.health()["inflight_bytes"] == 0
+
+
+def test_get_without_an_endpoint_raises_a_clear_error():
+    with zmq_conn() as receiver:
+        with pytest.raises(TransferError, match="no endpoint"):
+            receiver.get(0, 1, key(), None, deadline=deadline(1))
+        with pytest.raises(TransferError, match="no endpoint"):
+            receiver.get(0, 1, key(), {"other": 1})
+
+
+def test_peer_gone_times_out():
+    sender = zmq_conn()
+    metadata = sender.put(0, 1, key(), make_payload(1)).metadata
+    sender.close()
+    with zmq_conn(request_timeout_s=0.3) as receiver:
+        start = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            receiver.get(0, 1, key(), metadata, deadline=start + 0.5)
+        assert 0.5 <= time.monotonic() - start < 3
+        with pytest.raises(TransferTimeout):  # no deadline: one request, no answer
+            receiver.get(0, 1, key(), metadata)
+
+
+def test_killed_sender_process_times_out(token):
+    ctx = mp.get_context("spawn")
+    out, done = ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=child_put, args=("ZmqConnector", token, key(), 1, 1 << 16, out, done, True))
+    child.start()
+    ok, metadata = out.get(timeout=60)
+    child.join(30)
+    assert ok and child.exitcode == 3
+    with zmq_conn() as receiver, pytest.raises(TransferTimeout):
+        receiver.get(0, 1, key(), metadata, deadline=deadline(0.5))
+
+
+def _curve_pair():
+    server_pub, server_sec = zmq.curve_keypair()
+    good_pub, good_sec = zmq.curve_keypair()
+    bad_pub, bad_sec = zmq.curve_keypair()
+    keys = {k: v.decode() for k, v in dict(server_pub=server_pub, server_sec=server_sec, good_pub=good_pub,
+                                           good_sec=good_sec, bad_pub=bad_pub, bad_sec=bad_sec).items()}
+    server = zmq_conn(curve_public_key=keys["server_pub"], curve_secret_key=keys["server_sec"],
+                      curve_allowed_clients=[keys["good_pub"]])
+    return server, keys
+
+
+def test_curve_admits_only_configured_clients():
+    server, keys = _curve_pair()
+    with server:
+        result = server.put(0, 1, key(), make_payload(1))
+        assert result.metadata["server_key"] == keys["server_pub"]
+        intruders = [
+            zmq_conn(curve_public_key=keys["bad_pub"], curve_secret_key=keys["bad_sec"],
+                     curve_allowed_clients=[]),
+            zmq_conn(),  # plain TCP, no CURVE at all
+        ]
+        for intruder in intruders:
+            with intruder, pytest.raises(TransferTimeout):
+                intruder.get(0, 1, key(), result.metadata, deadline=deadline(0.5))
+        assert server.health()["held_payloads"] == 1  # the intruders got nothing
+        with zmq_conn(curve_public_key=keys["good_pub"], curve_secret_key=keys["good_sec"],
+                      curve_allowed_clients=[]) as client:
+            got = client.get(0, 1, key(), result.metadata, deadline=deadline(5))
+            assert same(got, make_payload(1))
+
+
+def test_curve_config_is_validated():
+    pub, _ = zmq.curve_keypair()
+    with pytest.raises(ConfigError):
+        zmq_conn(curve_public_key=pub.decode())  # no secret key
+    with pytest.raises(ConfigError):
+        zmq_conn(curve_public_key="short", curve_secret_key="short", curve_allowed_clients=[])
+    pub, sec = zmq.curve_keypair()
+    with pytest.raises(ConfigError):
+        zmq_conn(curve_public_key=pub.decode(), curve_secret_key=sec.decode())  # no allow-list
+
+
+def test_malformed_request_gets_bad_answer_and_server_survives():
+    with zmq_conn() as sender, zmq_conn() as receiver:
+        result = sender.put(0, 1, key(), make_payload(1))
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(result.metadata["endpoint"])
+        sock.send_multipart([b"GET", b"12345678"])  # too few frames
+        assert sock.poll(5000)
+        assert sock.recv_multipart()[-1] == b"BAD"
+        sock.close()
+        ctx.term()
+        assert same(receiver.get(0, 1, key(), result.metadata, deadline=deadline(5)), make_payload(1))

@@ -1,0 +1,44 @@
+"""``vllm-kvbridge bench``: measurements. Sub-commands: ``connectors`` (more to come)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench", help="measure transports and pipelines",
+        description="Benchmarks that report ratios to ceilings measured in the same run.")
+    bench_sub = p.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+    c = bench_sub.add_parser(
+        "connectors",
+        help="connector throughput vs memcpy and the transport's bare ceiling",
+        description="Move KV-shaped payloads from a sender process to a receiver process through each "
+                    "connector; print put/get/end-to-end times, GB/s and ratios to memcpy and to the "
+                    "transport's own ceiling (bare pyzmq; one write + one read of a shm segment).",
+    )
+    c.add_argument("--connectors", default="shm,zmq",
+                   help="comma-separated names or aliases (default: shm,zmq)")
+    c.add_argument("--sizes", default="1MB,64MB,512MB", help="comma-separated sizes, binary units "
+                   "(default: 1MB,64MB,512MB)")
+    c.add_argument("--repeat", type=int, default=5, help="timed transfers per point, after one warm-up "
+                   "(median reported; default 5)")
+    c.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
+    c.set_defaults(func=_run_connectors)
+
+
+def _run_connectors(args: argparse.Namespace) -> int:
+    from vllm_kvbridge.bench.connectors import format_table, parse_size, run_connector_bench, write_json
+
+    try:
+        connectors = [c.strip() for c in args.connectors.split(",") if c.strip()]
+        sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+        if not connectors or not sizes or args.repeat < 1:
+            raise ValueError("need at least one connector, one size and --repeat >= 1")
+    except ValueError as exc:
+        raise SystemExit(f"vllm-kvbridge bench connectors: {exc}") from None
+    rows = run_connector_bench(connectors, sizes, args.repeat)
+    print(format_table(rows))
+    if args.json:
+        write_json(rows, args.json)
+    return 0

@@ -1,0 +1,399 @@
+"""Same-host transport through POSIX shared memory (``/dev/shm``).
+
+One copy on the sender (the packed payload written straight into a segment), zero on the
+receiver (tensors are views of the mapped segment). The segment protocol, naming and
+crash recovery are described in :mod:`vllm_kvbridge.connectors.shm_segments`.
+
+Why a pool: a fresh tmpfs segment moves ~1.3 GB/s on this class of machine (every 4 KiB
+page is allocated and zeroed on first touch) against ~11 GB/s for memcpy. The sender
+therefore keeps the segments it created, mapped and pre-faulted, and reuses one as soon
+as the receiver has released it (the receiver marks it FREE when the last tensor viewing
+it is freed). A receiver maps each segment it claims with ``MAP_POPULATE``; mapping pages
+that already exist runs at ~25 GB/s here, so no receiver-side cache is needed.
+
+Config keys (all optional):
+
+* ``namespace``: per-edge namespace in segment names (default ``"<from>-<to>"``).
+* ``ttl_s`` (default 300): unclaimed published segments are reaped after this long.
+* ``destructive`` (default True): a get claims the segment (read once, zero copy).
+  With False, gets copy the payload out and leave it for other readers (the sender's
+  TTL or ``cleanup`` removes it).
+* ``pool_keep_bytes`` (default 2 GiB): free pool memory kept for reuse; beyond it freed
+  segments are destroyed.
+* ``max_payload_bytes`` (default 64 GiB): larger puts are refused, larger segments rejected.
+* ``reap_interval_s`` (default ``min(ttl_s/4, 1)``): how often the background reaper runs.
+* ``shm_dir`` (default ``/dev/shm``): for tests on another tmpfs.
+
+Threading: every public method is safe to call from several threads.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from vllm_kvbridge.connectors import shm_segments as seg
+from vllm_kvbridge.connectors.base import Connector, PutResult
+from vllm_kvbridge.errors import ConfigError, PayloadError, TransferCorrupt, TransferTimeout
+
+_MISSING = object()
+_MIN_CAPACITY = 64 << 10
+
+
+def _capacity_for(nbytes: int) -> int:
+    """Round up to a size class (<= 12.5% waste) so segments are reusable across sizes."""
+    nbytes = max(nbytes, _MIN_CAPACITY)
+    granule = max(_MIN_CAPACITY, 1 << max(0, nbytes.bit_length() - 4))
+    return -(-nbytes // granule) * granule
+
+
+def _opt(config: Mapping[str, Any], name: str, default: float, kind: type = float) -> Any:
+    value = config.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ConfigError(f"connector option {name!r} must be a non-negative number, got {value!r}")
+    return kind(value)
+
+
+def _release_claimed(mm: mmap.mmap, generation: int) -> None:
+    """Finalizer of a claimed segment: hand it back to the sender's pool, unmap."""
+    try:
+        state, gen = seg.read_generation(mm)
+        if state == seg.CLAIMED and gen == generation:
+            seg.set_state_word(mm, seg.FREE, claimer_pid=0)
+    except ValueError:  # mapping already closed
+        return
+    try:
+        mm.close()
+    except BufferError:
+        pass
+
+
+class SharedMemoryConnector(Connector):
+    """Moves payloads between processes of one host through ``/dev/shm`` segments."""
+
+    name = "SharedMemoryConnector"
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        super().__init__(config)
+        cfg = self.config
+        self._namespace_override = (
+            seg.check_namespace(cfg["namespace"]) if cfg.get("namespace") is not None else None
+        )
+        self.ttl_s = _opt(cfg, "ttl_s", 300.0)
+        self.destructive = bool(cfg.get("destructive", True))
+        self.pool_keep_bytes = _opt(cfg, "pool_keep_bytes", 2 << 30, int)
+        self.max_payload_bytes = _opt(cfg, "max_payload_bytes", 64 << 30, int)
+        self.reap_interval_s = _opt(cfg, "reap_interval_s", min(self.ttl_s / 4, 1.0)) or 0.05
+        self.shm_dir = str(cfg.get("shm_dir", seg.SHM_DIR))
+        self._limits = cfg.get("limits")
+        self._lock = threading.Lock()
+        self._free: list[seg.PoolSegment] = []  # mapped, state FREE, ready for reuse
+        self._published: dict[tuple[str, str], seg.PoolSegment] = {}  # key name exists
+        self._lent: list[seg.PoolSegment] = []  # claimed by a receiver, waiting for FREE
+        self._namespaces: set[str] = set()
+        self._reaper: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # -- naming -------------------------------------------------------------------------
+    def namespace(self, from_stage: int | str, to_stage: int | str) -> str:
+        """The segment namespace of an edge (config ``namespace`` or ``"<from>-<to>"``)."""
+        if self._namespace_override is not None:
+            return self._namespace_override
+        return seg.check_namespace(f"{from_stage}-{to_stage}")
+
+    def _use_namespace(self, namespace: str) -> None:
+        if namespace not in self._namespaces:
+            self._namespaces.add(namespace)
+            seg.reap_stale(namespace, shm_dir=self.shm_dir)  # leftovers of crashed processes
+
+    # -- sender -------------------------------------------------------------------------
+    def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
+        """Write ``payload`` into a pool segment and publish it as ``key``.
+
+        Returns ``ok=False`` (never raises) when the key is already published, the payload
+        is larger than ``max_payload_bytes`` or /dev/shm is full. The payload is copied:
+        the caller may reuse its tensors once this returns.
+        """
+        from vllm_kvbridge.wire import encode
+
+        self._check_open()
+        seg.check_key(key)
+        namespace = self.namespace(from_stage, to_stage)
+        start = time.perf_counter()
+        enc = encode(payload)
+        need = enc.packed_size()
+        if need > self.max_payload_bytes:
+            return self._put_failed(f"payload of {need} bytes exceeds "
+                                    f"max_payload_bytes={self.max_payload_bytes}")
+        with self._lock:
+            self._check_open()
+            self._use_namespace(namespace)
+            self._sweep_locked()
+            segment = self._take_free_locked(namespace, need)
+        if segment is None:
+            try:
+                segment = seg.PoolSegment(namespace, _capacity_for(need), self.shm_dir)
+            except OSError as exc:
+                return self._put_failed(f"cannot create a {need}-byte shared-memory segment: {exc}")
+        try:
+            segment.begin_write()
+            written = enc.pack_into(segment.payload, 0)
+            segment.publish_header(key, written)
+            os.link(segment.path, seg.key_path(namespace, key, self.shm_dir))
+        except FileExistsError:
+            self._return_free(segment)
+            return self._put_failed(f"key {key!r} is already published in namespace {namespace!r}")
+        except BaseException:
+            self._return_free(segment)
+            raise
+        finally:
+            del enc
+        segment.key = key
+        segment.published_at = time.monotonic()
+        with self._lock:
+            if self._closed:  # close() ran meanwhile: do not leave the key behind
+                self._unpublish(namespace, key)
+                segment.destroy()
+                return self._put_failed(f"{self.name} closed during put")
+            self._published[(namespace, key)] = segment
+            self._start_reaper_locked()
+        self.stats.add(puts=1, put_bytes=written, put_seconds=time.perf_counter() - start)
+        name = os.path.basename(seg.key_path(namespace, key, self.shm_dir))
+        return PutResult(ok=True, nbytes=written, metadata={"namespace": namespace, "name": name})
+
+    def _put_failed(self, error: str) -> PutResult:
+        self.stats.add(put_failures=1)
+        return PutResult(ok=False, error=error)
+
+    def _take_free_locked(self, namespace: str, need: int) -> seg.PoolSegment | None:
+        best = None
+        biggest = 2 * max(need, _MIN_CAPACITY)  # do not pin a huge segment for a small payload
+        for candidate in self._free:
+            if (candidate.namespace == namespace and need <= candidate.capacity <= biggest
+                    and (best is None or candidate.capacity < best.capacity)):
+                best = candidate
+        if best is not None:
+            self._free.remove(best)
+        return best
+
+    def _return_free(self, segment: seg.PoolSegment) -> None:
+        segment.key = None
+        with self._lock:
+            if self._closed:
+                segment.destroy()
+                return
+            segment.state = seg.FREE
+            self._free.append(segment)
+            self._trim_locked()
+
+    def _trim_locked(self) -> None:
+        kept = sum(s.capacity for s in self._free)
+        while kept > self.pool_keep_bytes and self._free:
+            victim = max(self._free, key=lambda s: s.capacity)
+            self._free.remove(victim)
+            kept -= victim.capacity
+            victim.destroy()
+
+    def _unpublish(self, namespace: str, key: str) -> bool:
+        """Unlink the key name; True when we removed it (nobody claimed it first)."""
+        try:
+            os.unlink(seg.key_path(namespace, key, self.shm_dir))
+            return True
+        except FileNotFoundError:
+            return False
+
+    def _sweep_locked(self) -> None:
+        """TTL-reap unclaimed segments; take back segments receivers released (or died holding)."""
+        now = time.monotonic()
+        for (namespace, key), segment in list(self._published.items()):
+            state = segment.state
+            if state == seg.READY and now - segment.published_at < self.ttl_s:
+                continue
+            del self._published[(namespace, key)]
+            if state == seg.READY and self._unpublish(namespace, key):
+                segment.state = seg.FREE
+                self._free.append(segment)
+            else:
+                self._lent.append(segment)
+        for segment in list(self._lent):
+            state = segment.state
+            if state == seg.FREE or (state == seg.CLAIMED and not seg.pid_alive(segment.claimer_pid)):
+                self._lent.remove(segment)
+                segment.state = seg.FREE
+                segment.key = None
+                self._free.append(segment)
+        self._trim_locked()
+
+    def _start_reaper_locked(self) -> None:
+        if self._reaper is None:
+            self._reaper = threading.Thread(target=self._reap_loop, name="kvbridge-shm-reaper", daemon=True)
+            self._reaper.start()
+
+    def _reap_loop(self) -> None:
+        while not self._stop.wait(self.reap_interval_s):
+            with self._lock:
+                if self._closed:
+                    return
+                self._sweep_locked()
+
+    # -- receiver -----------------------------------------------------------------------
+    def get(
+        self,
+        from_stage: int | str,
+        to_stage: int | str,
+        key: str,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        deadline: float | None = None,
+    ) -> Any | None:
+        """Claim and decode the segment published as ``key``.
+
+        Polls (sub-millisecond at first, backing off to 5 ms) until ``deadline``, then
+        raises :class:`TransferTimeout`; without a deadline one attempt, ``None`` if absent.
+        A malformed segment raises :class:`TransferCorrupt` (and is removed).
+        Destructive gets return tensors that are views of the segment: it goes back to
+        the sender's pool when the last of them is freed.
+        """
+        self._check_open()
+        seg.check_key(key)
+        namespace = self.namespace(from_stage, to_stage)
+        if metadata and metadata.get("namespace") is not None:
+            namespace = seg.check_namespace(metadata["namespace"])
+        start = time.perf_counter()
+        delay = 0.0001
+        while True:
+            try:
+                result = self._try_get(namespace, key)
+            except TransferCorrupt:
+                self.stats.add(get_failures=1)
+                raise
+            if result is not _MISSING:
+                payload, nbytes = result
+                self.stats.add(gets=1, get_bytes=nbytes, get_seconds=time.perf_counter() - start)
+                return payload
+            left = self.remaining(deadline)
+            if left is None:
+                self.stats.add(get_misses=1)
+                return None
+            if left <= 0:
+                self.stats.add(timeouts=1)
+                raise TransferTimeout(f"{key!r} did not arrive in shared-memory namespace {namespace!r} "
+                                      f"before the deadline")
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 0.005)
+            self._check_open()
+
+    def _try_get(self, namespace: str, key: str) -> Any:
+        if self.destructive:
+            fd = seg.claim(namespace, key, self.shm_dir)
+        else:
+            fd = seg.open_shared(namespace, key, self.shm_dir)
+        if fd is None:
+            return _MISSING
+        try:
+            header = seg.parse_header(os.pread(fd, seg.HEADER_SIZE, 0))
+            file_size = os.fstat(fd).st_size
+            if header.key != key:
+                raise TransferCorrupt(f"segment published as {key!r} carries key {header.key!r}")
+            if header.state != seg.READY:
+                raise TransferCorrupt(f"segment {key!r} published in state {header.state}, not READY")
+            if header.payload_size > min(file_size - seg.HEADER_SIZE, self.max_payload_bytes):
+                raise TransferCorrupt(f"segment {key!r} claims {header.payload_size} payload bytes; file has "
+                                      f"{file_size} (max_payload_bytes={self.max_payload_bytes})")
+            length = seg.HEADER_SIZE + header.payload_size
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.destructive else 0)
+            mm = mmap.mmap(fd, length, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=prot)
+        finally:
+            os.close(fd)
+        if self.destructive:
+            return self._decode_claimed(mm, header, key)
+        return self._decode_shared(mm, header, key)
+
+    def _decode_claimed(self, mm: mmap.mmap, header: seg.Header, key: str) -> Any:
+        from vllm_kvbridge.wire import decode_packed
+
+        seg.set_state_word(mm, seg.CLAIMED, claimer_pid=os.getpid())
+        view = np.frombuffer(mm, dtype=np.uint8, count=header.payload_size, offset=seg.HEADER_SIZE)
+        # The mapping lives as long as anything views `view`; then the segment goes home.
+        weakref.finalize(view, _release_claimed, mm, header.generation)
+        try:
+            payload = decode_packed(view, limits=self._limits, copy=False)
+        except PayloadError as exc:
+            raise TransferCorrupt(f"segment {key!r} does not decode: {exc}") from exc
+        finally:
+            del view
+        return payload, header.payload_size
+
+    def _decode_shared(self, mm: mmap.mmap, header: seg.Header, key: str) -> Any:
+        from vllm_kvbridge.wire import decode_packed
+
+        try:
+            view = np.frombuffer(mm, dtype=np.uint8, count=header.payload_size, offset=seg.HEADER_SIZE)
+            try:
+                payload = decode_packed(view, limits=self._limits, copy=True)
+            except PayloadError as exc:
+                raise TransferCorrupt(f"segment {key!r} does not decode: {exc}") from exc
+            finally:
+                del view
+            # Seqlock check: the sender may have reaped and rewritten it while we copied.
+            if seg.read_generation(mm) != (seg.READY, header.generation):
+                return _MISSING
+        finally:
+            try:
+                mm.close()
+            except BufferError:
+                pass
+        return payload, header.payload_size
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def cleanup(self, key: str) -> None:
+        """Withdraw ``key`` if this side published it and nobody claimed it yet. Idempotent."""
+        seg.check_key(key)
+        with self._lock:
+            for (namespace, published_key), segment in list(self._published.items()):
+                if published_key != key:
+                    continue
+                del self._published[(namespace, published_key)]
+                if self._unpublish(namespace, key):
+                    segment.state = seg.FREE
+                    segment.key = None
+                    self._free.append(segment)
+                else:
+                    self._lent.append(segment)
+                self.stats.add(cleanups=1)
+            self._trim_locked()
+
+    def health(self) -> dict[str, Any]:
+        with self._lock:
+            if not self._closed:
+                self._sweep_locked()  # so the pool figures are current
+            pool = {
+                "pool_free_segments": len(self._free),
+                "pool_free_bytes": sum(s.capacity for s in self._free),
+                "published": len(self._published),
+                "lent": len(self._lent),
+            }
+        return {**super().health(), **pool}
+
+    def _close(self) -> None:
+        self._stop.set()
+        if self._reaper is not None and self._reaper is not threading.current_thread():
+            self._reaper.join(timeout=5)
+        with self._lock:
+            for (namespace, key), _segment in self._published.items():
+                self._unpublish(namespace, key)
+            segments = [*self._published.values(), *self._lent, *self._free]
+            self._published.clear()
+            self._lent.clear()
+            self._free.clear()
+            for segment in segments:
+                segment.destroy()
+            for namespace in self._namespaces:
+                seg.reap_stale(namespace, shm_dir=self.shm_dir)

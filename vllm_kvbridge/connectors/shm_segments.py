@@ -1,0 +1,296 @@
+"""POSIX shared-memory segments behind :class:`~vllm_kvbridge.connectors.shm.SharedMemoryConnector`.
+
+Layout of a segment (a file in ``/dev/shm``)::
+
+    [0, 4096)        header: magic, state, payload size, generation, owner pid, claimer pid,
+                     publish time (ns), key length, key bytes
+    [4096, 4096+n)   the packed payload (``Encoded.pack_into``), page aligned
+
+Names (every one starts with ``kvbridge.`` so an operator can tell them apart)::
+
+    kvbridge.<ns>.p.<pid>.<n>     a pool segment owned by process <pid> (sender side)
+    kvbridge.<ns>.k.<key>         a published payload: a second hard link to a pool segment
+    kvbridge.<ns>.c.<pid>.<n>     a receiver's claim name, alive for two syscalls
+
+Protocol (why it is leak-free and needs no lock files):
+
+* The sender keeps a pool of pre-faulted, mapped segments (fresh tmpfs pages cost ~10x a
+  memcpy to fault in, reused ones cost nothing). A put writes the payload into a FREE
+  segment, writes the header with the state word READY *last*, then publishes it with
+  ``link(pool name, key name)``; ``link`` fails if the key exists, so publication is atomic.
+* A receiver claims with ``rename(key name, its unique claim name)`` (exactly one claimer
+  wins; the others see "not there"), opens the claim name and unlinks it at once, so no
+  name stays behind. It maps the segment, marks it CLAIMED (+ its pid) and decodes in
+  place. When the last tensor viewing the mapping is freed, a finalizer writes FREE and
+  the sender reuses the segment.
+* The sender reaps a published segment after its TTL by unlinking the key name (whoever
+  unlinks/renames the key name first owns the segment). A segment CLAIMED by a process
+  that died is taken back. ``close()`` unlinks every name the connector owns.
+* A crashed process leaves pool names (owner pid in the name) and published key names
+  (owner pid in the header); :func:`reap_stale` removes those whose owner is gone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import re
+import struct
+import time
+from dataclasses import dataclass
+
+from vllm_kvbridge.errors import ConfigError, TransferCorrupt
+
+SHM_DIR = "/dev/shm"
+PREFIX = "kvbridge"
+HEADER_SIZE = 4096
+MAGIC = int.from_bytes(b"KVBSHM01", "little")
+
+# magic, state, payload_size, generation, owner_pid, claimer_pid, published_ns, key_len
+_HDR = struct.Struct("<8Q")
+_KEY_OFFSET = _HDR.size
+MAX_KEY_BYTES = HEADER_SIZE - _KEY_OFFSET
+_STATE_WORD = 1  # index of the state word when the header is viewed as uint64 words
+_CLAIMER_WORD = 5
+
+FREE, WRITING, READY, CLAIMED, RETIRED = 0, 1, 2, 3, 4
+
+_NAMESPACE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_KEY = re.compile(r"[A-Za-z0-9_.-]{1,200}")
+_NAME = re.compile(
+    r"kvbridge\.(?P<ns>[A-Za-z0-9_-]{1,64})\.(?:(?P<kind>[pc])\.(?P<pid>\d+)\.\d+|k\.(?P<key>[A-Za-z0-9_.-]+))"
+)
+_counter = itertools.count()
+
+
+def check_namespace(namespace: str) -> str:
+    if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
+        raise ConfigError(f"shared-memory namespace {namespace!r} must match [A-Za-z0-9_-]{{1,64}}")
+    return namespace
+
+
+def check_key(key: str) -> str:
+    if not isinstance(key, str) or not _KEY.fullmatch(key):
+        raise ConfigError(f"transfer key {key!r} must match [A-Za-z0-9_.-]{{1,200}} (see connectors.keys)")
+    return key
+
+
+def key_path(namespace: str, key: str, shm_dir: str = SHM_DIR) -> str:
+    return os.path.join(shm_dir, f"{PREFIX}.{namespace}.k.{key}")
+
+
+def _unique_path(namespace: str, kind: str, shm_dir: str) -> str:
+    return os.path.join(shm_dir, f"{PREFIX}.{namespace}.{kind}.{os.getpid()}.{next(_counter)}")
+
+
+def pid_alive(pid: int) -> bool:
+    """True when a process with ``pid`` exists (a zombie counts as alive)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass(frozen=True)
+class Header:
+    magic: int
+    state: int
+    payload_size: int
+    generation: int
+    owner_pid: int
+    claimer_pid: int
+    published_ns: int
+    key: str
+
+
+def parse_header(raw: bytes) -> Header:
+    """Validate and decode a header; raises :class:`TransferCorrupt` naming the problem."""
+    if len(raw) < _HDR.size:
+        raise TransferCorrupt(f"shared-memory segment too short for a header ({len(raw)} bytes)")
+    magic, state, size, gen, owner, claimer, published, key_len = _HDR.unpack_from(raw, 0)
+    if magic != MAGIC:
+        raise TransferCorrupt(f"shared-memory segment has bad magic {magic:#018x}")
+    if state > RETIRED:
+        raise TransferCorrupt(f"shared-memory segment has unknown state {state}")
+    if key_len > MAX_KEY_BYTES or _KEY_OFFSET + key_len > len(raw):
+        raise TransferCorrupt(f"shared-memory segment key length {key_len} out of range")
+    try:
+        key = raw[_KEY_OFFSET : _KEY_OFFSET + key_len].decode("ascii")
+    except UnicodeDecodeError:
+        raise TransferCorrupt("shared-memory segment key is not ASCII") from None
+    return Header(magic, state, size, gen, owner, claimer, published, key)
+
+
+class PoolSegment:
+    """A sender-owned segment: a pool name, a persistent pre-faulted read/write mapping."""
+
+    def __init__(self, namespace: str, capacity: int, shm_dir: str = SHM_DIR) -> None:
+        self.namespace = namespace
+        self.capacity = capacity  # payload bytes, excluding the header
+        self.path = _unique_path(namespace, "p", shm_dir)
+        self.generation = 0
+        self.key: str | None = None
+        self.published_at = 0.0  # monotonic
+        size = HEADER_SIZE + capacity
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            # fallocate reserves the pages now: writing into a sparse tmpfs file that cannot
+            # grow kills the process with SIGBUS, while this raises ENOSPC cleanly.
+            os.posix_fallocate(fd, 0, size)
+            self.mm = mmap.mmap(
+                fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            )
+        except BaseException:
+            os.unlink(self.path)
+            raise
+        finally:
+            os.close(fd)
+        self._words = memoryview(self.mm)[: _HDR.size].cast("Q")
+        self.payload = memoryview(self.mm)[HEADER_SIZE:]
+
+    @property
+    def state(self) -> int:
+        return self._words[_STATE_WORD]
+
+    @state.setter
+    def state(self, value: int) -> None:
+        # One aligned 8-byte store: readers never see a torn state word.
+        self._words[_STATE_WORD] = value
+
+    @property
+    def claimer_pid(self) -> int:
+        return self._words[_CLAIMER_WORD]
+
+    def begin_write(self) -> None:
+        self.generation += 1
+        self.state = WRITING
+
+    def publish_header(self, key: str, payload_size: int) -> None:
+        """Write every header field, the state word READY last."""
+        raw = key.encode("ascii")
+        self.mm[_KEY_OFFSET : _KEY_OFFSET + len(raw)] = raw
+        _HDR.pack_into(
+            self.mm,
+            0,
+            MAGIC,
+            WRITING,
+            payload_size,
+            self.generation,
+            os.getpid(),
+            0,
+            time.time_ns(),
+            len(raw),
+        )
+        self.state = READY
+
+    def destroy(self) -> None:
+        """Unlink the pool name and unmap (a receiver still mapping it keeps the memory)."""
+        # A published or claimed payload stays valid for its reader; only mark idle ones.
+        if self.state in (FREE, WRITING):
+            self.state = RETIRED
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        self._words.release()
+        self.payload.release()
+        try:
+            self.mm.close()
+        except BufferError:  # an Encoded still references it; GC unmaps later
+            pass
+
+
+def claim(namespace: str, key: str, shm_dir: str = SHM_DIR) -> int | None:
+    """Atomically take the published segment ``key``; its fd, or ``None`` if not there.
+
+    The key name is renamed to a name only this call knows, then unlinked, so exactly one
+    claimer wins and nothing named stays in /dev/shm.
+    """
+    tmp = _unique_path(namespace, "c", shm_dir)
+    try:
+        os.rename(key_path(namespace, key, shm_dir), tmp)
+    except FileNotFoundError:
+        return None
+    try:
+        return os.open(tmp, os.O_RDWR | os.O_CLOEXEC)
+    finally:
+        os.unlink(tmp)
+
+
+def open_shared(namespace: str, key: str, shm_dir: str = SHM_DIR) -> int | None:
+    """Open the published segment ``key`` without claiming it (non-destructive reads)."""
+    try:
+        return os.open(key_path(namespace, key, shm_dir), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+
+
+def set_state_word(mm: mmap.mmap, state: int, claimer_pid: int | None = None) -> None:
+    words = memoryview(mm)[: _HDR.size].cast("Q")
+    try:
+        if claimer_pid is not None:
+            words[_CLAIMER_WORD] = claimer_pid
+        words[_STATE_WORD] = state
+    finally:
+        words.release()
+
+
+def read_generation(mm: mmap.mmap) -> tuple[int, int]:
+    """(state, generation) as the segment says now."""
+    _, state, _, gen, *_ = _HDR.unpack_from(mm, 0)
+    return state, gen
+
+
+def reap_stale(namespace: str | None = None, older_than: float = 0.0, *, shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove ``kvbridge.*`` leftovers of processes that are gone; returns the names removed.
+
+    A pool or claim name is removed when the pid in its name is gone; a published key when
+    the owner pid in its header is gone (or the header is unreadable) and it is at least
+    ``older_than`` seconds old. Segments of live processes are left to their owner's TTL
+    reaper. ``namespace=None`` scans every namespace.
+    """
+    removed = []
+    now = time.time()
+    try:
+        names = os.listdir(shm_dir)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        match = _NAME.fullmatch(name)
+        if match is None or (namespace is not None and match["ns"] != namespace):
+            continue
+        path = os.path.join(shm_dir, name)
+        if match["kind"] is not None:
+            stale = not pid_alive(int(match["pid"]))
+        else:
+            stale = _published_is_stale(path, now, older_than)
+        if stale:
+            try:
+                os.unlink(path)
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def _published_is_stale(path: str, now: float, older_than: float) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        age = now - os.fstat(fd).st_mtime
+        if age < older_than:
+            return False
+        try:
+            return not pid_alive(parse_header(os.pread(fd, HEADER_SIZE, 0)).owner_pid)
+        except TransferCorrupt:
+            return True
+    finally:
+        os.close(fd)

@@ -1,0 +1,510 @@
+"""Cross-host transport over TCP with ZeroMQ: the sender serves, the receiver pulls.
+
+Sender: :meth:`ZmqConnector.put` encodes the payload (:func:`vllm_kvbridge.wire.encode`;
+tensors are referenced, not copied) and keeps the frames in memory under ``key``. A
+background thread owns a ROUTER socket bound to ``host``/``port`` (port 0: ephemeral) and
+answers requests; the address is in ``PutResult.metadata["endpoint"]``. Frames are sent
+with ``copy=False``. Unclaimed payloads are dropped after ``ttl_s``; the bytes held at
+once are bounded by ``max_inflight_bytes`` (a put over it is refused with ``ok=False``).
+
+Receiver: :meth:`ZmqConnector.get` sends ``GET`` over a DEALER socket connected to the
+endpoint (sockets are pooled per endpoint; a socket is used by one thread at a time),
+receives the reply with ``copy=False`` and decodes it in place
+(:func:`vllm_kvbridge.wire.decode_frames`). "Not there yet" is a cheap immediate
+``MISSING`` answer; the receiver retries with backoff until its deadline.
+
+Wire protocol (multipart messages; ``nonce`` pairs a reply with its request so a late
+reply to a timed-out request is never mistaken for the answer to the next one)::
+
+    request  [b"GET", nonce(8), key, max_bytes(u64 le)]
+    replies  [nonce, b"OK", sizes(u64 le * n), frame_1 .. frame_n]
+             [nonce, b"MISSING"] | [nonce, b"TOOBIG", size(u64 le)] | [nonce, b"BAD"]
+
+Size checks happen before allocation on both sides: the request carries the receiver's
+``max_payload_bytes`` and the server answers ``TOOBIG`` instead of sending; the receiver
+also sets ``ZMQ_MAXMSGSIZE`` so libzmq drops any larger frame before allocating it, and
+checks the advertised sizes against the frames before decoding.
+
+CURVE (optional): give the connector its keypair (``curve_public_key``,
+``curve_secret_key``, z85 strings from :func:`zmq.curve_keypair`). As a server it only
+admits clients listed in ``curve_allowed_clients`` (z85 public keys; ZAP handler in the
+connector's own context); as a client it authenticates with its keypair and pins the
+server key from ``curve_server_key`` or, failing that, ``metadata["server_key"]``. A peer
+without an admitted key gets nothing: its gets time out.
+
+Other config keys: ``host`` (default 127.0.0.1), ``port`` (0), ``advertise_host`` (address
+put in the metadata; default ``host``, or this host's name when binding 0.0.0.0/``*``),
+``endpoint`` (default peer endpoint when a get has no metadata), ``request_timeout_s``
+(5: how long a get without deadline waits for an answer), ``max_payload_bytes`` (64 GiB),
+``max_inflight_bytes`` (8 GiB), ``ttl_s`` (300).
+"""
+
+from __future__ import annotations
+
+import socket as pysocket
+import struct
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from vllm_kvbridge.connectors.base import Connector, PutResult
+from vllm_kvbridge.errors import (
+    ConfigError,
+    ConnectorClosed,
+    PayloadError,
+    TransferCorrupt,
+    TransferError,
+    TransferRefused,
+    TransferTimeout,
+)
+
+_U64 = struct.Struct("<Q")
+_GET, _OK, _MISSING, _TOOBIG, _BAD = b"GET", b"OK", b"MISSING", b"TOOBIG", b"BAD"
+_MAX_KEY = 512
+_MAX_IDLE_SOCKETS = 8
+
+
+def _opt(config: Mapping[str, Any], name: str, default: float, kind: type = float) -> Any:
+    value = config.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ConfigError(f"connector option {name!r} must be a non-negative number, got {value!r}")
+    return kind(value)
+
+
+def _z85(config: Mapping[str, Any], name: str) -> bytes | None:
+    value = config.get(name)
+    if value is None:
+        return None
+    raw = value.encode("ascii") if isinstance(value, str) else bytes(value)
+    if len(raw) != 40:
+        raise ConfigError(f"connector option {name!r} must be a 40-character z85 CURVE key")
+    return raw
+
+
+@dataclass
+class _Entry:
+    frames: list[Any]
+    sizes: bytes
+    nbytes: int
+    expires: float
+
+
+class _AllowList:
+    """ZAP credentials provider: admits exactly the configured client public keys."""
+
+    def __init__(self, keys: set[bytes]) -> None:
+        self.keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
+
+
+class ZmqConnector(Connector):
+    """Point-to-point TCP transport: the sender serves payloads from memory, receivers pull."""
+
+    name = "ZmqConnector"
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        super().__init__(config)
+        cfg = self.config
+        self.host = str(cfg.get("host", "127.0.0.1"))
+        self.port = _opt(cfg, "port", 0, int)
+        advertise = cfg.get("advertise_host")
+        if advertise is None:
+            advertise = pysocket.gethostname() if self.host in ("0.0.0.0", "*") else self.host
+        self.advertise_host = str(advertise)
+        self.default_endpoint = cfg.get("endpoint")
+        self.ttl_s = _opt(cfg, "ttl_s", 300.0)
+        self.request_timeout_s = _opt(cfg, "request_timeout_s", 5.0)
+        self.max_payload_bytes = _opt(cfg, "max_payload_bytes", 64 << 30, int)
+        self.max_inflight_bytes = _opt(cfg, "max_inflight_bytes", 8 << 30, int)
+        self._limits = cfg.get("limits")
+        self._public = _z85(cfg, "curve_public_key")
+        self._secret = _z85(cfg, "curve_secret_key")
+        self._server_key = _z85(cfg, "curve_server_key")
+        if (self._public is None) != (self._secret is None):
+            raise ConfigError("CURVE needs both curve_public_key and curve_secret_key")
+        allowed = cfg.get("curve_allowed_clients")
+        self._allowed = None if allowed is None else {k.encode("ascii") if isinstance(k, str) else bytes(k)
+                                                      for k in allowed}
+        if self._allowed is not None and self._public is None:
+            raise ConfigError("curve_allowed_clients needs the server keypair (curve_public_key/secret_key)")
+        if self._public is not None and self._allowed is None:
+            raise ConfigError("a CURVE server needs curve_allowed_clients (the client public keys it admits)")
+
+        self._ctx = zmq.Context()
+        self._lock = threading.Lock()  # store, in-flight bytes, socket pool, late replies
+        self._store: dict[str, _Entry] = {}
+        self._inflight = 0
+        self._idle: dict[tuple[str, bytes | None], list[zmq.Socket]] = {}
+        self._busy: set[zmq.Socket] = set()
+        self._late: dict[tuple[str, str], tuple[list[zmq.Frame], float]] = {}
+        self._pending: dict[bytes, tuple[str, float]] = {}  # nonce -> (key, expiry) of unanswered requests
+        self._nonce = 0
+        self._server: threading.Thread | None = None
+        self._router: zmq.Socket | None = None
+        self._wake_send: zmq.Socket | None = None
+        self._auth: Any = None
+        self.endpoint: str | None = None
+
+    # -- sender -------------------------------------------------------------------------
+    def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
+        """Keep ``payload`` in memory under ``key`` and serve it until claimed or expired.
+
+        The payload's tensors are referenced, not copied: do not modify them until the
+        receiver has them (or :meth:`cleanup`). Refusals (too big, over
+        ``max_inflight_bytes``, key already held) return ``ok=False`` with ``error``.
+        """
+        from vllm_kvbridge.wire import encode
+
+        self._check_open()
+        self._check_key(key)
+        start = time.perf_counter()
+        frames = list(encode(payload).frames())
+        sizes = [memoryview(f).nbytes for f in frames]
+        total = sum(sizes)
+        if total > self.max_payload_bytes:
+            return self._put_failed(f"payload of {total} bytes exceeds "
+                                    f"max_payload_bytes={self.max_payload_bytes}")
+        endpoint = self._ensure_server()
+        with self._lock:
+            self._check_open()
+            if key in self._store:
+                return self._put_failed(f"key {key!r} is already held for sending")
+            if self._inflight + total > self.max_inflight_bytes:
+                return self._put_failed(f"{self._inflight} bytes in flight + {total} exceeds "
+                                        f"max_inflight_bytes={self.max_inflight_bytes}")
+            sizes_raw = b"".join(_U64.pack(n) for n in sizes)
+            self._store[key] = _Entry(frames, sizes_raw, total, time.monotonic() + self.ttl_s)
+            self._inflight += total
+        self.stats.add(puts=1, put_bytes=total, put_seconds=time.perf_counter() - start)
+        metadata = {"endpoint": endpoint}
+        if self._public is not None:
+            metadata["server_key"] = self._public.decode("ascii")
+        return PutResult(ok=True, nbytes=total, metadata=metadata)
+
+    def _put_failed(self, error: str) -> PutResult:
+        self.stats.add(put_failures=1)
+        return PutResult(ok=False, error=error)
+
+    @staticmethod
+    def _check_key(key: str) -> None:
+        if not isinstance(key, str) or not key or len(key) > _MAX_KEY or not key.isascii():
+            raise ConfigError(f"transfer key {key!r} must be a non-empty ASCII string of <= {_MAX_KEY} chars")
+
+    def _ensure_server(self) -> str:
+        with self._lock:
+            if self.endpoint is not None:
+                return self.endpoint
+            self._check_open()
+            router = self._ctx.socket(zmq.ROUTER)
+            router.linger = 0
+            if self._public is not None:
+                from zmq.auth.thread import ThreadAuthenticator
+
+                self._auth = ThreadAuthenticator(self._ctx)
+                self._auth.start()
+                self._auth.configure_curve_callback(domain="*",
+                                                    credentials_provider=_AllowList(self._allowed))
+                router.curve_server = True
+                router.curve_publickey = self._public
+                router.curve_secretkey = self._secret
+            try:
+                if self.port:
+                    router.bind(f"tcp://{self.host}:{self.port}")
+                    port = self.port
+                else:
+                    port = router.bind_to_random_port(f"tcp://{self.host}")
+            except zmq.ZMQError as exc:
+                router.close()
+                raise TransferRefused(f"cannot bind tcp://{self.host}:{self.port}: {exc}") from exc
+            wake_addr = f"inproc://kvbridge-wake-{id(self)}"
+            wake_recv = self._ctx.socket(zmq.PAIR)
+            wake_recv.bind(wake_addr)
+            self._wake_send = self._ctx.socket(zmq.PAIR)
+            self._wake_send.connect(wake_addr)
+            self._router = router
+            self.endpoint = f"tcp://{self.advertise_host}:{port}"
+            self._server = threading.Thread(target=self._serve, args=(router, wake_recv),
+                                            name="kvbridge-zmq-server", daemon=True)
+            self._server.start()
+            return self.endpoint
+
+    def _serve(self, router: zmq.Socket, wake: zmq.Socket) -> None:
+        """Server loop: owns ``router`` and ``wake`` until close()."""
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
+        sweep_every = max(0.01, min(self.ttl_s / 4, 1.0))
+        next_sweep = time.monotonic() + sweep_every
+        try:
+            while True:
+                timeout_ms = max(0, int((next_sweep - time.monotonic()) * 1000))
+                events = dict(poller.poll(timeout_ms))
+                if wake in events:
+                    return
+                if router in events:
+                    # Drain what is queued: one poll per burst of requests.
+                    while True:
+                        try:
+                            request = router.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._answer(router, request)
+                if time.monotonic() >= next_sweep:
+                    self._expire()
+                    next_sweep = time.monotonic() + sweep_every
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            wake.close(linger=0)
+
+    def _answer(self, router: zmq.Socket, request: list[bytes]) -> None:
+        if len(request) != 5 or request[1] != _GET or len(request[2]) != 8 or len(request[4]) != 8:
+            if len(request) >= 3:
+                router.send_multipart([request[0], request[2][:8], _BAD])
+            return
+        identity, _, nonce, key_raw, max_raw = request
+        limit = _U64.unpack(max_raw)[0]
+        key = key_raw.decode("ascii", "replace")
+        with self._lock:
+            entry = self._store.get(key)
+            if entry is not None and entry.nbytes <= limit:
+                del self._store[key]
+                self._inflight -= entry.nbytes
+        if entry is None:
+            router.send_multipart([identity, nonce, _MISSING])
+        elif entry.nbytes > limit:
+            router.send_multipart([identity, nonce, _TOOBIG, _U64.pack(entry.nbytes)])
+        else:
+            # copy=False: libzmq reads the tensors' memory directly; pyzmq keeps them alive.
+            router.send_multipart([identity, nonce, _OK, entry.sizes, *entry.frames], copy=False)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for key in [k for k, e in self._store.items() if e.expires <= now]:
+                self._inflight -= self._store.pop(key).nbytes
+            for late_key in [k for k, (_, exp) in self._late.items() if exp <= now]:
+                del self._late[late_key]
+            for nonce in [n for n, (_, exp) in self._pending.items() if exp <= now]:
+                del self._pending[nonce]
+
+    # -- receiver -----------------------------------------------------------------------
+    def get(
+        self,
+        from_stage: int | str,
+        to_stage: int | str,
+        key: str,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        deadline: float | None = None,
+    ) -> Any | None:
+        """Pull ``key`` from the endpoint in ``metadata`` (or config ``endpoint``).
+
+        With a deadline, retries "missing" answers (1 ms backoff up to 20 ms) until it passes,
+        then raises :class:`TransferTimeout` (also when the peer never answers). Without a
+        deadline, one request: ``None`` if missing, :class:`TransferTimeout` if no answer
+        within ``request_timeout_s``. :class:`TransferRefused` when the payload exceeds
+        ``max_payload_bytes``; :class:`TransferCorrupt` when it does not decode.
+        """
+        self._check_open()
+        self._check_key(key)
+        endpoint = (metadata or {}).get("endpoint") or self.default_endpoint
+        if not endpoint:
+            raise TransferError(f"cannot get {key!r}: no endpoint in the put metadata "
+                                f"(metadata={metadata!r}) and no 'endpoint' in the {self.name} config")
+        server_key = self._server_key
+        if server_key is None and self._public is not None:
+            server_key = _z85(metadata or {}, "server_key")
+            if server_key is None:
+                raise TransferError(f"cannot get {key!r}: CURVE is configured but neither curve_server_key "
+                                    "nor metadata['server_key'] gives the server's public key")
+        start = time.perf_counter()
+        try:
+            frames = self._pull(str(endpoint), server_key, key, deadline)
+        except TransferTimeout:
+            self.stats.add(timeouts=1)
+            raise
+        except TransferError:
+            self.stats.add(get_failures=1)
+            raise
+        if frames is None:
+            self.stats.add(get_misses=1)
+            return None
+        payload, nbytes = self._decode(key, frames)
+        self.stats.add(gets=1, get_bytes=nbytes, get_seconds=time.perf_counter() - start)
+        return payload
+
+    def _pull(self, endpoint: str, server_key: bytes | None, key: str,
+              deadline: float | None) -> list[zmq.Frame] | None:
+        with self._lock:
+            late = self._late.pop((endpoint, key), None)
+        if late is not None:
+            return late[0]
+        sock = self._checkout(endpoint, server_key)
+        healthy = True
+        try:
+            delay = 0.001
+            while True:
+                wait_until = deadline if deadline is not None else time.monotonic() + self.request_timeout_s
+                status, frames = self._request(sock, endpoint, key, wait_until)
+                if status == _OK:
+                    return frames
+                if status is None:
+                    healthy = False
+                    raise TransferTimeout(f"no answer from {endpoint} for {key!r} before the deadline")
+                if status == _TOOBIG:
+                    size = _U64.unpack(frames[0].bytes)[0] if frames and len(frames[0]) == 8 else -1
+                    raise TransferRefused(f"{key!r} at {endpoint} is {size} bytes, over "
+                                          f"max_payload_bytes={self.max_payload_bytes}")
+                if status != _MISSING:
+                    raise TransferError(f"{endpoint} answered {status!r} for {key!r}")
+                if deadline is None:
+                    return None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeout(f"{key!r} was not available at {endpoint} before the deadline")
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, 0.02)
+                self._check_open()
+        except zmq.ContextTerminated:
+            healthy = False
+            raise ConnectorClosed(f"{self.name} closed during get") from None
+        finally:
+            self._checkin(endpoint, server_key, sock, healthy)
+
+    def _request(self, sock: zmq.Socket, endpoint: str, key: str,
+                 wait_until: float) -> tuple[bytes | None, list[zmq.Frame]]:
+        """One request/answer; ``(None, [])`` when no answer came by ``wait_until``."""
+        with self._lock:
+            self._nonce += 1
+            nonce = _U64.pack(self._nonce)
+            self._pending[nonce] = (key, time.monotonic() + self.ttl_s)
+        request = [_GET, nonce, key.encode("ascii"), _U64.pack(self.max_payload_bytes)]
+        if not self._poll(sock, zmq.POLLOUT, wait_until):
+            return None, []
+        sock.send_multipart(request, zmq.NOBLOCK)
+        while self._poll(sock, zmq.POLLIN, wait_until):
+            reply = sock.recv_multipart(copy=False)
+            if len(reply) < 2:
+                continue
+            if reply[0].bytes == nonce:
+                with self._lock:
+                    self._pending.pop(nonce, None)
+                return reply[1].bytes, reply[2:]
+            self._stash_late(endpoint, reply)
+        return None, []
+
+    def _poll(self, sock: zmq.Socket, event: int, wait_until: float) -> bool:
+        while True:
+            left = wait_until - time.monotonic()
+            # Wake at least every 100 ms so a close() elsewhere is noticed promptly.
+            if sock.poll(max(0, min(int(left * 1000) + 1, 100)), event):
+                return True
+            if left <= 0:
+                return False
+            self._check_open()
+
+    def _stash_late(self, endpoint: str, reply: list[zmq.Frame]) -> None:
+        """A payload answering an earlier, timed-out request: keep it for the next get of its key."""
+        with self._lock:
+            pending = self._pending.pop(reply[0].bytes, None)
+            if pending is not None and reply[1].bytes == _OK:
+                self._late[(endpoint, pending[0])] = (reply[2:], time.monotonic() + self.ttl_s)
+
+    def _decode(self, key: str, frames: list[zmq.Frame]) -> tuple[Any, int]:
+        from vllm_kvbridge.wire import decode_frames
+
+        if not frames:
+            raise TransferCorrupt(f"reply for {key!r} has no size frame")
+        sizes_raw = frames[0].bytes
+        body = frames[1:]
+        if len(sizes_raw) != 8 * len(body):
+            raise TransferCorrupt(f"reply for {key!r} advertises {len(sizes_raw) // 8} frames, "
+                                  f"carries {len(body)}")
+        sizes = [_U64.unpack_from(sizes_raw, 8 * i)[0] for i in range(len(body))]
+        total = sum(sizes)
+        if total > self.max_payload_bytes:
+            raise TransferRefused(f"reply for {key!r} is {total} bytes, over max_payload_bytes")
+        buffers = [f.buffer for f in body]
+        if [b.nbytes for b in buffers] != sizes:
+            raise TransferCorrupt(f"reply for {key!r}: frame sizes do not match the advertised sizes")
+        try:
+            return decode_frames(buffers, limits=self._limits, copy=False), total
+        except PayloadError as exc:
+            raise TransferCorrupt(f"payload {key!r} does not decode: {exc}") from exc
+
+    # -- client socket pool -------------------------------------------------------------
+    def _checkout(self, endpoint: str, server_key: bytes | None) -> zmq.Socket:
+        with self._lock:
+            self._check_open()
+            idle = self._idle.get((endpoint, server_key))
+            if idle:
+                sock = idle.pop()
+                self._busy.add(sock)
+                return sock
+            sock = self._ctx.socket(zmq.DEALER)
+            self._busy.add(sock)
+        sock.linger = 0
+        # libzmq drops any frame over this before allocating it (a hostile or broken peer).
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_payload_bytes)
+        if server_key is not None:
+            sock.curve_serverkey = server_key
+            sock.curve_publickey = self._public
+            sock.curve_secretkey = self._secret
+        sock.connect(endpoint)
+        return sock
+
+    def _checkin(self, endpoint: str, server_key: bytes | None, sock: zmq.Socket, healthy: bool) -> None:
+        with self._lock:
+            self._busy.discard(sock)
+            idle = self._idle.setdefault((endpoint, server_key), [])
+            if healthy and not self._closed and len(idle) < _MAX_IDLE_SOCKETS:
+                idle.append(sock)
+                return
+        sock.close(linger=0)
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def cleanup(self, key: str) -> None:
+        """Drop ``key`` from the send store and any late reply held for it. Idempotent."""
+        self._check_key(key)
+        with self._lock:
+            entry = self._store.pop(key, None)
+            if entry is not None:
+                self._inflight -= entry.nbytes
+                self.stats.add(cleanups=1)
+            for late_key in [k for k in self._late if k[1] == key]:
+                del self._late[late_key]
+
+    def health(self) -> dict[str, Any]:
+        with self._lock:
+            extra = {"endpoint": self.endpoint, "held_payloads": len(self._store),
+                     "inflight_bytes": self._inflight}
+        return {**super().health(), **extra}
+
+    def _close(self) -> None:
+        if self._wake_send is not None:
+            self._wake_send.send(b"")
+        if self._server is not None:
+            self._server.join(timeout=10)
+        with self._lock:
+            self._store.clear()
+            self._late.clear()
+            self._inflight = 0
+            idle = [s for socks in self._idle.values() for s in socks]
+            self._idle.clear()
+        for sock in idle:
+            sock.close(linger=0)
+        for sock in (self._router, self._wake_send):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        # term() waits until sockets busy in other threads' gets are closed: their polls
+        # raise ContextTerminated, they close their socket and raise ConnectorClosed.
+        self._ctx.term()
