@@ -1,0 +1,404 @@
+"""KVTransferManager with real connectors: two processes, retries, failures, prefetch, config."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from kv_fixtures import BLOCK, fake_cpu_caches, reference_kv, request_plan, sender_main
+
+from vllm_kvbridge.connectors.registry import register_connector
+from vllm_kvbridge.connectors.shm import SharedMemoryConnector
+from vllm_kvbridge.errors import ConfigError, TransferCorrupt, TransferTimeout
+from vllm_kvbridge.kv.config import KVTransferConfig
+from vllm_kvbridge.kv.manager import KVPrefetchConsumeError, KVTransferManager
+from vllm_kvbridge.kv.metrics import KVTransferMetrics
+from vllm_kvbridge.wire.kv_format import KVCacheTransferData
+
+
+def _shm_leftovers(ns: str) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if ns in n]
+
+
+def _recv_cfg(connector: str, connector_config: dict[str, Any], **kw: Any) -> KVTransferConfig:
+    return KVTransferConfig(
+        need_recv_cache=True,
+        stage_id=1,
+        from_stage=0,
+        connector=connector,
+        connector_config=connector_config,
+        **kw,
+    )
+
+
+def _assert_exact(data: KVCacheTransferData, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    assert len(data.key_cache) == len(keys)
+    for got, want in zip(data.key_cache, keys):
+        assert torch.equal(got, want)
+    for got, want in zip(data.value_cache, values):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize(
+    ("connector", "config"),
+    [
+        ("SharedMemoryConnector", {"namespace": "kvtestmgr"}),
+        ("ZmqConnector", {"host": "127.0.0.1", "port": 0}),
+    ],
+)
+def test_two_process_send_receive_bit_exact(connector: str, config: dict[str, Any]) -> None:
+    ctx = mp.get_context("spawn")
+    info_q, stop = ctx.Queue(), ctx.Event()
+    rids = ["req-a", "req/b with spaces", "req-c"]
+    proc = ctx.Process(target=sender_main, args=(connector, config, rids, 11, info_q, stop))
+    proc.start()
+    try:
+        report = info_q.get(timeout=60)
+        assert report["done"] == sorted(rids) and report["failed"] == []
+        caches = fake_cpu_caches(2, 11)
+        with KVTransferManager(_recv_cfg(connector, config, recv_timeout=10), num_kv_heads=2) as mgr:
+            for i, rid in enumerate(rids):
+                data, nbytes = mgr.receive_kv_cache_for_request(rid, sender_info=report["info"][rid])
+                assert data.request_id == rid and data.seq_len == request_plan(i)["seq_len"]
+                assert nbytes == data.nbytes > 0
+                _assert_exact(data, *reference_kv(caches, request_plan(i)))
+            # a request nobody sent: the wait ends with a timeout error, not "no KV"
+            mgr2 = KVTransferManager(_recv_cfg(connector, config, recv_timeout=0.5), num_kv_heads=2)
+            with mgr2, pytest.raises(TransferTimeout):
+                mgr2.receive_kv_cache_for_request("never-sent", sender_info=report["info"][rids[0]])
+            health = mgr.health()
+            assert health["metrics"]["recv"]["transfers"] == 3 and health["metrics"]["recv"]["in_flight"] == 0
+    finally:
+        stop.set()
+        proc.join(30)
+        assert proc.exitcode == 0
+    assert _shm_leftovers("kvtestmgr") == []
+
+
+class _FlakyShm(SharedMemoryConnector):
+    """A real shared-memory connector whose first ``fail_first`` puts raise."""
+
+    name = "FlakyShm"
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        config = dict(config)
+        self.fail_first = config.pop("fail_first")
+        self.put_calls = 0
+        super().__init__(config)
+
+    def put(self, from_stage, to_stage, key, payload):
+        self.put_calls += 1
+        if self.fail_first < 0 or self.put_calls <= self.fail_first:
+            raise OSError(f"injected put failure #{self.put_calls}")
+        return super().put(from_stage, to_stage, key, payload)
+
+
+register_connector("FlakyShm", _FlakyShm, replace=True)
+
+
+def _send_cfg(connector: str = "FlakyShm", **kw: Any) -> KVTransferConfig:
+    base = {
+        "need_send_cache": True,
+        "stage_id": 0,
+        "to_stage": 1,
+        "connector": connector,
+        "send_backoff_s": 0.01,
+        "send_max_backoff_s": 0.05,
+    }
+    base.update(kw)
+    return KVTransferConfig(**base)
+
+
+def _wait_finished(mgr: KVTransferManager, n: int, timeout: float = 10) -> tuple[set[str], set[str]]:
+    done: set[str] = set()
+    failed: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while len(done | failed) < n and time.monotonic() < deadline:
+        d, f = mgr.get_finished()
+        done |= d
+        failed |= f
+        time.sleep(0.005)
+    return done, failed
+
+
+@pytest.mark.forked
+def test_flaky_connector_succeeds_on_retry() -> None:
+    caches = fake_cpu_caches(2, 3)
+    plan = request_plan(4)
+    cfg = _send_cfg(send_retries=3, connector_config={"fail_first": 2, "namespace": "kvtestretry"})
+    recv = _recv_cfg("SharedMemoryConnector", {"namespace": "kvtestretry"}, recv_timeout=5)
+    with (
+        KVTransferManager(cfg, num_kv_heads=2) as sender,
+        KVTransferManager(recv, num_kv_heads=2) as receiver,
+    ):
+        assert sender.handle_finished_requests_kv_transfer({"r1": plan}, caches, BLOCK, "auto") == ["r1"]
+        assert _wait_finished(sender, 1) == ({"r1"}, set())
+        assert sender.connector.put_calls == 3
+        assert sender.health()["metrics"]["send"]["retries"] == 2
+        data, _ = receiver.receive_kv_cache_for_request("r1")
+        _assert_exact(data, *reference_kv(caches, plan))
+    assert _shm_leftovers("kvtestretry") == []
+
+
+@pytest.mark.forked
+def test_always_failing_connector_reports_failure_within_budget() -> None:
+    caches = fake_cpu_caches(2, 3)
+    cfg = _send_cfg(send_retries=3, connector_config={"fail_first": -1, "namespace": "kvtestfail"})
+    budget = sum(cfg.backoff(i) for i in range(cfg.send_retries)) + 2.0
+    recv = _recv_cfg("SharedMemoryConnector", {"namespace": "kvtestfail"}, recv_timeout=1.0)
+    with (
+        KVTransferManager(cfg, num_kv_heads=2) as sender,
+        KVTransferManager(recv, num_kv_heads=2) as receiver,
+    ):
+        sender.handle_finished_requests_kv_transfer({"r1": request_plan(1)}, caches, BLOCK, "auto")
+        start = time.monotonic()  # the budget counts from the submission
+        done, failed = _wait_finished(sender, 1, timeout=budget)
+        assert (done, failed) == (set(), {"r1"})
+        assert time.monotonic() - start < budget
+        assert sender.connector.put_calls == 4
+        assert sender.get_sender_info("r1") is None
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            receiver.receive_kv_cache_for_request("r1")
+        assert 0.9 < time.monotonic() - t0 < 3
+        assert receiver.health()["metrics"]["recv"]["timeouts"] == 1
+
+
+@pytest.mark.forked
+def test_gather_errors_fail_only_that_request_and_connector_creation_is_retried() -> None:
+    caches = fake_cpu_caches(2, 3)
+    cfg = _send_cfg(connector_config={"fail_first": 0, "namespace": "kvtestgath"})
+    with KVTransferManager(cfg, num_kv_heads=2) as sender:
+        reqs = {
+            "bad": {"block_ids": [0, 99], "seq_len": 40},
+            "short": {"block_ids": [0], "seq_len": 40},
+            "ok": request_plan(2),
+        }
+        assert sender.handle_finished_requests_kv_transfer(reqs, caches, BLOCK, "auto") == ["ok"]
+        assert _wait_finished(sender, 3) == ({"ok"}, {"bad", "short"})
+        sender.connector.cleanup(next(iter(sender.get_sender_info("ok")["keys"])))
+    # a connector whose creation fails is retried on the next use, not cached as broken
+    calls = []
+
+    def factory(config: dict[str, Any]) -> SharedMemoryConnector:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("first creation fails")
+        return SharedMemoryConnector({"namespace": "kvtestlazy"})
+
+    register_connector("FlakyCreate", factory, replace=True)
+    with KVTransferManager(_send_cfg("FlakyCreate", send_retries=2), num_kv_heads=2) as sender:
+        sender.handle_finished_requests_kv_transfer({"r": request_plan(3)}, caches, BLOCK, "auto")
+        assert _wait_finished(sender, 1) == ({"r"}, set())
+        assert len(calls) == 2
+    assert _shm_leftovers("kvtestlazy") == []
+
+
+@pytest.mark.forked
+def test_prefetch_twenty_requests_random_order_two_failing() -> None:
+    caches = fake_cpu_caches(2, 5)
+    ns = {"namespace": "kvtestpf"}
+    send = _send_cfg("SharedMemoryConnector", connector_config=ns)
+    recv = _recv_cfg(
+        "SharedMemoryConnector",
+        ns,
+        recv_timeout=1.5,
+        enable_kv_async_prefetch=True,
+        max_prefetch_inflight=4,
+        kv_prefetch_min_free_mem_ratio=0.0,
+    )
+    rids = [f"p{i}" for i in range(20)]
+    never_sent, corrupt = "p7", "p13"
+    rng = random.Random(0)
+    with (
+        KVTransferManager(send, num_kv_heads=2) as sender,
+        KVTransferManager(recv, num_kv_heads=2) as receiver,
+    ):
+        sender._layout_for(caches, BLOCK, "auto")  # warm vLLM's import (~10 s here) before the clock runs
+        assert receiver.start_prefetch(rids) == rids
+        order = [r for r in rids if r != never_sent]
+        rng.shuffle(order)
+
+        def produce() -> None:
+            for rid in order:
+                i = rids.index(rid)
+                if rid == corrupt:  # a payload of another request under this request's key
+                    data = KVCacheTransferData(
+                        "someone-else", {"key_cache": [torch.zeros(1)], "value_cache": [torch.zeros(1)]}
+                    )
+                    key = receiver.topology().routes[0].key(rid, 0, 1)
+                    assert sender.connector.put(0, 1, key, data).ok
+                    continue
+                sender.handle_finished_requests_kv_transfer({rid: request_plan(i)}, caches, BLOCK, "auto")
+                time.sleep(rng.random() * 0.01)
+
+        producer = threading.Thread(target=produce)
+        producer.start()
+        results: dict[str, Any] = {}
+        consume_order = list(rids)
+        rng.shuffle(consume_order)
+        for rid in consume_order:
+            try:
+                assert receiver.consume_and_distribute_kv_cache(rid)
+                results[rid] = receiver.pop_received(rid)
+            except (TransferTimeout, KVPrefetchConsumeError) as exc:
+                results[rid] = exc
+        producer.join()
+        ok = [r for r in rids if not isinstance(results[r], Exception)]
+        assert len(ok) == 18, {r: results[r] for r in rids if r not in ok}
+        for rid in ok:
+            _assert_exact(results[rid].data, *reference_kv(caches, request_plan(rids.index(rid))))
+        assert isinstance(results[never_sent], TransferTimeout)
+        assert isinstance(results[corrupt], KVPrefetchConsumeError)
+        assert "someone-else" in str(results[corrupt])
+        # start one more prefetch that cannot complete, then shut down: nothing left in flight
+        receiver.start_prefetch(["late"])
+    assert receiver.prefetch_in_flight() == 0
+    assert receiver.health()["metrics"]["recv"]["in_flight"] == 0
+    assert sender.pending_sends() == 0
+    assert not [
+        t for t in threading.enumerate() if t.name.startswith(("kvbridge-prefetch", "kvbridge-kv-send"))
+    ]
+    assert _shm_leftovers("kvtestpf") == []
+
+
+@pytest.mark.forked
+def test_cfg_companions_through_one_hook() -> None:
+    caches = fake_cpu_caches(2, 8)
+    ns = {"namespace": "kvtestcfg"}
+    with (
+        KVTransferManager(_send_cfg("SharedMemoryConnector", connector_config=ns), num_kv_heads=2) as sender,
+        KVTransferManager(_recv_cfg("SharedMemoryConnector", ns, recv_timeout=3), num_kv_heads=2) as receiver,
+    ):
+        # engine ids -> one user request id; the companion carries its purpose
+        finished = {"eng-1": request_plan(1), "eng-1-neg": {**request_plan(2), "purpose": "cfg_neg"}}
+        sender.handle_finished_requests_kv_transfer(
+            finished, caches, BLOCK, "auto", request_id_resolver=lambda e: "user-1"
+        )
+        assert _wait_finished(sender, 2) == ({"eng-1", "eng-1-neg"}, set())
+
+        class Req:
+            request_id = "user-1"
+
+        req = Req()
+        assert receiver.receive_multi_kv_cache(req, lambda r: ["cfg_neg"])
+        _assert_exact(req.kv_transfer_data, *reference_kv(caches, request_plan(1)))
+        _assert_exact(req.cfg_kv_transfer_data["cfg_neg"], *reference_kv(caches, request_plan(2)))
+        assert req.cfg_kv_transfer_data["cfg_neg"].metadata["purpose"] == "cfg_neg"
+        with pytest.raises(ConfigError):
+            receiver.receive_multi_kv_cache(req, lambda r: ["kv"])
+    assert _shm_leftovers("kvtestcfg") == []
+
+
+@pytest.mark.forked
+def test_corrupt_sync_receive_and_shutdown_semantics() -> None:
+    ns = {"namespace": "kvtestcorr"}
+    with (
+        KVTransferManager(_recv_cfg("SharedMemoryConnector", ns, recv_timeout=2), num_kv_heads=2) as receiver,
+        SharedMemoryConnector(ns) as raw,
+    ):
+        key = receiver.topology().routes[0].key("r9", 0, 1)
+        assert raw.put(0, 1, key, {"not": "kv"}).ok
+        with pytest.raises(TransferCorrupt, match="expected KVCacheTransferData"):
+            receiver.receive_kv_cache_for_request("r9")
+        # a receive blocked on the deadline is interrupted by shutdown
+        errors: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                receiver.receive_kv_cache_for_request("r10")
+            except BaseException as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=wait)
+        t.start()
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        receiver.shutdown()
+        t.join(5)
+        assert not t.is_alive() and time.monotonic() - t0 < 1.5 and errors
+    # not configured to receive: (None, 0), not an error
+    with KVTransferManager(KVTransferConfig()) as idle:
+        assert idle.receive_kv_cache_for_request("x") == (None, 0)
+        assert idle.handle_finished_requests_kv_transfer({"x": request_plan(0)}, [], BLOCK, "auto") == []
+    assert _shm_leftovers("kvtestcorr") == []
+
+
+def test_config_from_dict_and_stages() -> None:
+    cfg = KVTransferConfig.from_dict({"need_send_cache": True, "to_stage": 2, "from_tp": 2, "to_tp": 4})
+    assert cfg.send_stages == [2] and cfg.recv_stages == []
+    assert KVTransferConfig.from_dict({"need_recv_cache": True, "engine_input_source": [0]}).recv_stages == [
+        0
+    ]
+    with pytest.raises(ConfigError, match=r"kv_transfer\.bogus: unknown key"):
+        KVTransferConfig.from_dict({"bogus": 1})
+    with pytest.raises(ConfigError, match="from_tp"):
+        KVTransferConfig.from_dict({"from_tp": "two"})
+    with pytest.raises(ConfigError, match="recv_timeout"):
+        KVTransferConfig.from_dict({"recv_timeout": 0})
+    with pytest.raises(ConfigError, match="to_stage"):
+        KVTransferConfig.from_dict({"need_send_cache": True})
+    with pytest.raises(ConfigError, match="from_stage"):
+        KVTransferConfig.from_dict({"need_recv_cache": True})
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        KVTransferConfig.from_dict([1])  # type: ignore[arg-type]
+    assert [cfg.backoff(i) for i in range(3)] == [0.05, 0.1, 0.2]
+    with pytest.raises(ConfigError, match="to_tp must be 1"):
+        KVTransferManager(
+            KVTransferConfig(need_recv_cache=True, from_stage=0, to_tp=2, distribution="leader")
+        )
+
+
+def test_from_vllm_config_and_stage_config() -> None:
+    class ModelConfig:
+        def get_total_num_kv_heads(self) -> int:
+            return 8
+
+    class VllmConfig:
+        additional_config = {
+            "kvbridge": {"kv_transfer": {"need_recv_cache": True, "from_stage": 0, "stage_id": 1, "to_tp": 2}}
+        }
+        model_config = ModelConfig()
+
+    mgr = KVTransferManager.from_vllm_config(VllmConfig())
+    assert (mgr.num_kv_heads, mgr.tp_rank, mgr.recv_stages) == (8, 0, [0])
+    assert [r.from_rank for r in mgr.topology().routes_to(1)] == [0]
+    mgr.shutdown()
+    VllmConfig.additional_config = {"kvbridge": {}}
+    with pytest.raises(ConfigError, match="missing"):
+        KVTransferManager.from_vllm_config(VllmConfig())
+    VllmConfig.additional_config = {"kvbridge": {"kv_transfer": {"oops": 1}}}
+    with pytest.raises(ConfigError, match=r"kvbridge\.kv_transfer\.oops"):
+        KVTransferManager.from_vllm_config(VllmConfig())
+    mgr = KVTransferManager.from_stage_config(
+        {"stage_id": 3, "kv_transfer": {"need_send_cache": True, "to_stage": 4}}
+    )
+    assert (mgr.config.stage_id, mgr.send_stages) == (3, [4])
+    mgr.shutdown()
+    with pytest.raises(ConfigError, match="no kv_transfer"):
+        KVTransferManager.from_stage_config({"stage_id": 3})
+
+
+def test_metrics_two_managers_and_health() -> None:
+    a = KVTransferMetrics("s0", "shm")
+    b = KVTransferMetrics("s0", "shm")  # same labels, no duplicate-timeseries error
+    a.success("send", 100, 0.5)
+    a.retry("send")
+    b.timeout("recv")
+    h = a.health()
+    assert h["send"]["transfers"] == 1 and h["send"]["bytes"] == 100 and h["send"]["retries"] == 1
+    assert h["send"]["last"] == {"bytes": 100, "seconds": 0.5}
+    assert b.health()["recv"]["timeouts"] == 1
+    from prometheus_client import REGISTRY
+
+    value = REGISTRY.get_sample_value(
+        "kvbridge_kv_transfer_bytes_total", {"stage": "s0", "direction": "send", "connector": "shm"}
+    )
+    assert value is not None and value >= 100

@@ -1,0 +1,129 @@
+"""``KVTransferConfig``: what one stage does with KV caches.
+
+It comes from a stage config (``kv_transfer:`` section) or from vLLM's
+``additional_config["kvbridge"]["kv_transfer"]`` (see
+:meth:`vllm_kvbridge.kv.manager.KVTransferManager.from_vllm_config`). Unknown keys
+are rejected with their name; types are checked by msgspec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import msgspec
+
+from vllm_kvbridge.errors import ConfigError
+
+__all__ = ["KVTransferConfig"]
+
+StageId = int | str
+
+
+class KVTransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """KV transfer settings of one stage (one TP group).
+
+    Sending side: ``need_send_cache``, ``to_stage`` (the stage that receives),
+    ``send_retries`` extra attempts after the first, spaced by an exponential backoff
+    ``send_backoff_s * 2**i`` capped at ``send_max_backoff_s``; ``from_tp``/``to_tp`` are the
+    TP sizes of the sending and the receiving stage of the edge.
+
+    Receiving side: ``need_recv_cache``, ``from_stage`` (the stage that sends; defaults
+    to the first of ``engine_input_source``), ``recv_timeout`` seconds per receive
+    (monotonic deadline), async prefetch (``enable_kv_async_prefetch``,
+    ``max_prefetch_inflight`` receives at once, none started while less than
+    ``kv_prefetch_min_free_mem_ratio`` of the target device's memory is free), and
+    ``distribution``: ``"local"`` (every TP rank receives its own heads) or ``"leader"``
+    (group rank 0 receives the full KV and broadcasts it to the other ranks of the stage's
+    process group, e.g. a diffusion stage whose ranks all need all heads).
+
+    ``connector`` is a registry name (see :mod:`vllm_kvbridge.connectors.registry`),
+    ``connector_config`` its config dict.
+    """
+
+    need_send_cache: bool = False
+    need_recv_cache: bool = False
+    stage_id: StageId = 0
+    from_stage: StageId | None = None
+    to_stage: StageId | None = None
+    engine_input_source: list[StageId] = msgspec.field(default_factory=list)
+    recv_timeout: float = 60.0
+    send_retries: int = 3
+    send_backoff_s: float = 0.05
+    send_max_backoff_s: float = 2.0
+    from_tp: int = 1
+    to_tp: int = 1
+    tp_rank: int | None = None
+    num_kv_heads: int | None = None
+    enable_kv_async_prefetch: bool = False
+    kv_prefetch_min_free_mem_ratio: float = 0.1
+    max_prefetch_inflight: int = 4
+    distribution: Literal["local", "leader"] = "local"
+    connector: str = "SharedMemoryConnector"
+    connector_config: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ConfigError:
+            return ConfigError(f"kv_transfer.{name}: {why}, got {getattr(self, name)!r}")
+
+        if not self.recv_timeout > 0:
+            raise bad("recv_timeout", "must be > 0")
+        if self.send_retries < 0:
+            raise bad("send_retries", "must be >= 0")
+        if self.send_backoff_s < 0:
+            raise bad("send_backoff_s", "must be >= 0")
+        if self.send_max_backoff_s < self.send_backoff_s:
+            raise bad("send_max_backoff_s", "must be >= send_backoff_s")
+        for name in ("from_tp", "to_tp", "max_prefetch_inflight"):
+            if getattr(self, name) < 1:
+                raise bad(name, "must be >= 1")
+        if self.num_kv_heads is not None and self.num_kv_heads < 1:
+            raise bad("num_kv_heads", "must be >= 1")
+        if self.tp_rank is not None and self.tp_rank < 0:
+            raise bad("tp_rank", "must be >= 0")
+        if not 0.0 <= self.kv_prefetch_min_free_mem_ratio < 1.0:
+            raise bad("kv_prefetch_min_free_mem_ratio", "must be in [0, 1)")
+        if self.need_send_cache and self.to_stage is None:
+            raise ConfigError("kv_transfer.to_stage: required when need_send_cache is true")
+        if self.need_recv_cache and self.from_stage is None and not self.engine_input_source:
+            raise ConfigError(
+                "kv_transfer.from_stage: required when need_recv_cache is true (or set engine_input_source)"
+            )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None, *, path: str = "kv_transfer") -> KVTransferConfig:
+        """Build from a plain dict; unknown keys and wrong types raise ConfigError naming the key."""
+        if data is None:
+            return cls()
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{path}: expected a mapping, got {type(data).__name__}")
+        known = set(cls.__struct_fields__)
+        for key in data:
+            if key not in known:
+                raise ConfigError(f"{path}.{key}: unknown key (known: {', '.join(sorted(known))})")
+        try:
+            return msgspec.convert(dict(data), cls, strict=False)
+        except msgspec.ValidationError as exc:
+            # msgspec says e.g. "Expected `int`, got `str` - at `$.from_tp`"
+            raise ConfigError(f"{path}: {str(exc).replace('$.', path + '.')}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+    @property
+    def send_stages(self) -> list[StageId]:
+        """Stages this stage sends KV to."""
+        return [self.to_stage] if self.need_send_cache and self.to_stage is not None else []
+
+    @property
+    def recv_stages(self) -> list[StageId]:
+        """Stages this stage receives KV from (``from_stage``, else ``engine_input_source``)."""
+        if not self.need_recv_cache:
+            return []
+        if self.from_stage is not None:
+            return [self.from_stage]
+        return list(self.engine_input_source)
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds to wait before retry number ``attempt`` (0-based)."""
+        return min(self.send_backoff_s * (2**attempt), self.send_max_backoff_s)

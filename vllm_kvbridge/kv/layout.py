@@ -1,0 +1,526 @@
+"""Reading a request's K/V out of vLLM's paged KV cache (and writing it back).
+
+What vLLM 0.32 hands a model runner (``runner.kv_caches[i]``, ground truth:
+``vllm/v1/kv_cache_interface.py::create_kv_cache_views``) is, for every attention
+backend, one *logical* per-layer view ``[num_blocks, num_heads, block_size, C]``.
+The physical memory order of that view is one of the stride permutations of
+``vllm.v1.kv_cache_layout.KVCacheLayout`` (LBHNC, LBNHC, BLHNC, ...): torch strides
+carry it, so indexing the logical view is correct for all of them. What differs
+between backends is how K and V sit inside ``C``:
+
+* ``KVContent.PACKED`` - the CUDA/ROCm backends (FlashAttention, FlashInfer, Triton,
+  FlexAttention, ...): ``C = head_size + head_size_v`` per token, K first
+  (``kv_cache.transpose(1, 2).split(head_size, dim=-1)`` in ``flash_attn.py``).
+* ``KVContent.CPU_VEC`` - the CPU backend (``cpu_attn.py``): the layer is
+  ``[num_blocks, num_kv_heads, block_size, 2*head_size]`` but the kernel views each
+  ``(block, head)`` page as ``[2*block_size, head_size]`` and chunks it into a K half
+  and a V half; ``cpu_attn_reshape_and_cache`` with the ``vec``/``vec16`` ISAs (x86
+  without AMX) stores the K half *transposed*, ``[head_size, block_size]``, and the V
+  half token-major, ``[block_size, head_size]``. So K and V are **not** packed per token
+  in the last dim on CPU; the tests check this against the real kernel and a real engine.
+  Other CPU ISAs (``amx``, ``neon``, ``vsx``, ...) use kernel-private page formats and
+  are refused with :class:`KVLayoutError` rather than read wrongly.
+
+The layout is described by :class:`KVCacheLayout`, built from the backend and the KV
+cache spec (:func:`layout_for_backend`, :func:`layout_from_vllm`), never guessed from a
+tensor's shape (``num_blocks == 2`` made old shape guessing ambiguous).
+
+Copies: :func:`gather` makes one indexed copy of the request's blocks (``index_select``
+on the block dim, only the requested heads) and one strided copy into the dense
+destination. Both are plain torch ops, so they run on CPU and CUDA tensors alike.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_kvbridge.errors import KVBridgeError
+
+__all__ = [
+    "KVCacheLayout",
+    "KVContent",
+    "KVLayoutError",
+    "cpu_layout",
+    "gather",
+    "gather_layers",
+    "layout_for_backend",
+    "layout_from_vllm",
+    "packed_layout",
+    "request_block_index",
+    "scatter",
+]
+
+
+class KVLayoutError(KVBridgeError, ValueError):
+    """A cache, a layout, block ids or K/V tensors do not fit together."""
+
+
+class KVContent(enum.StrEnum):
+    """How K and V are arranged inside one ``(block, head)`` page."""
+
+    PACKED = "packed"
+    CPU_VEC = "cpu_vec"
+
+
+#: CPU attention ISAs whose page format is CPU_VEC (checked against the kernel in the tests).
+_CPU_VEC_ISAS = frozenset({"vec", "vec16"})
+#: vLLM KVCacheLayout names (physical stride orders of the logical [L, B, H, N, C] view).
+_PHYSICAL_ORDERS = frozenset({"LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"})
+#: Backend names whose K/V sit packed in C (non-MLA, non-quantized attention).
+_PACKED_BACKENDS = frozenset(
+    {
+        "FLASH_ATTN",
+        "FLASHINFER",
+        "TRITON_ATTN",
+        "FLEX_ATTENTION",
+        "ROCM_ATTN",
+        "ROCM_AITER_FA",
+        "ROCM_AITER_UNIFIED_ATTN",
+        "TRITON_FLASH_ATTN",
+        "TRITON_FLASHINFER",
+    }
+)
+_CPU_BACKENDS = frozenset({"CPU_ATTN"})
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """Everything needed to read one layer's paged cache tensor.
+
+    ``block_size`` is the number of tokens per block *of the tensor* (vLLM's kernel
+    block); ``blocks_per_block`` is how many tensor blocks make one block of the
+    scheduler's block table (vLLM splits manager blocks into kernel blocks for some
+    backends; manager block ``b`` is then tensor blocks ``b*k .. b*k+k-1``).
+    """
+
+    content: KVContent
+    num_kv_heads: int
+    head_size: int
+    head_size_v: int
+    block_size: int
+    dtype: torch.dtype
+    physical_order: str = "LBHNC"
+    backend: str = ""
+    cpu_isa: str | None = None
+    blocks_per_block: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_kv_heads", "head_size", "head_size_v", "block_size", "blocks_per_block"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise KVLayoutError(f"KVCacheLayout.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise KVLayoutError(f"KVCacheLayout.dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.physical_order not in _PHYSICAL_ORDERS:
+            raise KVLayoutError(
+                f"unknown physical order {self.physical_order!r} (vLLM KVCacheLayout names: "
+                f"{sorted(_PHYSICAL_ORDERS)})"
+            )
+        if self.content is KVContent.CPU_VEC:
+            if self.head_size_v != self.head_size:
+                raise KVLayoutError("the CPU backend needs head_size_v == head_size")
+            if self.physical_order != "LBHNC":
+                raise KVLayoutError(f"the CPU backend only uses LBHNC, not {self.physical_order}")
+
+    @property
+    def content_size(self) -> int:
+        """Elements of the last dim ``C`` of the per-layer view."""
+        return self.head_size + self.head_size_v
+
+    @property
+    def tokens_per_block(self) -> int:
+        """Tokens per block of the scheduler's block table."""
+        return self.block_size * self.blocks_per_block
+
+    def expected_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        return (num_blocks, self.num_kv_heads, self.block_size, self.content_size)
+
+    def check_cache(self, cache: torch.Tensor) -> int:
+        """Validate one layer tensor against this layout; return its number of manager blocks."""
+        if not isinstance(cache, torch.Tensor):
+            raise KVLayoutError(f"a layer cache must be a torch.Tensor, got {type(cache).__name__}")
+        if cache.dim() != 4 or tuple(cache.shape[1:]) != self.expected_shape(0)[1:]:
+            raise KVLayoutError(
+                f"layer cache shape {tuple(cache.shape)} does not match the layout "
+                f"[num_blocks, {self.num_kv_heads}, {self.block_size}, {self.content_size}] "
+                f"({self.content.value}, backend {self.backend or '?'})"
+            )
+        if cache.dtype != self.dtype:
+            raise KVLayoutError(f"layer cache dtype {cache.dtype} != layout dtype {self.dtype}")
+        if cache.shape[0] % self.blocks_per_block:
+            raise KVLayoutError(
+                f"{cache.shape[0]} tensor blocks is not a multiple of "
+                f"blocks_per_block={self.blocks_per_block}"
+            )
+        if self.content is KVContent.CPU_VEC:
+            # The kernel reinterprets each (block, head) page; it must be one dense run.
+            n, c = self.block_size, self.content_size
+            if cache.stride(3) != 1 or cache.stride(2) != c or cache.stride(1) != n * c:
+                raise KVLayoutError(f"CPU layer cache must have dense pages, strides are {cache.stride()}")
+        return cache.shape[0] // self.blocks_per_block
+
+
+def packed_layout(
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype,
+    *,
+    head_size_v: int | None = None,
+    physical_order: str = "LBNHC",
+    backend: str = "FLASH_ATTN",
+    blocks_per_block: int = 1,
+) -> KVCacheLayout:
+    """Layout of the CUDA backends (FlashAttention NHD = LBNHC, FlashInfer HND = LBHNC, ...)."""
+    return KVCacheLayout(
+        KVContent.PACKED,
+        num_kv_heads,
+        head_size,
+        head_size if head_size_v is None else head_size_v,
+        block_size,
+        dtype,
+        physical_order=physical_order,
+        backend=backend,
+        blocks_per_block=blocks_per_block,
+    )
+
+
+def cpu_layout(
+    num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype, *, isa: str = "vec"
+) -> KVCacheLayout:
+    """Layout of vLLM's CPU attention backend for the given kernel ISA."""
+    if isa not in _CPU_VEC_ISAS:
+        raise KVLayoutError(
+            f"CPU attention ISA {isa!r} stores K/V in a kernel-private page format that "
+            f"vllm-kvbridge cannot read (supported: {sorted(_CPU_VEC_ISAS)})"
+        )
+    return KVCacheLayout(
+        KVContent.CPU_VEC,
+        num_kv_heads,
+        head_size,
+        head_size,
+        block_size,
+        dtype,
+        physical_order="LBHNC",
+        backend="CPU_ATTN",
+        cpu_isa=isa,
+    )
+
+
+def _backend_name(backend: Any) -> str:
+    if isinstance(backend, str):
+        return backend.upper()
+    get_name = getattr(backend, "get_name", None)
+    if callable(get_name):
+        return str(get_name()).upper()
+    raise KVLayoutError(f"cannot tell the attention backend from {backend!r}")
+
+
+def layout_for_backend(
+    backend: Any,
+    kv_cache_spec: Any,
+    *,
+    kv_cache_layout: Any = None,
+    cache_dtype: str = "auto",
+    model_dtype: torch.dtype | None = None,
+    kernel_block_size: int | None = None,
+) -> KVCacheLayout:
+    """Build the layout from a vLLM attention backend (class or name) and its KV cache spec.
+
+    ``kv_cache_spec`` is a vLLM ``AttentionSpec`` (``FullAttentionSpec`` ...): its
+    ``num_kv_heads``, ``head_size``, ``head_size_v``, ``block_size`` and ``dtype`` are used.
+    ``kv_cache_layout`` is vLLM's resolved ``KVCacheLayout`` (enum or name). On CPU the
+    kernel ISA is chosen the way the backend chooses it (``cpu_attn._get_attn_isa``),
+    from ``model_dtype`` (the model's dtype, which the backend uses, not the cache's).
+    Refuses quantized caches, MLA and non-attention specs with :class:`KVLayoutError`.
+    """
+    name = _backend_name(backend)
+    if cache_dtype not in ("auto", None) and not str(cache_dtype).startswith(("float", "bfloat", "half")):
+        raise KVLayoutError(f"quantized KV caches ({cache_dtype!r}) are not supported")
+    if getattr(kv_cache_spec, "kv_quant_mode", 0):
+        raise KVLayoutError(f"quantized KV caches ({kv_cache_spec.kv_quant_mode!r}) are not supported")
+    try:
+        num_kv_heads = int(kv_cache_spec.num_kv_heads)
+        head_size = int(kv_cache_spec.head_size)
+        head_size_v = int(getattr(kv_cache_spec, "head_size_v", None) or head_size)
+        block_size = int(kv_cache_spec.block_size)
+        dtype = kv_cache_spec.dtype
+    except AttributeError as exc:
+        kind = type(kv_cache_spec).__name__
+        raise KVLayoutError(f"{kind} is not an attention KV cache spec: {exc}") from exc
+    if getattr(kv_cache_spec, "num_head_slots", None) not in (None, num_kv_heads):
+        raise KVLayoutError("KV cache specs with packed head slots are not supported")
+    if getattr(kv_cache_spec, "state_content_bytes", None) is not None:
+        raise KVLayoutError("KV cache specs with packed state content are not supported")
+    order = "LBHNC"
+    if kv_cache_layout is not None:
+        order = getattr(kv_cache_layout, "name", None) or str(kv_cache_layout)
+    blocks_per_block = 1
+    tensor_block_size = block_size
+    if kernel_block_size is not None and kernel_block_size != block_size:
+        if block_size % kernel_block_size:
+            raise KVLayoutError(f"kernel block size {kernel_block_size} does not divide {block_size}")
+        blocks_per_block = block_size // kernel_block_size
+        tensor_block_size = kernel_block_size
+    if name in _CPU_BACKENDS:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(model_dtype or dtype, tensor_block_size, head_size, cache_dtype or "auto")
+        layout = cpu_layout(num_kv_heads, head_size, tensor_block_size, dtype, isa=isa)
+        if blocks_per_block != 1:
+            raise KVLayoutError("the CPU backend does not split blocks into kernel blocks")
+        return layout
+    if name in _PACKED_BACKENDS:
+        return packed_layout(
+            num_kv_heads,
+            head_size,
+            tensor_block_size,
+            dtype,
+            head_size_v=head_size_v,
+            physical_order=order,
+            backend=name,
+            blocks_per_block=blocks_per_block,
+        )
+    raise KVLayoutError(
+        f"attention backend {name!r} is not supported (CPU: {sorted(_CPU_BACKENDS)}, "
+        f"GPU: {sorted(_PACKED_BACKENDS)})"
+    )
+
+
+def layout_from_vllm(model_runner: Any, kv_cache_group_id: int = 0) -> KVCacheLayout:
+    """The layout of a live vLLM v1 model runner's ``kv_caches`` (after KV cache init).
+
+    Reads ``runner.attn_groups[group][0]`` (backend, spec, kernel block size),
+    ``runner.kv_cache_config.kv_cache_layout`` and ``runner.cache_config.cache_dtype``.
+    """
+    try:
+        attn_group = model_runner.attn_groups[kv_cache_group_id][0]
+    except (AttributeError, IndexError) as exc:
+        raise KVLayoutError(f"model runner has no attention group {kv_cache_group_id} yet: {exc}") from exc
+    kv_cache_config = getattr(model_runner, "kv_cache_config", None)
+    order = getattr(kv_cache_config, "kv_cache_layout", None)
+    cache_dtype = getattr(getattr(model_runner, "cache_config", None), "cache_dtype", "auto")
+    model_dtype = getattr(getattr(model_runner, "model_config", None), "dtype", None)
+    return layout_for_backend(
+        attn_group.backend,
+        attn_group.kv_cache_spec,
+        kv_cache_layout=order,
+        cache_dtype=cache_dtype,
+        model_dtype=model_dtype,
+        kernel_block_size=attn_group.kernel_block_size,
+    )
+
+
+# -- block ids ----------------------------------------------------------------------------
+
+
+def request_block_index(
+    block_ids: Sequence[int] | torch.Tensor,
+    seq_len: int,
+    layout: KVCacheLayout,
+    num_blocks: int,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Validated int64 tensor of the *tensor* blocks holding tokens ``[0, seq_len)``.
+
+    ``block_ids`` are the scheduler's (manager) block ids in token order; blocks past
+    the ones ``seq_len`` needs are ignored. Raises :class:`KVLayoutError` for a
+    non-positive ``seq_len``, too few blocks, negative/out-of-range/duplicate ids.
+    Build it once per request and pass it to :func:`gather` for every layer.
+    """
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len <= 0:
+        raise KVLayoutError(f"seq_len must be a positive int, got {seq_len!r}")
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.dim() != 1 or block_ids.dtype.is_floating_point or block_ids.dtype == torch.bool:
+            raise KVLayoutError(
+                f"block ids must be a 1-D integer tensor, got {block_ids.dtype} {tuple(block_ids.shape)}"
+            )
+        ids = [int(x) for x in block_ids.tolist()]
+    else:
+        ids = list(block_ids)
+        for b in ids:
+            if not isinstance(b, int) or isinstance(b, bool):
+                raise KVLayoutError(f"block ids must be ints, got {b!r}")
+    needed = math.ceil(seq_len / layout.tokens_per_block)
+    if len(ids) < needed:
+        raise KVLayoutError(
+            f"{len(ids)} blocks hold at most {len(ids) * layout.tokens_per_block} tokens, "
+            f"seq_len is {seq_len} (block size {layout.tokens_per_block})"
+        )
+    ids = ids[:needed]
+    for b in ids:
+        if b < 0 or b >= num_blocks:
+            raise KVLayoutError(f"block id {b} is out of range [0, {num_blocks})")
+    if len(set(ids)) != len(ids):
+        raise KVLayoutError(f"block ids repeat: {ids}")
+    index = torch.tensor(ids, dtype=torch.int64)
+    k = layout.blocks_per_block
+    if k > 1:
+        index = (index[:, None] * k + torch.arange(k)[None, :]).reshape(-1)
+    return index.to(device) if device is not None else index
+
+
+def _head_range(layout: KVCacheLayout, head_start: int, head_end: int | None) -> tuple[int, int]:
+    end = layout.num_kv_heads if head_end is None else head_end
+    if not (0 <= head_start < end <= layout.num_kv_heads):
+        raise KVLayoutError(f"head range [{head_start}, {end}) outside [0, {layout.num_kv_heads})")
+    return head_start, end
+
+
+def _token_views(pages: torch.Tensor, layout: KVCacheLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views ``[nb, block_size, heads, D]`` of K and V into contiguous pages ``[nb, heads, N, C]``."""
+    if layout.content is KVContent.PACKED:
+        tok = pages.permute(0, 2, 1, 3)
+        return tok[..., : layout.head_size], tok[..., layout.head_size :]
+    n, d = layout.block_size, layout.head_size
+    flat = pages.reshape(pages.shape[0], pages.shape[1], 2 * n * d)
+    k = flat[..., : n * d].unflatten(-1, (d, n)).permute(0, 3, 1, 2)
+    v = flat[..., n * d :].unflatten(-1, (n, d)).permute(0, 2, 1, 3)
+    return k, v
+
+
+def _copy_tokens(dst: torch.Tensor, src_blocks: torch.Tensor, seq_len: int, block_size: int) -> None:
+    """dst[:seq_len] (dense [seq, h, d]) <- src_blocks ([nb, N, h, d] view), two strided copies."""
+    full, rem = divmod(seq_len, block_size)
+    if full:
+        dst[: full * block_size].view(full, block_size, *dst.shape[1:]).copy_(src_blocks[:full])
+    if rem:
+        dst[full * block_size : seq_len].copy_(src_blocks[full, :rem])
+
+
+def _check_dense(
+    t: torch.Tensor | None, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> None:
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise KVLayoutError(f"{name} must be a tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape:
+        raise KVLayoutError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+    if t.dtype != dtype:
+        raise KVLayoutError(f"{name} dtype {t.dtype} != cache dtype {dtype}")
+    if t.device != device:
+        raise KVLayoutError(f"{name} is on {t.device}, the cache on {device}")
+
+
+def gather(
+    cache: torch.Tensor,
+    layout: KVCacheLayout,
+    block_ids: Sequence[int] | torch.Tensor,
+    seq_len: int,
+    out_k: torch.Tensor | None = None,
+    out_v: torch.Tensor | None = None,
+    *,
+    head_start: int = 0,
+    head_end: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense ``(k, v)``, each ``[seq_len, heads, head_size(_v)]``, of one layer.
+
+    ``block_ids`` may be a list of manager block ids or the tensor returned by
+    :func:`request_block_index` (then it must already be validated for this cache).
+    ``head_start``/``head_end`` select a head range (TP slicing on the sender, so only
+    the needed heads are copied). ``out_k``/``out_v``, if given, must be contiguous
+    tensors of exactly that shape, dtype and device; they are filled and returned.
+    """
+    num_blocks = layout.check_cache(cache)
+    index = request_block_index(block_ids, seq_len, layout, num_blocks, cache.device)
+    return _gather_indexed(cache, layout, index, seq_len, out_k, out_v, head_start, head_end)
+
+
+def _gather_indexed(
+    cache: torch.Tensor,
+    layout: KVCacheLayout,
+    index: torch.Tensor,
+    seq_len: int,
+    out_k: torch.Tensor | None,
+    out_v: torch.Tensor | None,
+    head_start: int,
+    head_end: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    hs, he = _head_range(layout, head_start, head_end)
+    heads = he - hs
+    k_shape = (seq_len, heads, layout.head_size)
+    v_shape = (seq_len, heads, layout.head_size_v)
+    _check_dense(out_k, "out_k", k_shape, cache.dtype, cache.device)
+    _check_dense(out_v, "out_v", v_shape, cache.dtype, cache.device)
+    for t, name in ((out_k, "out_k"), (out_v, "out_v")):
+        if t is not None and not t.is_contiguous():
+            raise KVLayoutError(f"{name} must be contiguous")
+    src = cache if (hs, he) == (0, layout.num_kv_heads) else cache[:, hs:he]
+    pages = src.index_select(0, index)
+    k_blocks, v_blocks = _token_views(pages, layout)
+    if out_k is None:
+        out_k = torch.empty(k_shape, dtype=cache.dtype, device=cache.device)
+    if out_v is None:
+        out_v = torch.empty(v_shape, dtype=cache.dtype, device=cache.device)
+    _copy_tokens(out_k, k_blocks, seq_len, layout.block_size)
+    _copy_tokens(out_v, v_blocks, seq_len, layout.block_size)
+    return out_k, out_v
+
+
+def gather_layers(
+    kv_caches: Sequence[torch.Tensor],
+    layout: KVCacheLayout,
+    block_ids: Sequence[int] | torch.Tensor,
+    seq_len: int,
+    *,
+    head_start: int = 0,
+    head_end: int | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`gather` for every layer, validating the block ids once."""
+    if not kv_caches:
+        raise KVLayoutError("no KV cache layers given")
+    num_blocks = layout.check_cache(kv_caches[0])
+    index = request_block_index(block_ids, seq_len, layout, num_blocks, kv_caches[0].device)
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    for cache in kv_caches:
+        if cache.shape[0] != kv_caches[0].shape[0] or cache.device != kv_caches[0].device:
+            raise KVLayoutError("all layers must have the same number of blocks and device")
+        layout.check_cache(cache)
+        k, v = _gather_indexed(cache, layout, index, seq_len, None, None, head_start, head_end)
+        keys.append(k)
+        values.append(v)
+    return keys, values
+
+
+def scatter(
+    cache: torch.Tensor,
+    layout: KVCacheLayout,
+    block_ids: Sequence[int] | torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    head_start: int = 0,
+    head_end: int | None = None,
+) -> None:
+    """Write dense ``k``/``v`` (``[seq_len, heads, D]``) into the given blocks of one layer.
+
+    The inverse of :func:`gather`; ``seq_len`` is ``k.shape[0]``. Tokens of the last
+    block past ``seq_len`` and heads outside the range keep their values.
+    """
+    num_blocks = layout.check_cache(cache)
+    hs, he = _head_range(layout, head_start, head_end)
+    if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 3:
+        raise KVLayoutError("k and v must be 3-D tensors [seq_len, heads, head_size]")
+    seq_len = int(k.shape[0])
+    _check_dense(k, "k", (seq_len, he - hs, layout.head_size), cache.dtype, cache.device)
+    _check_dense(v, "v", (seq_len, he - hs, layout.head_size_v), cache.dtype, cache.device)
+    index = request_block_index(block_ids, seq_len, layout, num_blocks, cache.device)
+    src = cache if (hs, he) == (0, layout.num_kv_heads) else cache[:, hs:he]
+    pages = src.index_select(0, index)
+    k_blocks, v_blocks = _token_views(pages, layout)
+    n = layout.block_size
+    full, rem = divmod(seq_len, n)
+    for blocks, dense in ((k_blocks, k), (v_blocks, v)):
+        if full:
+            blocks[:full].copy_(dense[: full * n].reshape(full, n, *dense.shape[1:]))
+        if rem:
+            blocks[full, :rem].copy_(dense[full * n :])
+    src.index_copy_(0, index, pages)
