@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from mooncake_fixtures import env_config, keys_in_env_master, mooncake_master  # noqa: F401 - fixture
 
 from vllm_kvbridge.connectors import Connector, create_connector, payload_key
 from vllm_kvbridge.connectors.shm_segments import PREFIX, SHM_DIR
@@ -31,6 +32,8 @@ class ConnectorSpec:
     config: Callable[[str], dict[str, Any]]
     #: Names of resources the connector left behind for ``token`` (must be empty after close).
     leftovers: Callable[[str], list[str]] = field(default=lambda token: [])
+    #: Fixtures the connector needs running first (e.g. a Mooncake master).
+    fixtures: tuple[str, ...] = ()
 
     def make(self, token: str, **overrides: Any) -> Connector:
         return create_connector(self.name, {**self.config(token), **overrides})
@@ -43,12 +46,17 @@ def _shm_leftovers(token: str) -> list[str]:
 CONNECTOR_SPECS = [
     ConnectorSpec("SharedMemoryConnector", lambda token: {"namespace": token}, _shm_leftovers),
     ConnectorSpec("ZmqConnector", lambda token: {"host": "127.0.0.1", "port": 0}),
+    # A real mooncake_master per test; its address reaches spawned children through the env.
+    ConnectorSpec("MooncakeStoreConnector", env_config, lambda token: keys_in_env_master(f"{token}/"),
+                  fixtures=("mooncake_master",)),
 ]
 SPECS_BY_NAME = {spec.name: spec for spec in CONNECTOR_SPECS}
 
 
 @pytest.fixture(params=CONNECTOR_SPECS, ids=lambda spec: spec.name)
 def spec(request: pytest.FixtureRequest) -> ConnectorSpec:
+    for name in request.param.fixtures:
+        request.getfixturevalue(name)
     return request.param
 
 

@@ -6,7 +6,6 @@ from typing import Any
 
 # Imported for its side effect: makes pytest-forked 1.7.5 work with pytest 9 (the lead may
 # move that fix into conftest.py; then this import can go).
-import connector_fixtures  # noqa: F401
 import torch
 
 from vllm_kvbridge.kv.layout import KVCacheLayout, KVContent

@@ -10,7 +10,6 @@ import pytest
 from vllm_kvbridge.bench.connectors import kv_payload, parse_size, payload_bytes
 from vllm_kvbridge.cli.main import main
 
-# connector_fixtures also carries the pytest-forked/pytest 9 report fix.
 pytest_plugins = ["connector_fixtures"]
 pytestmark = pytest.mark.forked
 

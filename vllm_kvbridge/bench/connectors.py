@@ -221,6 +221,10 @@ def _connector_config(name: str) -> dict[str, Any]:
         return {"namespace": "bench" + uuid.uuid4().hex[:8]}
     if name == "ZmqConnector":
         return {"host": "127.0.0.1", "port": 0}
+    if name == "MooncakeStoreConnector":
+        from vllm_kvbridge.bench.mooncake import connector_config
+
+        return connector_config()
     return {}
 
 
@@ -279,6 +283,10 @@ def run_connector_bench(connectors: Sequence[str], sizes: Sequence[int], repeat:
                 ceiling = measure_shm_ceiling(nbytes, repeat)
             elif name == "ZmqConnector":
                 ceiling = measure_zmq_ceiling(nbytes, repeat)
+            elif name == "MooncakeStoreConnector":
+                from vllm_kvbridge.bench.mooncake import measure_mooncake_ceiling
+
+                ceiling = measure_mooncake_ceiling(nbytes, repeat)
             else:
                 ceiling = float("nan")
             put_s, get_s, e2e = measure_connector(name, payload, repeat)

@@ -1,0 +1,262 @@
+"""MooncakeStoreConnector against a real ``mooncake_master`` on loopback.
+
+The shared contract suite (``test_connector_contract.py``) covers the common semantics;
+this module covers what is specific to the store: zero-copy paths, keys left in the
+store, pinning and a full store, the master going away and coming back, unreachable
+masters at construction, config parsing.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from mooncake_fixtures import MooncakeMaster, free_port
+
+from vllm_kvbridge.connectors import create_connector, payload_key
+from vllm_kvbridge.connectors.mooncake_store import MooncakeStoreConnector, parse_size
+from vllm_kvbridge.errors import ConfigError, TransferCorrupt, TransferError, TransferRefused, TransferTimeout
+
+pytest_plugins = ["mooncake_fixtures"]
+pytestmark = [pytest.mark.forked, pytest.mark.mooncake]
+
+NS = "mctest"
+
+
+def key(i: int | str = 0) -> str:
+    return payload_key(f"req{i}", 0, 1)
+
+
+def payload(seed: int, n: int = 1 << 16) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {"k": torch.randn(n, generator=gen), "ids": torch.arange(seed, seed + 5), "name": f"p{seed}"}
+
+
+def same(a: dict, b: dict) -> bool:
+    return torch.equal(a["k"], b["k"]) and torch.equal(a["ids"], b["ids"]) and a["name"] == b["name"]
+
+
+def soon(seconds: float) -> float:
+    return time.monotonic() + seconds
+
+
+def test_zero_copy_roundtrip_consumes_the_key(mooncake_master: MooncakeMaster):
+    with create_connector("mooncake", mooncake_master.config(namespace=NS)) as sender, \
+            MooncakeStoreConnector(mooncake_master.config(namespace=NS, global_segment_size=0)) as receiver:
+        assert sender.zero_copy and receiver.zero_copy
+        result = sender.put(0, 1, key(), payload(1))
+        assert result.ok and result.metadata["key"] == f"{NS}/{key()}"
+        assert result.metadata["nbytes"] == result.nbytes and result.metadata["namespace"] == NS
+        assert mooncake_master.keys(NS) == [f"{NS}/{key()}"]
+        got = receiver.get(0, 1, key(), result.metadata, deadline=soon(10))
+        assert same(got, payload(1))
+        # Both tensors are views of the one received buffer (zero copy after get_into).
+        base = got["k"].untyped_storage().data_ptr()
+        assert base - 4096 < got["ids"].untyped_storage().data_ptr() < base + result.nbytes
+        assert mooncake_master.keys(NS) == []  # destructive read
+        health = receiver.health()
+        assert health["gets"] == 1 and health["master"] == mooncake_master.master_address
+        assert health["master_reachable"] is True and health["local_hostname"].startswith("127.0.0.1:")
+        assert sender.health()["local_hostname"] != health["local_hostname"]  # one port per client
+
+
+def test_bytes_fallback_roundtrip(mooncake_master: MooncakeMaster):
+    cfg = mooncake_master.config(namespace=NS, zero_copy=False)
+    with MooncakeStoreConnector(cfg) as sender, MooncakeStoreConnector(cfg) as receiver:
+        assert not sender.zero_copy
+        result = sender.put(0, 1, key(), payload(2, 1 << 18))
+        assert result.ok
+        assert same(receiver.get(0, 1, key(), result.metadata, deadline=soon(10)), payload(2, 1 << 18))
+    assert mooncake_master.keys(NS) == []
+
+
+def test_env_expansion_of_config(mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("MC_TEST_NS", "fromenv")
+    cfg = {"master_server_address": "${KVB_TEST_MOONCAKE_MASTER}",
+           "metadata_server": "${KVB_TEST_MOONCAKE_METADATA}", "namespace": "${MC_TEST_NS}",
+           "global_segment_size": "${MC_TEST_SEG:-64MiB}", "protocol": "${MC_TEST_PROTO:-tcp}"}
+    with MooncakeStoreConnector(cfg) as conn:
+        assert conn.master_server_address == mooncake_master.master_address
+        assert conn.namespace == "fromenv" and conn.global_segment_size == 64 << 20
+        assert conn.put(0, 1, key(), payload(0)).ok
+        assert mooncake_master.keys("fromenv/") == [f"fromenv/{key()}"]
+    assert mooncake_master.keys() == []
+
+
+@pytest.mark.parametrize("bad", [
+    {"protocol": "udp"}, {"namespace": "a/b"}, {"global_segment_size": "lots"}, {"pin": "maybe"},
+    {"ttl_s": -1}, {"master_server_address": "nohost"}, {"master_server_address": "${KVB_UNSET_VAR}"},
+])
+def test_bad_config_is_a_config_error(bad: dict):
+    with pytest.raises(ConfigError):
+        MooncakeStoreConnector({"master_server_address": "127.0.0.1:1", **bad})
+
+
+def test_parse_size():
+    assert parse_size("1GiB", "x") == 1 << 30 and parse_size("512MB", "x") == 512 * 10**6
+    assert parse_size(4096, "x") == 4096 and parse_size("7", "x") == 7 and parse_size("2 kib", "x") == 2048
+
+
+def test_unreachable_master_is_a_clear_error_quickly():
+    port = free_port()  # nobody listens there
+    start = time.monotonic()
+    with pytest.raises(TransferError, match=f"master at 127.0.0.1:{port} is unreachable"):
+        MooncakeStoreConnector({"master_server_address": f"127.0.0.1:{port}",
+                                "metadata_server": f"http://127.0.0.1:{free_port()}/metadata"})
+    assert time.monotonic() - start < 3
+
+
+def test_unreachable_metadata_server_is_a_clear_error(mooncake_master: MooncakeMaster):
+    port = free_port()
+    with pytest.raises(TransferError, match="metadata server"):
+        MooncakeStoreConnector(mooncake_master.config(metadata_server=f"http://127.0.0.1:{port}/metadata"))
+
+
+def test_master_that_never_answers_times_out_setup(mooncake_master: MooncakeMaster):
+    # Something accepts TCP on the "master" port but never speaks Mooncake's RPC: setup
+    # would block (holding the GIL); setup_check=subprocess gives up after connect_timeout_s.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        start = time.monotonic()
+        with pytest.raises(TransferError, match="did not finish within connect_timeout_s"):
+            MooncakeStoreConnector(mooncake_master.config(
+                master_server_address=address, connect_timeout_s=1.5, setup_check="subprocess"))
+        assert time.monotonic() - start < 5
+    # ...while against the real master the check passes and the connector works
+    with MooncakeStoreConnector(mooncake_master.config(namespace=NS, setup_check="subprocess")) as conn:
+        assert conn.put(0, 1, key(), payload(1)).ok
+        assert same(conn.get(0, 1, key(), deadline=soon(5)), payload(1))
+
+
+def test_master_killed_mid_run_then_restarted(mooncake_master: MooncakeMaster):
+    cfg = mooncake_master.config(namespace=NS, master_retry_s=1.0)
+    with MooncakeStoreConnector(cfg) as sender, MooncakeStoreConnector(cfg) as receiver:
+        assert sender.put(0, 1, key("before"), payload(1)).ok
+        errors: list[BaseException] = []
+        finished = threading.Event()
+
+        def pending_get() -> None:
+            try:
+                receiver.get(0, 1, key("never"), {"namespace": NS}, deadline=soon(60))
+            except BaseException as exc:
+                errors.append(exc)
+            finished.set()
+
+        waiter = threading.Thread(target=pending_get)
+        waiter.start()
+        time.sleep(0.3)
+        mooncake_master.kill()
+        killed_at = time.monotonic()
+        assert finished.wait(15), "a get pending on a dead master must fail in bounded time"
+        waiter.join()
+        assert time.monotonic() - killed_at < 10
+        assert len(errors) == 1 and type(errors[0]) is TransferError, errors
+        assert "unreachable" in str(errors[0]) and mooncake_master.master_address in str(errors[0])
+        # a put while the master is down fails cleanly too
+        start = time.monotonic()
+        down = sender.put(0, 1, key("down"), payload(2))
+        assert not down.ok and "master" in down.error and time.monotonic() - start < 10
+        assert sender.health()["master_reachable"] is False
+
+        mooncake_master.start()  # same ports: clients reconnect by themselves
+        until = soon(20)
+        while not (sender.health()["master_reachable"] and receiver.health()["master_reachable"]):
+            assert time.monotonic() < until, "clients did not reconnect to the restarted master"
+            time.sleep(0.1)
+        result = None
+        while result is None or not result.ok:  # segments are re-mounted shortly after reconnecting
+            assert time.monotonic() < until, result
+            result = sender.put(0, 1, key("after"), payload(3))
+            time.sleep(0.05)
+        assert same(receiver.get(0, 1, key("after"), result.metadata, deadline=soon(10)), payload(3))
+    assert mooncake_master.keys() == []
+
+
+def test_store_full_put_fails_cleanly_without_evicting(mooncake_master: MooncakeMaster):
+    cfg = mooncake_master.config(namespace=NS, global_segment_size=16 << 20)  # Mooncake's minimum
+    with MooncakeStoreConnector(cfg) as sender, \
+            MooncakeStoreConnector({**cfg, "global_segment_size": 0}) as receiver:
+        n = (6 << 20) // 4  # ~6 MiB each: two fit, the third does not
+        results = [sender.put(0, 1, key(i), payload(i, n)) for i in range(3)]
+        assert [r.ok for r in results] == [True, True, False]
+        assert "store full" in results[2].error and sender.health()["put_failures"] == 1
+        for i in range(2):  # hard-pinned (default): the unread payloads were not evicted to make room
+            assert same(receiver.get(0, 1, key(i), results[i].metadata, deadline=soon(10)), payload(i, n))
+        assert sender.put(0, 1, key(2), payload(2, n)).ok  # room again once consumed
+        assert receiver.get(0, 1, key(2), {"namespace": NS}, deadline=soon(10)) is not None
+    assert mooncake_master.keys() == []
+
+
+def test_unread_key_is_removed_by_ttl(mooncake_master: MooncakeMaster):
+    with MooncakeStoreConnector(mooncake_master.config(namespace=NS, ttl_s=0.3)) as sender:
+        assert sender.put(0, 1, key(), payload(1)).ok
+        assert mooncake_master.keys(NS) == [f"{NS}/{key()}"]
+        until = soon(5)
+        while mooncake_master.keys(NS):
+            assert time.monotonic() < until, "the reaper did not remove the unread key"
+            time.sleep(0.05)
+        assert sender.health()["published"] == 0
+
+
+def test_cleanup_and_close_remove_keys_from_the_store(mooncake_master: MooncakeMaster):
+    cfg = mooncake_master.config(namespace=NS)
+    sender, receiver = MooncakeStoreConnector(cfg), MooncakeStoreConnector(cfg)
+    for i in range(4):
+        assert sender.put(0, 1, key(i), payload(i)).ok
+    receiver.cleanup(key(0))  # a receiver giving up on a transfer removes it for everyone
+    sender.cleanup(key(1))
+    sender.cleanup(key(1))
+    assert mooncake_master.keys(NS) == [f"{NS}/{key(2)}", f"{NS}/{key(3)}"]
+    assert receiver.get(0, 1, key(0), {"namespace": NS}) is None
+    receiver.close()
+    sender.close()  # removes the two it still tracks
+    sender.cleanup(key(2))  # after close: no-op, no error
+    assert mooncake_master.keys() == []
+    assert mooncake_master.metric("master_key_count") == 0
+
+
+def test_same_key_from_two_senders_is_refused(mooncake_master: MooncakeMaster):
+    cfg = mooncake_master.config(namespace=NS)
+    with MooncakeStoreConnector(cfg) as a, MooncakeStoreConnector(cfg) as b:
+        assert a.put(0, 1, key(), payload(1)).ok
+        second = b.put(0, 1, key(), payload(2))
+        assert not second.ok and "already exists" in second.error
+        assert same(b.get(0, 1, key(), {"namespace": NS}, deadline=soon(5)), payload(1))
+    assert mooncake_master.keys() == []
+
+
+def test_oversized_object_is_refused_and_removed(mooncake_master: MooncakeMaster):
+    cfg = mooncake_master.config(namespace=NS)
+    with MooncakeStoreConnector(cfg) as sender, \
+            MooncakeStoreConnector({**cfg, "max_payload_bytes": 1 << 16}) as receiver:
+        assert not receiver.put(0, 1, key(9), payload(9, 1 << 16)).ok  # over its own limit too
+        result = sender.put(0, 1, key(), payload(1, 1 << 16))
+        with pytest.raises(TransferRefused, match="max_payload_bytes"):
+            receiver.get(0, 1, key(), result.metadata, deadline=soon(5))
+        assert mooncake_master.keys(NS) == []
+        assert receiver.health()["get_failures"] == 1
+
+
+def test_corrupt_object_raises_and_is_removed(mooncake_master: MooncakeMaster):
+    with MooncakeStoreConnector(mooncake_master.config(namespace=NS)) as conn:
+        assert conn._store.put(conn.store_key(key()), b"not a kvbridge payload") == 0
+        with pytest.raises(TransferCorrupt, match="does not decode"):
+            conn.get(0, 1, key(), deadline=soon(5))
+        assert mooncake_master.keys() == []
+
+
+def test_get_deadline_and_bad_metadata(mooncake_master: MooncakeMaster):
+    with MooncakeStoreConnector(mooncake_master.config(namespace=NS)) as conn:
+        start = time.monotonic()
+        with pytest.raises(TransferTimeout, match="did not appear"):
+            conn.get(0, 1, key(), deadline=start + 0.3)
+        assert 0.3 <= time.monotonic() - start < 2
+        with pytest.raises(TransferError, match="invalid namespace"):
+            conn.get(0, 1, key(), {"namespace": "../x"})
+        with pytest.raises(ConfigError):
+            conn.put(0, 1, "", payload(0))

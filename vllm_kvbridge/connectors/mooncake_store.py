@@ -1,0 +1,683 @@
+"""Cross-host transport through Mooncake's distributed store (``mooncake_master``).
+
+Topology: one ``mooncake_master`` (with its HTTP metadata server, or etcd) serves the
+object metadata; every connector is a Mooncake store client that may contribute a slice of
+its own memory (``global_segment_size``) to the distributed pool. Bytes move between
+clients over the transfer engine (``protocol: tcp`` or ``rdma``).
+
+Sender (:meth:`MooncakeStoreConnector.put`): the payload is encoded
+(:func:`vllm_kvbridge.wire.encode`), packed with one copy into a *registered* staging
+buffer taken from a small pool, and stored with ``put_from`` (the transfer engine reads
+the registered buffer directly; no copy into Mooncake's own local buffer). By default the
+object is placed in this client's own segment (``prefer_local_segment``), so the put is a
+local write and the receiver pulls one hop. ``PutResult.metadata`` carries the store
+``namespace``, the object's ``key`` and ``nbytes`` and the ``master`` address.
+
+Receiver (:meth:`MooncakeStoreConnector.get`): ``get_size`` (cheap master RPC; also the
+"not there yet" poll) then ``get_into`` a freshly allocated buffer registered for the
+duration of the transfer, then :func:`vllm_kvbridge.wire.decode_packed` over it without a
+copy. The returned tensors are views of that buffer and keep it alive; it is unregistered
+from Mooncake before ``get`` returns, so nothing has to be released later. The object is
+removed from the store once read (destructive get).
+
+Lifetime of store keys (nothing is left in the store after a run):
+  * a key is removed by the receiver once read; ``cleanup(key)`` removes it from either side;
+  * the sender tracks what it put: keys not consumed within ``ttl_s`` are removed by a
+    reaper thread, and ``close()`` removes every key it still tracks;
+  * a receiver that could not remove a key it read retries on every sweep and at close.
+
+Pinning (``pin``): ``hard`` (default) means the master never evicts the object, so an
+unread payload is never lost and a full store refuses puts (our TTL reaper and ``close``
+remove what the receiver never read); ``soft`` (for ``soft_pin_ttl_ms``, default ``ttl_s``)
+only makes the object evicted after unpinned ones, and a master started with
+``--allow_evict_soft_pinned_objects=true`` (its default) does evict it under pressure
+(seen here: a full store evicted an unread soft-pinned payload); ``none`` lets Mooncake
+evict an unread object once its lease (``--default_kv_lease_ttl``) expired.
+
+Failures:
+  * master or metadata server unreachable at construction: :class:`TransferError` within
+    ``connect_timeout_s`` (their ports are probed before Mooncake's ``setup``, which holds
+    the GIL and retries for ~90 s; ``setup_check: subprocess`` also bounds a port that
+    accepts connections but never answers, see :meth:`MooncakeStoreConnector._connect`);
+  * transient errors (RPC failure, transfer failure, replica not ready) are retried with
+    exponential backoff; while the master is unreachable an operation waits at most
+    ``master_retry_s`` for it to come back, then ``put`` returns ``ok=False`` and ``get``
+    raises :class:`TransferError` naming the master. A client reconnects by itself when
+    the master returns (objects stored before a master restart are gone);
+  * store full / key already stored / payload too big: ``put`` returns ``ok=False`` with
+    ``error`` (it never raises for transport failures, like the other connectors).
+
+Config keys (string values get ``${ENV}`` / ``${ENV:-default}`` expansion):
+  ``local_hostname`` (``127.0.0.1``; the address other clients reach this one at; without
+  ``:port`` Mooncake picks a free port per client, so several connectors in one host or
+  process never collide), ``metadata_server`` (``http://127.0.0.1:8080/metadata``),
+  ``master_server_address`` (``127.0.0.1:50051``), ``global_segment_size`` (512 MiB; bytes
+  or a string such as ``"1GiB"``; 0 for a pure consumer), ``local_buffer_size`` (16 MiB;
+  only used by the bytes fallback), ``protocol`` (``tcp`` | ``rdma``), ``device_name``
+  (RDMA device list, e.g. ``mlx5_0``), ``namespace`` (``kvbridge``; prefix of every store
+  key), ``pin``, ``soft_pin_ttl_ms``, ``prefer_local_segment`` (true), ``ttl_s`` (300),
+  ``max_payload_bytes`` (64 GiB), ``max_retries`` (3), ``retry_backoff_s`` (0.05),
+  ``master_retry_s`` (5), ``connect_timeout_s`` (10), ``setup_check`` (``port`` |
+  ``subprocess``), ``buffer_pool_bytes`` (512 MiB of
+  registered staging buffers kept for reuse), ``zero_copy`` (true; false forces the bytes
+  API ``put``/``get``, which Mooncake copies through its local buffer), ``limits``
+  (:class:`~vllm_kvbridge.wire.Limits` for decoding).
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from vllm_kvbridge.connectors.base import Connector, PutResult
+from vllm_kvbridge.errors import (
+    ConfigError,
+    PayloadError,
+    TransferCorrupt,
+    TransferError,
+    TransferRefused,
+    TransferTimeout,
+)
+
+# Mooncake store error codes (mooncake-store/include/types.h).
+OK = 0
+NO_AVAILABLE_HANDLE = -200  # no space in any segment: the store is full
+INVALID_PARAMS = -600
+REPLICA_IS_NOT_READY = -703
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+OBJECT_HAS_LEASE = -706
+TRANSFER_FAIL = -800
+RPC_FAIL = -900
+_ERROR_NAMES = {
+    -1: "INTERNAL_ERROR", -10: "BUFFER_OVERFLOW", -101: "SEGMENT_NOT_FOUND", NO_AVAILABLE_HANDLE:
+    "NO_AVAILABLE_HANDLE (store full)", INVALID_PARAMS: "INVALID_PARAMS", -601: "ILLEGAL_CLIENT",
+    REPLICA_IS_NOT_READY: "REPLICA_IS_NOT_READY", OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND",
+    OBJECT_ALREADY_EXISTS: "OBJECT_ALREADY_EXISTS", OBJECT_HAS_LEASE: "OBJECT_HAS_LEASE",
+    -707: "LEASE_EXPIRED", -712: "REPLICA_IS_GONE", -714: "REPLICA_BUSY", TRANSFER_FAIL: "TRANSFER_FAIL",
+    RPC_FAIL: "RPC_FAIL (master unreachable)", -901: "RPC_TIMEOUT", -1010: "UNAVAILABLE_IN_CURRENT_STATUS",
+}
+#: Worth retrying: the master or a peer is briefly unavailable, or a replica is mid-write.
+TRANSIENT = frozenset({REPLICA_IS_NOT_READY, -714, TRANSFER_FAIL, RPC_FAIL, -901, -1010})
+#: ``health_check()``: 0 healthy, 1 not initialised/closed, 2 master unreachable.
+_MASTER_UNREACHABLE = 2
+
+_NAMESPACE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_SIZE = re.compile(r"\s*(\d+)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
+          "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40}
+_MAX_KEY = 512
+_MIN_SLAB = 1 << 20
+#: Run by ``setup_check: subprocess`` in a child: a client without a segment sets up and leaves.
+_SETUP_CHECK = """
+import sys
+from mooncake.store import MooncakeDistributedStore
+host, metadata, protocol, devices, master = sys.argv[1:6]
+store = MooncakeDistributedStore()
+rc = store.setup(host, metadata, 0, 1 << 20, protocol, devices, master)
+store.close()
+sys.exit(0 if rc == 0 else 3)
+"""
+
+
+def error_name(code: int) -> str:
+    """``"-704 OBJECT_NOT_FOUND"`` for a Mooncake return code."""
+    return f"{code} {_ERROR_NAMES.get(code, 'UNKNOWN')}"
+
+
+def parse_size(value: Any, name: str) -> int:
+    """Bytes from an int or a string such as ``"512MiB"`` / ``"1GB"`` / ``"4096"``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"connector option {name!r} must be a size, got {value!r}")
+    if isinstance(value, int) and value >= 0:
+        return value
+    if isinstance(value, str):
+        match = _SIZE.fullmatch(value)
+        if match:
+            unit = (match.group(2) or "").upper().rstrip("B")
+            return int(match.group(1)) * _UNITS[unit]
+    raise ConfigError(f"connector option {name!r} must be a non-negative size (bytes or e.g. '1GiB'), "
+                      f"got {value!r}")
+
+
+def _number(config: Mapping[str, Any], name: str, default: float, kind: type = float) -> Any:
+    value = config.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ConfigError(f"connector option {name!r} must be a non-negative number, got {value!r}")
+    return kind(value)
+
+
+def _host_port(address: str, what: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"{what} must be 'host:port', got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _probe(host: str, port: int, timeout: float, what: str) -> None:
+    """Fail fast (TransferError) when nothing accepts TCP connections at ``host:port``."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise TransferError(f"{what} at {host}:{port} is unreachable: {exc}") from None
+
+
+class _BufferPool:
+    """Registered host buffers ("slabs") reused across puts.
+
+    Registration tells the transfer engine it may read/write the memory directly (RDMA
+    pins it, which is slow, so slabs are kept). At most ``keep_bytes`` stay pooled; bigger
+    demand is served by slabs that are unregistered and freed on release.
+    """
+
+    def __init__(self, store: Any, keep_bytes: int) -> None:
+        self._store = store
+        self._keep = keep_bytes
+        self._lock = threading.Lock()
+        self._free: list[np.ndarray] = []
+        self._pooled = 0  # bytes of every slab the pool owns (free or lent)
+
+    def acquire(self, need: int) -> tuple[np.ndarray, bool]:
+        """A registered slab of at least ``need`` bytes and whether it belongs to the pool."""
+        with self._lock:
+            best = None
+            for slab in self._free:
+                fits = need <= slab.nbytes <= max(2 * need, _MIN_SLAB)
+                if fits and (best is None or slab.nbytes < best.nbytes):
+                    best = slab
+            if best is not None:
+                self._free.remove(best)
+                return best, True
+        capacity = max(_MIN_SLAB, 1 << (need - 1).bit_length())
+        slab = np.empty(capacity, dtype=np.uint8)
+        rc = self._store.register_buffer(slab.ctypes.data, slab.nbytes)
+        if rc != OK:
+            raise TransferError(f"Mooncake register_buffer of {capacity} bytes failed: {error_name(rc)}")
+        return slab, False
+
+    def release(self, slab: np.ndarray, pooled: bool) -> None:
+        """Give back a slab from :meth:`acquire`; ``pooled`` is the slab's current membership."""
+        with self._lock:
+            if self._keep is not None and (pooled or self._pooled + slab.nbytes <= self._keep):
+                if not pooled:
+                    self._pooled += slab.nbytes
+                self._free.append(slab)
+                return
+            if pooled:
+                self._pooled -= slab.nbytes
+        self._store.unregister_buffer(slab.ctypes.data)
+
+    def close(self) -> None:
+        with self._lock:
+            free, self._free, self._keep = self._free, [], None
+            self._pooled = 0
+        for slab in free:
+            self._store.unregister_buffer(slab.ctypes.data)
+
+    @property
+    def pooled_bytes(self) -> int:
+        with self._lock:
+            return self._pooled
+
+
+class MooncakeStoreConnector(Connector):
+    """Transport through a Mooncake distributed store; see the module docstring."""
+
+    name = "MooncakeStoreConnector"
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        from vllm_kvbridge.config.loader import expand_env
+
+        super().__init__(expand_env(dict(config or {})))
+        # Everything _close() touches exists before anything can fail.
+        self._store: Any = None
+        self._pool: _BufferPool | None = None
+        self._lock = threading.Lock()
+        self._published: dict[str, float] = {}  # store key -> monotonic expiry (sender side)
+        self._pending_removals: set[str] = set()  # read but not yet removed (receiver side)
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+        self._inflight_puts: dict[str, int] = {}
+        self.hostname = ""
+
+        cfg = self.config
+        self.local_hostname = str(cfg.get("local_hostname", "127.0.0.1"))
+        self.metadata_server = str(cfg.get("metadata_server", "http://127.0.0.1:8080/metadata"))
+        self.master_server_address = str(cfg.get("master_server_address", "127.0.0.1:50051"))
+        self.global_segment_size = parse_size(cfg.get("global_segment_size", 512 << 20),
+                                              "global_segment_size")
+        self.local_buffer_size = parse_size(cfg.get("local_buffer_size", 16 << 20), "local_buffer_size")
+        self.protocol = str(cfg.get("protocol", "tcp")).lower()
+        if self.protocol not in ("tcp", "rdma"):
+            raise ConfigError(f"connector option 'protocol' must be 'tcp' or 'rdma', got {self.protocol!r}")
+        self.device_name = str(cfg.get("device_name", "") or "")
+        self.namespace = str(cfg.get("namespace", "kvbridge"))
+        if not _NAMESPACE.fullmatch(self.namespace):
+            raise ConfigError(f"connector option 'namespace' must match [A-Za-z0-9_-]{{1,64}}, "
+                              f"got {self.namespace!r}")
+        self.pin = str(cfg.get("pin", "hard")).lower()
+        if self.pin not in ("none", "soft", "hard"):
+            raise ConfigError(f"connector option 'pin' must be 'none', 'soft' or 'hard', got {self.pin!r}")
+        self.ttl_s = _number(cfg, "ttl_s", 300.0)
+        self.soft_pin_ttl_ms = _number(cfg, "soft_pin_ttl_ms", max(1000, int(self.ttl_s * 1000)), int)
+        self.prefer_local_segment = bool(cfg.get("prefer_local_segment", True))
+        self.max_payload_bytes = parse_size(cfg.get("max_payload_bytes", 64 << 30), "max_payload_bytes")
+        self.max_retries = _number(cfg, "max_retries", 3, int)
+        self.retry_backoff_s = _number(cfg, "retry_backoff_s", 0.05)
+        self.master_retry_s = _number(cfg, "master_retry_s", 5.0)
+        self.connect_timeout_s = _number(cfg, "connect_timeout_s", 10.0)
+        self.setup_check = str(cfg.get("setup_check", "port"))
+        if self.setup_check not in ("port", "subprocess"):
+            raise ConfigError(f"connector option 'setup_check' must be 'port' or 'subprocess', "
+                              f"got {self.setup_check!r}")
+        self.buffer_pool_bytes = parse_size(cfg.get("buffer_pool_bytes", 512 << 20), "buffer_pool_bytes")
+        self._limits = cfg.get("limits")
+        master_host, master_port = _host_port(self.master_server_address, "master_server_address")
+
+        try:
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
+        except ImportError as exc:
+            raise ImportError(f"{self.name} needs Mooncake's Python binding: pip install "
+                              f"'vllm-kvbridge[mooncake]' ({exc})") from exc
+        store = MooncakeDistributedStore()
+        self.zero_copy = bool(cfg.get("zero_copy", True)) and all(
+            hasattr(store, n) for n in ("put_from", "get_into", "register_buffer", "unregister_buffer"))
+
+        self._replicate = ReplicateConfig()
+        if self.pin == "soft":
+            self._replicate.soft_pin_action = SoftPinAction.ENABLE
+            self._replicate.soft_pin_ttl_ms = self.soft_pin_ttl_ms
+        elif self.pin == "hard":
+            self._replicate.with_hard_pin = True
+
+        self._connect(store, master_host, master_port)
+        self.hostname = str(store.get_hostname())
+        if self.prefer_local_segment and self.global_segment_size > 0:
+            self._replicate.preferred_segment = self.hostname
+        self._pool = _BufferPool(store, self.buffer_pool_bytes) if self.zero_copy else None
+
+    # -- setup --------------------------------------------------------------------------
+    def _connect(self, store: Any, master_host: str, master_port: int) -> None:
+        """Mooncake ``setup``, after checks that make a dead master fail fast.
+
+        ``setup`` holds the GIL and retries for ~90 s when the master is down (forever when
+        something silent listens on the port), so it cannot be bounded by a thread. Before
+        it: the master and HTTP metadata ports are probed (``setup_check: port``, default),
+        and with ``setup_check: subprocess`` a throw-away client runs ``setup`` in a child
+        process killed after ``connect_timeout_s`` (costs ~1 s; catches a port that
+        accepts connections but is not a working Mooncake master).
+        """
+        probe_timeout = max(0.1, min(2.0, self.connect_timeout_s))
+        _probe(master_host, master_port, probe_timeout, "Mooncake master")
+        url = urlsplit(self.metadata_server)
+        if url.scheme in ("http", "https") and url.hostname:
+            _probe(url.hostname, url.port or (443 if url.scheme == "https" else 80), probe_timeout,
+                   "Mooncake HTTP metadata server")
+        where = (f"master {self.master_server_address}, metadata server {self.metadata_server}, "
+                 f"local hostname {self.local_hostname}, protocol {self.protocol}")
+        if self.setup_check == "subprocess":
+            self._setup_in_child(where)
+        rc = store.setup(self.local_hostname, self.metadata_server, self.global_segment_size,
+                         self.local_buffer_size, self.protocol, self.device_name, self.master_server_address)
+        if rc != OK:
+            raise TransferError(f"Mooncake setup failed with rc={rc} ({where})")
+        self._store = store
+
+    def _setup_in_child(self, where: str) -> None:
+        args = [self.local_hostname.rpartition(":")[0] if ":" in self.local_hostname else self.local_hostname,
+                self.metadata_server, self.protocol, self.device_name, self.master_server_address]
+        try:
+            child = subprocess.run([sys.executable, "-c", _SETUP_CHECK, *args], capture_output=True,
+                                   timeout=self.connect_timeout_s, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            raise TransferError(f"Mooncake setup did not finish within connect_timeout_s="
+                                f"{self.connect_timeout_s} ({where})") from None
+        if child.returncode != 0:
+            tail = child.stderr.decode(errors="replace").strip().splitlines()[-3:]
+            raise TransferError(f"Mooncake setup check failed (exit {child.returncode}, {where}): "
+                                + " | ".join(tail))
+
+    # -- keys ---------------------------------------------------------------------------
+    def store_key(self, key: str, namespace: str | None = None) -> str:
+        """The Mooncake object key of transfer ``key`` (``<namespace>/<key>``)."""
+        if not isinstance(key, str) or not key or len(key) > _MAX_KEY or not key.isascii():
+            raise ConfigError(f"transfer key {key!r} must be a non-empty ASCII string of <= {_MAX_KEY} chars")
+        return f"{namespace or self.namespace}/{key}"
+
+    def _receiver_key(self, key: str, metadata: Mapping[str, Any] | None) -> str:
+        namespace = (metadata or {}).get("namespace")
+        if namespace is not None and (not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace)):
+            raise TransferError(f"put metadata carries an invalid namespace {namespace!r}")
+        return self.store_key(key, namespace)
+
+    # -- retries ------------------------------------------------------------------------
+    def _master_down(self) -> bool:
+        return self._store.health_check() == _MASTER_UNREACHABLE
+
+    def _retrying(self, op: Callable[[], int]) -> int:
+        """Run ``op`` (returns a Mooncake code), retrying transient codes with backoff.
+
+        While the master is unreachable no operation is attempted (a transfer against a dead
+        master takes seconds to fail): it waits up to ``master_retry_s`` for the master, then
+        gives up with RPC_FAIL.
+        """
+        start = time.monotonic()
+        delay = self.retry_backoff_s
+        attempt = 0
+        while True:
+            while self._master_down():
+                if time.monotonic() - start >= self.master_retry_s or self._closed:
+                    return RPC_FAIL
+                time.sleep(min(delay, 0.2))
+            code = op()
+            if code not in TRANSIENT or attempt >= self.max_retries or self._closed:
+                return code
+            attempt += 1
+            time.sleep(delay)
+            delay *= 2
+
+    # -- sender -------------------------------------------------------------------------
+    def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
+        """Store ``payload`` under ``key``; the receiver finds it with ``metadata``.
+
+        Returns ``ok=False`` with ``error`` (never raises for transport failures) when the
+        payload exceeds ``max_payload_bytes``, the key is already stored, the store is full,
+        or the master stayed unreachable for ``master_retry_s``. The payload is copied:
+        the caller may reuse its tensors once this returns.
+        """
+        from vllm_kvbridge.wire import encode
+
+        self._check_open()
+        store_key = self.store_key(key)
+        start = time.perf_counter()
+        enc = encode(payload)
+        need = enc.packed_size()
+        if need > self.max_payload_bytes:
+            return self._put_failed(f"payload of {need} bytes exceeds "
+                                    f"max_payload_bytes={self.max_payload_bytes}")
+        with self._lock:
+            self._check_open()
+            if store_key in self._published or store_key in self._inflight_puts:
+                return self._put_failed(f"key {key!r} is already stored by this connector")
+            self._inflight_puts[store_key] = need
+        try:
+            # Mooncake answers OK to a put of an existing key without replacing it, so ask
+            # first (another client could still race us between the two calls).
+            exists = self._retrying(lambda: self._store.is_exist(store_key))
+            if exists == 1:
+                code = OBJECT_ALREADY_EXISTS
+            elif exists in TRANSIENT:  # retries exhausted: the master is away
+                code = exists
+            else:
+                code = self._put_packed(store_key, enc, need)
+        finally:
+            del enc
+            with self._lock:
+                self._inflight_puts.pop(store_key, None)
+        if code != OK:
+            if code == OBJECT_ALREADY_EXISTS:
+                return self._put_failed(f"key {key!r} already exists in the Mooncake store")
+            if code == NO_AVAILABLE_HANDLE:
+                return self._put_failed(f"Mooncake store full: no segment has room for {need} bytes "
+                                        f"(grow global_segment_size or consume/clean up keys)")
+            if code in TRANSIENT:
+                return self._put_failed(f"Mooncake put of {key!r} failed ({error_name(code)}) after retries; "
+                                        f"master {self.master_server_address}")
+            return self._put_failed(f"Mooncake put of {key!r} failed: {error_name(code)}")
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._published[store_key] = time.monotonic() + self.ttl_s
+                self._start_reaper_locked()
+        if closed:  # close() ran meanwhile: do not leave the key behind
+            self._remove(store_key)
+            return self._put_failed(f"{self.name} closed during put")
+        self.stats.add(puts=1, put_bytes=need, put_seconds=time.perf_counter() - start)
+        return PutResult(ok=True, nbytes=need, metadata={
+            "namespace": self.namespace, "key": store_key, "nbytes": need,
+            "master": self.master_server_address})
+
+    def _put_packed(self, store_key: str, enc: Any, need: int) -> int:
+        if self._pool is None:  # bytes fallback: Mooncake copies through its local buffer
+            data = enc.to_bytes()
+            return self._retrying(lambda: self._store.put(store_key, data, self._replicate))
+        slab, pooled = self._pool.acquire(need)
+        try:
+            enc.pack_into(slab)
+            ptr = slab.ctypes.data
+            return self._retrying(lambda: self._store.put_from(store_key, ptr, need, self._replicate))
+        finally:
+            self._pool.release(slab, pooled)
+
+    def _put_failed(self, error: str) -> PutResult:
+        self.stats.add(put_failures=1)
+        return PutResult(ok=False, error=error)
+
+    # -- receiver -----------------------------------------------------------------------
+    def get(
+        self,
+        from_stage: int | str,
+        to_stage: int | str,
+        key: str,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        deadline: float | None = None,
+    ) -> Any | None:
+        """Read and remove ``key`` (namespace from ``metadata``, else this connector's).
+
+        Without a deadline: one look, ``None`` if the key is not stored. With a deadline:
+        polls (1 ms backoff up to 20 ms) until it appears, then raises
+        :class:`TransferTimeout`. :class:`TransferError` when the master stays unreachable
+        for ``master_retry_s`` (or past the deadline), :class:`TransferRefused` when the
+        object exceeds ``max_payload_bytes``, :class:`TransferCorrupt` when it does not
+        decode (the object is removed either way).
+        """
+        self._check_open()
+        store_key = self._receiver_key(key, metadata)
+        start = time.perf_counter()
+        try:
+            buffer = self._fetch(store_key, deadline)
+            if buffer is None:
+                self.stats.add(get_misses=1)
+                return None
+            payload = self._decode(store_key, buffer)
+        except TransferTimeout:
+            self.stats.add(timeouts=1)
+            raise
+        except TransferError:
+            self.stats.add(get_failures=1)
+            raise
+        self.stats.add(gets=1, get_bytes=len(buffer), get_seconds=time.perf_counter() - start)
+        return payload
+
+    def _fetch(self, store_key: str, deadline: float | None) -> Any | None:
+        """The object's bytes (removed from the store), or ``None`` when absent and no deadline."""
+        delay = 0.001
+        unreachable_since: float | None = None
+        while True:
+            self._check_open()
+            code = self._store.get_size(store_key)
+            if code > 0:
+                if code > self.max_payload_bytes:
+                    self._remove(store_key)
+                    raise TransferRefused(f"{store_key!r} is {code} bytes, over "
+                                          f"max_payload_bytes={self.max_payload_bytes}")
+                buffer, code = self._read(store_key, code)
+                if buffer is not None:
+                    self._consumed(store_key)
+                    return buffer
+            elif code == 0:  # the codec never writes an empty object
+                self._remove(store_key)
+                raise TransferCorrupt(f"{store_key!r} is an empty object")
+            now = time.monotonic()
+            if code == OBJECT_NOT_FOUND:
+                unreachable_since = None
+                if deadline is None:
+                    return None
+                if now >= deadline:
+                    raise TransferTimeout(f"{store_key!r} did not appear in the Mooncake store "
+                                          f"(master {self.master_server_address}) before the deadline")
+            elif code in TRANSIENT:
+                if unreachable_since is None:
+                    unreachable_since = now
+                waited = now - unreachable_since
+                if waited >= self.master_retry_s or (deadline is not None and now >= deadline):
+                    why = "the master is unreachable" if self._master_down() else "transient errors"
+                    raise TransferError(f"Mooncake get of {store_key!r} failed ({error_name(code)}): {why} "
+                                        f"for {waited:.1f} s; master {self.master_server_address}")
+                delay = max(delay, self.retry_backoff_s)
+            else:
+                raise TransferError(f"Mooncake get of {store_key!r} failed: {error_name(code)}")
+            left = (deadline - now) if deadline is not None else delay
+            time.sleep(max(0.0, min(delay, left)))
+            delay = min(delay * 2, 0.02 if unreachable_since is None else 0.5)
+
+    def _read(self, store_key: str, size: int) -> tuple[Any | None, int]:
+        """``(buffer, OK)`` or ``(None, code)``; the buffer is plain memory owned by the caller."""
+        if self._pool is None:
+            data = self._store.get(store_key)
+            if len(data) != size:
+                return None, OBJECT_NOT_FOUND if not data else TRANSFER_FAIL
+            return data, OK
+        # A fresh buffer per object: the decoded tensors are views of it and keep it alive,
+        # so it is registered only for the transfer itself.
+        buffer = np.empty(size, dtype=np.uint8)
+        ptr = buffer.ctypes.data
+        rc = self._store.register_buffer(ptr, size)
+        if rc != OK:
+            raise TransferError(f"Mooncake register_buffer of {size} bytes failed: {error_name(rc)}")
+        try:
+            got = self._store.get_into(store_key, ptr, size)
+        finally:
+            self._store.unregister_buffer(ptr)
+        if got == size:
+            return buffer, OK
+        if got >= 0:  # the object changed size between get_size and get_into
+            return None, TRANSFER_FAIL
+        return None, got
+
+    def _decode(self, store_key: str, buffer: Any) -> Any:
+        from vllm_kvbridge.wire import decode_packed
+
+        try:
+            return decode_packed(buffer, limits=self._limits, copy=False)
+        except PayloadError as exc:
+            raise TransferCorrupt(f"{store_key!r} does not decode: {exc}") from exc
+
+    # -- removal ------------------------------------------------------------------------
+    def _remove(self, store_key: str) -> bool:
+        """Remove an object (``force``: skip the lease a fresh put or get grants). True if gone."""
+        code = self._store.remove(store_key, True)
+        return code in (OK, OBJECT_NOT_FOUND)
+
+    def _consumed(self, store_key: str) -> None:
+        with self._lock:
+            self._published.pop(store_key, None)
+        if not self._remove(store_key):
+            with self._lock:
+                self._pending_removals.add(store_key)
+                self._start_reaper_locked()
+
+    def cleanup(self, key: str) -> None:
+        """Remove ``key`` (this connector's namespace) from the store and forget it. Idempotent."""
+        store_key = self.store_key(key)
+        with self._lock:
+            if self._store is None or self._closed:
+                return
+            self._published.pop(store_key, None)
+            self._pending_removals.discard(store_key)
+        if not self._remove(store_key):
+            with self._lock:
+                self._pending_removals.add(store_key)
+                self._start_reaper_locked()
+        self.stats.add(cleanups=1)
+
+    def _start_reaper_locked(self) -> None:
+        if self._reaper is None and not self._closed:
+            self._reaper = threading.Thread(target=self._reap_loop, name="kvbridge-mooncake-reaper",
+                                            daemon=True)
+            self._reaper.start()
+
+    def _reap_loop(self) -> None:
+        every = max(0.05, min(self.ttl_s / 4, 1.0))
+        while not self._stop.wait(every):
+            try:
+                self.sweep()
+            except Exception:  # the store may be mid-close; the next sweep or close() retries
+                pass
+
+    def sweep(self) -> None:
+        """Remove expired unclaimed keys, forget consumed ones, retry failed removals."""
+        now = time.monotonic()
+        with self._lock:
+            if self._closed or self._store is None:
+                return
+            tracked = list(self._published.items())
+            retry = list(self._pending_removals)
+        expired = [k for k, expiry in tracked if expiry <= now]
+        live = [k for k, expiry in tracked if expiry > now]
+        gone: list[str] = []
+        if live:
+            # Keys the receiver consumed need no removal at close: stop tracking them.
+            exists = self._store.batch_is_exist(live)
+            gone = [k for k, e in zip(live, exists) if e == 0]
+        removed = [k for k in expired + retry if self._remove(k)]
+        with self._lock:
+            for k in (*gone, *removed):
+                self._published.pop(k, None)
+                self._pending_removals.discard(k)
+
+    # -- status / close -----------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        with self._lock:
+            published, pending = len(self._published), len(self._pending_removals)
+        status = {
+            **super().health(),
+            "master": self.master_server_address,
+            "metadata_server": self.metadata_server,
+            "protocol": self.protocol,
+            "namespace": self.namespace,
+            "zero_copy": self.zero_copy,
+            "published": published,
+            "pending_removals": pending,
+            "pooled_buffer_bytes": self._pool.pooled_bytes if self._pool is not None else 0,
+        }
+        store = self._store
+        if store is not None and not self._closed:
+            status["local_hostname"] = self.hostname
+            status["master_reachable"] = store.health_check() == OK
+        return status
+
+    def _close(self) -> None:
+        self._stop.set()
+        reaper = self._reaper
+        if reaper is not None and reaper is not threading.current_thread():
+            reaper.join(5)
+        store = self._store
+        if store is None:
+            return
+        with self._lock:
+            keys = set(self._published) | self._pending_removals
+            self._published.clear()
+            self._pending_removals.clear()
+        if keys and not self._master_down():
+            codes = store.batch_remove(sorted(keys), True)
+            leftover = [k for k, c in zip(sorted(keys), codes) if c not in (OK, OBJECT_NOT_FOUND)]
+            for k in leftover:
+                store.remove(k, True)
+        if self._pool is not None:
+            self._pool.close()
+        store.close()
+
+
+__all__ = ["MooncakeStoreConnector", "error_name", "parse_size"]
