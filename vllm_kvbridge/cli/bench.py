@@ -25,6 +25,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "(median reported; default 5)")
     c.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
     c.set_defaults(func=_run_connectors)
+    a = bench_sub.add_parser(
+        "ar-overhead",
+        help="AR decode throughput with kvbridge KV sending on vs off",
+        description="Run the same batch on a plain vLLM engine and on the kvbridge worker sending every "
+                    "request's KV on finish; print tokens/s of both and the ratio.",
+    )
+    from vllm_kvbridge.bench.ar_overhead import add_arguments
+
+    add_arguments(a)
+    a.set_defaults(func=_run_ar_overhead)
 
 
 def _run_connectors(args: argparse.Namespace) -> int:
@@ -41,4 +51,11 @@ def _run_connectors(args: argparse.Namespace) -> int:
     print(format_table(rows))
     if args.json:
         write_json(rows, args.json)
+    return 0
+
+
+def _run_ar_overhead(args: argparse.Namespace) -> int:
+    from vllm_kvbridge.bench.ar_overhead import format_result, run
+
+    print(format_result(run(args)))
     return 0

@@ -1,0 +1,138 @@
+"""Hidden-state payloads captured by a real vLLM engine (kvbridge CPU worker).
+
+One engine, two payload edges from stage 0: ``full`` to stage 1 and ``async_chunk``
+(every 4 steps) to stage 2. This test process is both receivers. The producer's payload
+is checked against vLLM's own output (token ids, bit-exact), against transformers
+(final-norm hidden states, float32 tolerance) and full against the concatenated chunks
+(bit-exact). An aborted request must fail its receivers and leave no state, thread or key.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from runner_fixtures import HFReference, prompt_ids, shm_entries, shm_namespace, start_engine, stop_engine
+
+from vllm_kvbridge.connectors.registry import create_connector
+from vllm_kvbridge.runner.payload_stream import PayloadAborted, PayloadReceiver
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+NS_FULL, NS_CHUNK = shm_namespace("pf"), shm_namespace("pc")
+CHUNK = 4
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path):
+    edge = {"connector": "SharedMemoryConnector"}
+    settings = {
+        "stage_id": 0,
+        "payload": {
+            "capture_hidden_states": True,
+            "outputs": [
+                {"to_stage": 1, "mode": "full", **edge, "connector_config": {"namespace": NS_FULL}},
+                {
+                    "to_stage": 2,
+                    "mode": "async_chunk",
+                    "chunk_size": CHUNK,
+                    **edge,
+                    "connector_config": {"namespace": NS_CHUNK},
+                },
+            ],
+        },
+    }
+    llm = start_engine(tiny_model_dir, settings)
+    conns = [create_connector("SharedMemoryConnector", {"namespace": ns}) for ns in (NS_FULL, NS_CHUNK)]
+    full = PayloadReceiver(conns[0], 0, 1, mode="full", recv_timeout_s=60)
+    chunks = PayloadReceiver(conns[1], 0, 2, mode="async_chunk", recv_timeout_s=60, stall_timeout_s=60)
+    try:
+        yield llm, full, chunks
+    finally:
+        full.close()
+        chunks.close()
+        for c in conns:
+            c.close()
+        stop_engine(llm)
+
+
+def _params(rid: str, max_tokens: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args={"kvbridge": {"request_id": rid}}
+    )
+
+
+def test_full_and_async_chunk_payloads_carry_the_hidden_states(engine, tiny_model_dir: Path) -> None:
+    from vllm.inputs import TokensPrompt
+
+    llm, full, chunks = engine
+    ids = prompt_ids(21, salt=3)
+    max_tokens = 10
+    full.expect("hs")
+    chunks.expect("hs")
+    out = llm.generate([TokensPrompt(prompt_token_ids=ids)], _params("hs", max_tokens), use_tqdm=False)[0]
+    generated = list(out.outputs[0].token_ids)
+
+    payload = full.result("hs", timeout=60)
+    parts = list(chunks.iter_chunks("hs", timeout=60))
+    # Token ids: exactly what vLLM generated.
+    assert payload["token_ids"].tolist() == generated
+    # Hidden states: one row per prompt token and per generated token except the last.
+    hidden = payload["hidden_states"]
+    assert hidden.shape == (len(ids) + max_tokens - 1, 128) and hidden.dtype == torch.float32
+    ref = HFReference(tiny_model_dir).hidden(ids + generated[:-1])
+    assert (hidden - ref).abs().max().item() <= 1e-4
+    # Async chunks: one per CHUNK steps (the first includes the prefill), in order, and
+    # their concatenation is bit-exact the full payload.
+    assert len(parts) == -(-max_tokens // CHUNK)
+    assert [p["token_ids"].numel() for p in parts] == [CHUNK, CHUNK, max_tokens - 2 * CHUNK]
+    assert torch.equal(torch.cat([p["hidden_states"] for p in parts]), hidden)
+    assert torch.equal(torch.cat([p["token_ids"] for p in parts]), payload["token_ids"])
+
+    status = llm.collective_rpc("kvbridge_transfer_status", args=(["hs"],))[0]["hs"]
+    assert status["payload"] == "done", status
+    info = llm.collective_rpc("kvbridge_sender_info")[0]
+    assert info["stage_id"] == 0 and set(info["payload"]) == {"1", "2"}
+
+
+def test_aborted_request_fails_receivers_and_leaves_nothing(engine) -> None:
+    from vllm.inputs import TokensPrompt
+
+    llm, full, chunks = engine
+    full.expect("ab")
+    chunks.expect("ab")
+    engine_ = llm.llm_engine
+    engine_.add_request("ab-req", TokensPrompt(prompt_token_ids=prompt_ids(9)), _params("ab", 400))
+    tokens = 0
+    deadline = time.monotonic() + 60
+    while tokens < 2 * CHUNK + 1 and time.monotonic() < deadline:
+        for o in engine_.step():
+            tokens = len(o.outputs[0].token_ids)
+    assert tokens > 2 * CHUNK
+    engine_.abort_request(["ab-req"])
+    with pytest.raises(PayloadAborted, match="aborted"):
+        list(chunks.iter_chunks("ab", timeout=60))
+    with pytest.raises(PayloadAborted, match="aborted"):
+        full.result("ab", timeout=60)
+
+    end = time.monotonic() + 30
+    while True:
+        state = llm.collective_rpc("kvbridge_debug_state")[0]
+        if not state["requests"] or time.monotonic() > end:
+            break
+        time.sleep(0.2)
+    assert state["requests"] == [] and state["accumulators"] == [], state
+    assert state["payload_in_flight"] == {"1": 0, "2": 0}
+    assert state["payload_tracked"] == {"1": [], "2": []}
+    # Only the two long-lived sender threads (+ the shm reapers), nothing per request.
+    assert sorted(t for t in state["threads"] if "payload" in t) == [
+        "kvbridge-payload-send-1",
+        "kvbridge-payload-send-2",
+    ]
+    assert llm.collective_rpc("kvbridge_transfer_status", args=(["ab"],))[0]["ab"]["payload"] == "aborted"
+    for ns in (NS_FULL, NS_CHUNK):
+        assert [e for e in shm_entries(ns) if ".k." in e] == []

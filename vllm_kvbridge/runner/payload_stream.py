@@ -1,0 +1,657 @@
+"""Stage payload flows without vLLM: build, send, receive, reassemble, fan out.
+
+Usable on its own (a pipeline stage process, the diffusion runner) and composed by the
+runner mixins (:mod:`vllm_kvbridge.runner.payload_transport`).
+
+Wire form
+---------
+Every object put on a connector by these flows is an *envelope*::
+
+    {"kvbridge": {"v": 1, "kind": "full" | "chunk" | "abort", "rid": <transfer id>,
+                  "chunk": <index or None>, "final": bool, "error": <str or None>},
+     "data": <payload dict or None>}
+
+under :func:`~vllm_kvbridge.connectors.keys.payload_key` (``chunk=None`` for a full
+payload, ``chunk=i`` for async chunk ``i``). An async stream is chunks ``0, 1, ...`` and
+ends with one whose ``final`` is true (it may carry data or none). An ``abort`` envelope
+takes the place of the next chunk (or of the full payload) when the sender cancels the
+request or its send failed; the receiver fails the request with the sender's reason.
+
+Merging (the same rule on the sender's per-step accumulator and on the receiver's chunk
+concatenation, :func:`merge_payloads`): tensors are concatenated on dim 0, lists are
+extended, and keys named in ``replace_keys`` (and any other value) take the latest value.
+
+Ordering contract (sender and receiver alike)
+---------------------------------------------
+* One lock per object (``self._lock``) guards its per-request state; connector I/O is never
+  done while holding it, so ``cancel``/``result``/``status`` never wait on the network.
+* Sender: one I/O thread consumes one FIFO queue, so the puts of a request happen in the
+  order they were submitted (chunk ``i`` lands before chunk ``i+1``); ``abort`` removes the
+  request's queued puts and enqueues the abort envelope after the put in progress.
+* Receiver: only the receive thread appends chunks, in chunk-id order; a request's terminal
+  state (done, failed, cancelled) is set once, under the lock, and nothing is appended
+  after it. Waiters are woken through one condition variable on that lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm_kvbridge.connectors.base import Connector
+from vllm_kvbridge.connectors.keys import payload_key
+from vllm_kvbridge.errors import (
+    ConfigError,
+    KVBridgeError,
+    TransferCorrupt,
+    TransferError,
+    TransferTimeout,
+)
+
+logger = logging.getLogger(__name__)
+
+ENVELOPE_KEY = "kvbridge"
+ENVELOPE_VERSION = 1
+FULL, CHUNK, ABORT = "full", "chunk", "abort"
+
+
+class PayloadAborted(TransferError):
+    """The sender cancelled the request or could not send it (message has its reason)."""
+
+
+# -- merging ----------------------------------------------------------------------------------
+
+
+def merge_payloads(parts: Iterable[Mapping[str, Any]], replace_keys: Iterable[str] = ()) -> dict[str, Any]:
+    """Merge payload dicts in order (tensors cat on dim 0, lists extended, else replaced)."""
+    replace = set(replace_keys)
+    tensors: dict[str, list[torch.Tensor]] = {}
+    out: dict[str, Any] = {}
+    for part in parts:
+        for key, value in part.items():
+            if key not in replace and isinstance(value, torch.Tensor) and value.dim() > 0:
+                tensors.setdefault(key, []).append(value)
+                out[key] = None  # keeps first-seen key order
+            elif key not in replace and isinstance(value, list) and isinstance(out.get(key), list):
+                out[key] = out[key] + value
+            else:
+                tensors.pop(key, None)
+                out[key] = list(value) if isinstance(value, list) else value
+    for key, items in tensors.items():
+        out[key] = items[0] if len(items) == 1 else torch.cat(items, dim=0)
+    return out
+
+
+class PayloadAccumulator:
+    """Collects a request's per-step outputs until they are taken as one payload/chunk."""
+
+    def __init__(self, replace_keys: Iterable[str] = ()) -> None:
+        self.replace_keys = tuple(replace_keys)
+        self._parts: list[dict[str, Any]] = []
+        self.steps = 0  # steps added since the last take()
+
+    def add(self, step_output: Mapping[str, Any]) -> None:
+        self._parts.append(dict(step_output))
+        self.steps += 1
+
+    def __bool__(self) -> bool:
+        return bool(self._parts)
+
+    def take(self) -> dict[str, Any]:
+        parts, self._parts, self.steps = self._parts, [], 0
+        return merge_payloads(parts, self.replace_keys)
+
+
+# -- envelopes ---------------------------------------------------------------------------------
+
+
+def make_envelope(
+    kind: str,
+    request_id: str,
+    data: Mapping[str, Any] | None,
+    *,
+    chunk: int | None = None,
+    final: bool = True,
+    error: str | None = None,
+) -> dict[str, Any]:
+    head = {
+        "v": ENVELOPE_VERSION,
+        "kind": kind,
+        "rid": request_id,
+        "chunk": chunk,
+        "final": final,
+        "error": error,
+    }
+    return {ENVELOPE_KEY: head, "data": None if data is None else dict(data)}
+
+
+def open_envelope(
+    obj: Any, request_id: str, chunk: int | None
+) -> tuple[str, bool, dict[str, Any] | None, str | None]:
+    """Validate an envelope; return ``(kind, final, data, error)`` or raise TransferCorrupt."""
+    where = f"payload of request {request_id!r}" + (f" chunk {chunk}" if chunk is not None else "")
+    if not isinstance(obj, Mapping) or not isinstance(obj.get(ENVELOPE_KEY), Mapping):
+        raise TransferCorrupt(f"{where}: not a kvbridge payload envelope (got {type(obj).__name__})")
+    head = obj[ENVELOPE_KEY]
+    if head.get("v") != ENVELOPE_VERSION:
+        raise TransferCorrupt(f"{where}: envelope version {head.get('v')!r}, expected {ENVELOPE_VERSION}")
+    if head.get("rid") != request_id:
+        raise TransferCorrupt(f"{where}: envelope is for request {head.get('rid')!r}")
+    kind = head.get("kind")
+    if kind not in (FULL, CHUNK, ABORT):
+        raise TransferCorrupt(f"{where}: unknown envelope kind {kind!r}")
+    if kind != ABORT and head.get("chunk") != chunk:
+        raise TransferCorrupt(f"{where}: envelope carries chunk {head.get('chunk')!r}")
+    data = obj.get("data")
+    if data is not None and not isinstance(data, Mapping):
+        raise TransferCorrupt(f"{where}: data must be a dict, got {type(data).__name__}")
+    return kind, bool(head.get("final")), (dict(data) if data is not None else None), head.get("error")
+
+
+# -- sender ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _PutJob:
+    request_id: str
+    key: str
+    envelope: dict[str, Any]
+
+
+class PayloadSender:
+    """Puts payload envelopes of one edge on a background thread (see the ordering contract).
+
+    ``status(request_id)`` is ``"pending"`` while puts are queued or running, then ``"done"``
+    once the final put landed, or ``"failed: <reason>"``; :meth:`forget` drops it.
+    """
+
+    def __init__(
+        self,
+        connector: Connector,
+        from_stage: int | str,
+        to_stage: int | str,
+        *,
+        from_rank: int = 0,
+        to_rank: int = 0,
+        retries: int = 3,
+        backoff_s: float = 0.05,
+        max_backoff_s: float = 1.0,
+    ) -> None:
+        self.connector = connector
+        self.from_stage, self.to_stage = from_stage, to_stage
+        self.from_rank, self.to_rank = from_rank, to_rank
+        self.retries, self.backoff_s, self.max_backoff_s = retries, backoff_s, max_backoff_s
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._queue: deque[_PutJob] = deque()
+        self._queued: dict[str, int] = {}  # request id -> queued or running jobs
+        self._status: dict[str, str] = {}
+        self._final_seen: set[str] = set()
+        self._next_chunk: dict[str, int] = {}
+        self._closed = False
+        self.last_metadata: dict[str, Any] = {}
+        self._thread = threading.Thread(
+            target=self._loop, name=f"kvbridge-payload-send-{to_stage}", daemon=True
+        )
+        self._thread.start()
+
+    def key(self, request_id: str, chunk: int | None) -> str:
+        return payload_key(
+            request_id,
+            self.from_stage,
+            self.to_stage,
+            chunk=chunk,
+            from_rank=self.from_rank,
+            to_rank=self.to_rank,
+        )
+
+    def _enqueue(self, job: _PutJob, final: bool) -> None:
+        with self._lock:
+            if self._closed:
+                raise TransferError("payload sender is closed")
+            if job.request_id in self._final_seen:
+                raise TransferError(f"request {job.request_id!r}: payload already finished")
+            self._queue.append(job)
+            self._queued[job.request_id] = self._queued.get(job.request_id, 0) + 1
+            self._status.setdefault(job.request_id, "pending")
+            if self._status[job.request_id] == "done":
+                self._status[job.request_id] = "pending"
+            if final:
+                self._final_seen.add(job.request_id)
+            self._wake.notify()
+
+    def send_full(self, request_id: str, payload: Mapping[str, Any]) -> None:
+        """Queue a request's one and only payload."""
+        self._enqueue(
+            _PutJob(request_id, self.key(request_id, None), make_envelope(FULL, request_id, payload)),
+            final=True,
+        )
+
+    def send_chunk(self, request_id: str, payload: Mapping[str, Any] | None, *, final: bool = False) -> int:
+        """Queue the request's next chunk (ids assigned here, in call order); return its id."""
+        with self._lock:
+            index = self._next_chunk.get(request_id, 0)
+            self._next_chunk[request_id] = index + 1
+        env = make_envelope(CHUNK, request_id, payload, chunk=index, final=final)
+        self._enqueue(_PutJob(request_id, self.key(request_id, index), env), final=final)
+        return index
+
+    def abort(self, request_id: str, reason: str = "aborted by the sender", *, chunked: bool) -> None:
+        """Drop the request's queued puts and queue an abort envelope in their place."""
+        with self._lock:
+            if self._closed:
+                return
+            kept = deque(j for j in self._queue if j.request_id != request_id)
+            dropped = [j for j in self._queue if j.request_id == request_id]
+            self._queue = kept
+            if dropped:
+                self._queued[request_id] -= len(dropped)
+            if chunked:
+                # The abort takes the place of the first chunk that will not be put, so the
+                # receiver's stream has no hole before it.
+                index = min(
+                    (j.envelope[ENVELOPE_KEY]["chunk"] for j in dropped),
+                    default=self._next_chunk.get(request_id, 0),
+                )
+                self._next_chunk[request_id] = index + 1
+            else:
+                index = None
+            self._final_seen.discard(request_id)
+        env = make_envelope(ABORT, request_id, None, chunk=index, final=True, error=reason)
+        self._enqueue(_PutJob(request_id, self.key(request_id, index), env), final=True)
+
+    def status(self, request_id: str) -> str | None:
+        with self._lock:
+            return self._status.get(request_id)
+
+    def in_flight(self, request_id: str | None = None) -> int:
+        with self._lock:
+            if request_id is None:
+                return sum(self._queued.values())
+            return self._queued.get(request_id, 0)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's bookkeeping (its status reads None afterwards)."""
+        with self._lock:
+            if self._queued.get(request_id):
+                raise TransferError(f"request {request_id!r} still has payload puts in flight")
+            for table in (self._status, self._next_chunk, self._queued):
+                table.pop(request_id, None)
+            self._final_seen.discard(request_id)
+
+    def tracked(self) -> set[str]:
+        with self._lock:
+            return set(self._status) | set(self._next_chunk) | set(self._queued)
+
+    def _put(self, job: _PutJob) -> str | None:
+        error = "no attempt"
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s))
+            try:
+                result = self.connector.put(self.from_stage, self.to_stage, job.key, job.envelope)
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                continue
+            if result.ok:
+                self.last_metadata = dict(result.metadata)
+                return None
+            error = result.error or "put returned ok=False"
+        return f"put of {job.key} failed after {self.retries + 1} attempts: {error}"
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if self._closed and not self._queue:
+                    return
+                job = self._queue.popleft()
+            error = self._put(job)
+            kind = job.envelope[ENVELOPE_KEY]["kind"]
+            final = job.envelope[ENVELOPE_KEY]["final"]
+            abort_after = False
+            with self._lock:
+                self._queued[job.request_id] -= 1
+                if error is not None:
+                    logger.error("payload send of request %s failed: %s", job.request_id, error)
+                    self._status[job.request_id] = f"failed: {error}"
+                    # Later puts of this request would leave a hole in the stream.
+                    self._queue = deque(j for j in self._queue if j.request_id != job.request_id)
+                    self._queued[job.request_id] = 0
+                    abort_after = kind != ABORT
+                elif kind == ABORT:
+                    self._status[job.request_id] = f"failed: {job.envelope[ENVELOPE_KEY]['error']}"
+                elif final and not self._status[job.request_id].startswith("failed"):
+                    self._status[job.request_id] = "done"
+            if abort_after:
+                # Best effort: tell the receiver now instead of letting it stall.
+                chunk = job.envelope[ENVELOPE_KEY]["chunk"]
+                env = make_envelope(ABORT, job.request_id, None, chunk=chunk, final=True, error=error)
+                try:
+                    self.connector.put(self.from_stage, self.to_stage, job.key, env)
+                except Exception:
+                    pass
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish the queued puts (up to ``timeout``), stop the thread. Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("payload sender thread did not stop within %.1f s", timeout)
+
+
+# -- receiver ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Stream:
+    request_id: str
+    chunked: bool
+    metadata: Mapping[str, Any] | None
+    deadline: float
+    next_chunk: int = 0
+    chunks: list[dict[str, Any]] = field(default_factory=list)
+    state: str = "receiving"  # receiving | done | failed | cancelled
+    error: BaseException | None = None
+    on_chunk: Callable[[str, int, dict[str, Any]], None] | None = None
+
+
+class PayloadReceiver:
+    """Receives the payloads of one edge on a background thread.
+
+    ``mode`` is ``"full"`` or ``"async_chunk"``. :meth:`expect` starts receiving a request:
+    a full payload must arrive within ``recv_timeout_s``; a stream's first chunk within
+    ``recv_timeout_s`` and each later chunk within ``stall_timeout_s`` of the previous one,
+    else the request fails with :class:`TransferTimeout`. :meth:`result` waits for the
+    request and returns its payload (chunks merged) or raises its error, then forgets it;
+    :meth:`iter_chunks` yields chunks in order as they arrive; :meth:`cancel` stops it.
+    """
+
+    def __init__(
+        self,
+        connector: Connector,
+        from_stage: int | str,
+        to_stage: int | str,
+        *,
+        mode: str = "full",
+        recv_timeout_s: float = 30.0,
+        stall_timeout_s: float = 30.0,
+        replace_keys: Iterable[str] = (),
+        from_rank: int = 0,
+        to_rank: int = 0,
+        poll_interval_s: float = 0.001,
+        max_poll_interval_s: float = 0.02,
+        close_connector: bool = False,
+    ) -> None:
+        if mode not in ("full", "async_chunk"):
+            raise ConfigError(f"payload receiver mode must be 'full' or 'async_chunk', got {mode!r}")
+        for name, value in (("recv_timeout_s", recv_timeout_s), ("stall_timeout_s", stall_timeout_s)):
+            if not value > 0:
+                raise ConfigError(f"{name} must be > 0, got {value!r}")
+        self.connector = connector
+        self.from_stage, self.to_stage = from_stage, to_stage
+        self.from_rank, self.to_rank = from_rank, to_rank
+        self.mode = mode
+        self.recv_timeout_s, self.stall_timeout_s = recv_timeout_s, stall_timeout_s
+        self.replace_keys = tuple(replace_keys)
+        self.poll_interval_s, self.max_poll_interval_s = poll_interval_s, max_poll_interval_s
+        self._close_connector = close_connector
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._streams: dict[str, _Stream] = {}
+        self._sender_info: dict[str, Any] | None = None
+        self._closed = False
+        self._wake = threading.Event()
+        self._thread = threading.Thread(
+            target=self._loop, name=f"kvbridge-payload-recv-{from_stage}", daemon=True
+        )
+        self._thread.start()
+
+    def update_sender_info(self, metadata: Mapping[str, Any] | None) -> None:
+        """Connector metadata (e.g. the sender's ZMQ endpoint) used when :meth:`expect` gets none."""
+        with self._lock:
+            self._sender_info = dict(metadata) if metadata else None
+
+    def key(self, request_id: str, chunk: int | None) -> str:
+        return payload_key(
+            request_id,
+            self.from_stage,
+            self.to_stage,
+            chunk=chunk,
+            from_rank=self.from_rank,
+            to_rank=self.to_rank,
+        )
+
+    def expect(
+        self,
+        request_id: str,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        on_chunk: Callable[[str, int, dict[str, Any]], None] | None = None,
+    ) -> None:
+        """Start receiving ``request_id`` (``on_chunk(rid, index, data)`` runs on the receive thread)."""
+        with self._lock:
+            if self._closed:
+                raise TransferError("payload receiver is closed")
+            if request_id in self._streams:
+                raise TransferError(f"request {request_id!r} is already expected")
+            self._streams[request_id] = _Stream(
+                request_id,
+                self.mode == "async_chunk",
+                metadata if metadata is not None else self._sender_info,
+                time.monotonic() + self.recv_timeout_s,
+                on_chunk=on_chunk,
+            )
+        self._wake.set()
+
+    def pending(self) -> set[str]:
+        with self._lock:
+            return set(self._streams)
+
+    def _finish(self, stream: _Stream, state: str, error: BaseException | None = None) -> None:
+        # Called with the lock held.
+        if stream.state != "receiving":
+            return
+        stream.state, stream.error = state, error
+        self._cond.notify_all()
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop receiving; waiters get a TransferError. Returns False if it was not expected."""
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+            if stream is None:
+                return False
+            self._finish(stream, "cancelled", TransferError(f"request {request_id!r}: receive cancelled"))
+            return True
+
+    def _take(self, request_id: str, timeout: float | None) -> _Stream:
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                raise TransferError(f"request {request_id!r} is not expected by this receiver")
+            while stream.state == "receiving":
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TransferTimeout(f"request {request_id!r}: payload not complete within {timeout} s")
+                self._cond.wait(left)
+            self._streams.pop(request_id, None)
+            return stream
+
+    def result(self, request_id: str, timeout: float | None = None) -> dict[str, Any]:
+        """Wait for the request; return its payload (chunks merged) or raise its error. Forgets it."""
+        stream = self._take(request_id, timeout)
+        if stream.error is not None:
+            raise stream.error
+        return merge_payloads(stream.chunks, self.replace_keys)
+
+    def iter_chunks(self, request_id: str, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+        """Yield the request's chunks in order as they arrive; raises its error; forgets it at the end."""
+        index = 0
+        while True:
+            with self._lock:
+                stream = self._streams.get(request_id)
+                if stream is None:
+                    raise TransferError(f"request {request_id!r} is not expected by this receiver")
+                while index >= len(stream.chunks) and stream.state == "receiving":
+                    if not self._cond.wait(timeout):
+                        raise TransferTimeout(f"request {request_id!r}: no chunk {index} within {timeout} s")
+                if index < len(stream.chunks):
+                    chunk = stream.chunks[index]
+                else:
+                    self._streams.pop(request_id, None)
+                    if stream.error is not None:
+                        raise stream.error
+                    return
+            index += 1
+            yield chunk
+
+    def _poll_one(self, stream: _Stream, now: float) -> bool:
+        """One non-blocking get for ``stream``; returns True when something arrived or ended."""
+        chunk = stream.next_chunk if stream.chunked else None
+        key = self.key(stream.request_id, chunk)
+        try:
+            got = self.connector.get(self.from_stage, self.to_stage, key, stream.metadata)
+            if got is None:
+                if now > stream.deadline:
+                    what = f"chunk {chunk}" if stream.chunked else "payload"
+                    limit = self.stall_timeout_s if stream.chunked and chunk else self.recv_timeout_s
+                    raise TransferTimeout(
+                        f"request {stream.request_id!r}: {what} from stage {self.from_stage} did not arrive "
+                        f"within {limit} s" + (" (stream stalled)" if stream.chunked and chunk else "")
+                    )
+                return False
+            kind, final, data, error = open_envelope(got, stream.request_id, chunk)
+            if kind == ABORT:
+                raise PayloadAborted(
+                    f"request {stream.request_id!r}: sender stage {self.from_stage} "
+                    f"aborted the payload: {error}"
+                )
+            if (kind == CHUNK) != stream.chunked:
+                raise TransferCorrupt(
+                    f"request {stream.request_id!r}: got a {kind} envelope on a {self.mode} edge"
+                )
+        except KVBridgeError as exc:
+            with self._lock:
+                self._finish(stream, "failed", exc)
+            return True
+        except Exception as exc:  # a connector bug must fail the request, not kill the thread
+            with self._lock:
+                self._finish(stream, "failed", TransferError(f"request {stream.request_id!r}: {exc!r}"))
+            return True
+        if stream.on_chunk is not None and data is not None:
+            try:
+                stream.on_chunk(stream.request_id, chunk or 0, data)
+            except Exception:
+                logger.exception("on_chunk callback of request %s failed", stream.request_id)
+        with self._lock:
+            if stream.state != "receiving":
+                return True  # cancelled meanwhile: drop what arrived
+            if data is not None:
+                stream.chunks.append(data)
+            stream.next_chunk += 1
+            stream.deadline = time.monotonic() + self.stall_timeout_s
+            if final or not stream.chunked:
+                self._finish(stream, "done")
+            else:
+                self._cond.notify_all()
+        return True
+
+    def _loop(self) -> None:
+        interval = self.poll_interval_s
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                active = [s for s in self._streams.values() if s.state == "receiving"]
+            progressed = False
+            now = time.monotonic()
+            for stream in active:
+                # Drain a stream while chunks are there, so one request cannot starve.
+                for _ in range(64):
+                    if not self._poll_one(stream, now) or stream.state != "receiving":
+                        break
+                    progressed = True
+            if progressed:
+                interval = self.poll_interval_s
+                continue
+            self._wake.wait(interval if active else 0.1)
+            self._wake.clear()
+            interval = min(interval * 2, self.max_poll_interval_s)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Fail every pending request, stop the thread (and close the connector if owned)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for stream in self._streams.values():
+                self._finish(
+                    stream, "cancelled", TransferError(f"request {stream.request_id!r}: receiver closed")
+                )
+            self._streams.clear()
+        self._wake.set()
+        self._thread.join(timeout)
+        if self._close_connector:
+            self.connector.close()
+
+
+# -- TP fan-out --------------------------------------------------------------------------------
+
+
+def broadcast_payload(
+    payload: Mapping[str, Any] | BaseException | None, group: Any, src: int = 0
+) -> dict[str, Any]:
+    """Give every rank of ``group`` the payload rank ``src`` holds (torch.distributed, one packed buffer).
+
+    Every rank calls this, in the same order. On ``src`` pass the payload, or the exception
+    its receive raised (the other ranks then raise a TransferError with its message).
+    """
+    import torch.distributed as dist
+
+    from vllm_kvbridge.wire import decode_packed, encode
+
+    rank = dist.get_rank(group)
+    if rank == src:
+        if isinstance(payload, BaseException) or payload is None:
+            message = str(payload) if payload is not None else "no payload"
+            body = message.encode()
+            header = torch.tensor([1, len(body)], dtype=torch.int64)
+        else:
+            enc = encode(dict(payload))
+            size = enc.packed_size()
+            header = torch.tensor([0, int(size)], dtype=torch.int64)
+    else:
+        header = torch.zeros(2, dtype=torch.int64)
+    global_src = dist.get_global_rank(group, src) if group is not None else src
+    dist.broadcast(header, global_src, group=group)
+    kind, size = int(header[0]), int(header[1])
+    buf = torch.empty(size, dtype=torch.uint8)
+    if rank == src:
+        if kind == 1:
+            buf.copy_(torch.frombuffer(bytearray(body), dtype=torch.uint8)) if size else None
+        else:
+            enc.pack_into(buf.numpy())
+    dist.broadcast(buf, global_src, group=group)
+    if kind == 1:
+        if rank == src and isinstance(payload, BaseException):
+            raise payload
+        raise TransferError(f"payload fan-out from rank {src} failed: {bytes(buf.numpy()).decode()}")
+    if rank == src:
+        return dict(payload)  # type: ignore[arg-type]
+    return decode_packed(buf.numpy(), copy=True)
+
+
+def chunked(seq: Sequence[Any], size: int) -> list[Sequence[Any]]:
+    """Split ``seq`` into pieces of ``size`` (last one shorter); helper for tests and producers."""
+    return [seq[i : i + size] for i in range(0, len(seq), size)]

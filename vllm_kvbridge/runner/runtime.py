@@ -1,0 +1,319 @@
+"""``_ConnectorRuntimeMixin``: connectors, rank routing, per-request state, KV delegation.
+
+The lowest of the three runner layers (runtime <- payload transport <- facade). It knows
+nothing about vLLM: the host runner hands it :class:`RunnerSettings` and its TP position
+in :meth:`kvbridge_init`, and answers the host-contract hooks listed in
+:mod:`vllm_kvbridge.runner.mixin` (``kvbridge_kv_caches`` etc.) when KV is sent.
+
+Per-request state
+-----------------
+``self._kvb_requests`` maps the host's request id to a :class:`RequestState` from
+:meth:`kvbridge_register_request` until the request is finished (or aborted, or timed out)
+*and* nothing of it is in flight any more; a finished request with a send in flight is
+kept (deferred cleanup) and reaped by :meth:`kvbridge_reap`, which every step and every
+status query runs. What outlives it is one line of terminal status per transfer id in a
+bounded history (``kvbridge_transfer_status``), so the orchestrator can ask after the fact.
+
+Rank routing
+------------
+KV: every TP rank sends the heads it holds (the KV manager's topology decides the keys).
+Payloads: the model's final hidden states are replicated across TP ranks, so only TP
+rank 0 sends; on receive, rank 0 receives and broadcasts to the other ranks of the TP group
+(:func:`~vllm_kvbridge.runner.payload_stream.broadcast_payload`).
+Endpoints are reported by the sender (:meth:`kvbridge_sender_info`: per-rank put
+metadata, e.g. a ZMQ endpoint), never recomputed by the receiver.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_kvbridge.connectors.base import Connector
+from vllm_kvbridge.connectors.registry import create_connector
+from vllm_kvbridge.errors import ConfigError
+from vllm_kvbridge.runner.settings import RunnerSettings
+
+logger = logging.getLogger(__name__)
+
+#: Terminal statuses kept for status queries after a request's state is gone.
+STATUS_HISTORY = 4096
+PENDING, DONE, FAILED, NONE = "pending", "done", "failed", "none"
+
+
+@dataclass
+class RequestState:
+    """What the runner holds for one live request."""
+
+    request_id: str  # the host's (engine's) id
+    transfer_id: str  # the id in transfer keys (the orchestrator's)
+    capture: bool = False  # payload capture selected for this request
+    kv: str = NONE  # none | pending | done | failed[: reason]
+    payload: str = NONE
+    finished: bool = False
+    aborted: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _ConnectorRuntimeMixin:
+    """Connector lifecycle, rank routing, per-request state and KV-manager delegation."""
+
+    _kvb_settings: RunnerSettings
+    _kvb_ready: bool = False
+
+    # -- set-up / tear-down ----------------------------------------------------------------
+    def kvbridge_init(
+        self,
+        settings: RunnerSettings | Mapping[str, Any] | None,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_group: Any = None,
+    ) -> None:
+        """Install the settings; nothing is connected until first used."""
+        if settings is None or isinstance(settings, Mapping):
+            settings = RunnerSettings.from_dict(settings or {})
+        if not isinstance(settings, RunnerSettings):
+            raise ConfigError(f"settings must be RunnerSettings or a dict, got {type(settings).__name__}")
+        if not 0 <= tp_rank < tp_size:
+            raise ConfigError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
+        self._kvb_settings = settings
+        self._kvb_tp_rank, self._kvb_tp_size, self._kvb_tp_group = tp_rank, tp_size, tp_group
+        self._kvb_lock = threading.Lock()
+        self._kvb_requests: dict[str, RequestState] = {}
+        self._kvb_history: OrderedDict[str, dict[str, str]] = OrderedDict()
+        self._kvb_engine_to_transfer: dict[str, str] = {}
+        self._kvb_connectors: dict[str, Connector] = {}
+        self._kvb_kv_manager: Any = None
+        self._kvb_closed = False
+        self._kvb_ready = True
+
+    @property
+    def kvbridge_settings(self) -> RunnerSettings:
+        self._kvbridge_check_ready()
+        return self._kvb_settings
+
+    def _kvbridge_check_ready(self) -> None:
+        if not getattr(self, "_kvb_ready", False):
+            raise ConfigError(f"{type(self).__name__}: kvbridge_init() was not called")
+
+    @property
+    def kvbridge_is_payload_rank(self) -> bool:
+        """Payloads are sent and received by TP rank 0 only (see the module docstring)."""
+        return self._kvb_tp_rank == 0
+
+    def _kvbridge_connector(
+        self, role: str, peer: int | str, name: str, config: Mapping[str, Any]
+    ) -> Connector:
+        """One connector per (direction, peer stage), created on first use, closed on shutdown."""
+        key = f"{role}:{peer}"
+        with self._kvb_lock:
+            conn = self._kvb_connectors.get(key)
+            if conn is None:
+                if self._kvb_closed:
+                    raise ConfigError("kvbridge runtime is shut down")
+                conn = create_connector(name, config)
+                self._kvb_connectors[key] = conn
+            return conn
+
+    def kvbridge_shutdown(self) -> None:
+        """Close the KV manager and every connector; idempotent."""
+        if not getattr(self, "_kvb_ready", False):
+            return
+        with self._kvb_lock:
+            if self._kvb_closed:
+                return
+            self._kvb_closed = True
+            conns = list(self._kvb_connectors.values())
+            self._kvb_connectors.clear()
+            manager, self._kvb_kv_manager = self._kvb_kv_manager, None
+        if manager is not None:
+            try:
+                manager.shutdown()
+            except Exception:
+                logger.exception("KV manager shutdown failed")
+        for conn in conns:
+            try:
+                conn.close()
+            except Exception:
+                logger.exception("closing connector %s failed", conn.name)
+
+    # -- per-request state -----------------------------------------------------------------
+    def kvbridge_register_request(
+        self, request_id: str, transfer_id: str | None = None, *, capture: bool = False
+    ) -> RequestState:
+        """Start tracking a request (idempotent: returns the existing state)."""
+        with self._kvb_lock:
+            state = self._kvb_requests.get(request_id)
+            if state is None:
+                state = RequestState(request_id, transfer_id or request_id, capture=capture)
+                self._kvb_requests[request_id] = state
+                self._kvb_engine_to_transfer[request_id] = state.transfer_id
+            return state
+
+    def kvbridge_request_state(self, request_id: str) -> RequestState | None:
+        with self._kvb_lock:
+            return self._kvb_requests.get(request_id)
+
+    def kvbridge_active_requests(self) -> list[str]:
+        with self._kvb_lock:
+            return list(self._kvb_requests)
+
+    def kvbridge_mark_finished(self, request_id: str, *, aborted: bool = False) -> None:
+        """The request ended (finished or aborted); its state goes once nothing is in flight."""
+        with self._kvb_lock:
+            state = self._kvb_requests.get(request_id)
+            if state is None:
+                return
+            state.finished = True
+            state.aborted = state.aborted or aborted
+        self.kvbridge_reap()
+
+    def _kvbridge_in_flight(self, state: RequestState) -> bool:
+        """Whether anything of ``state`` is still being sent (payload layer extends this)."""
+        return state.kv == PENDING
+
+    def _kvbridge_release(self, state: RequestState) -> None:
+        """Drop a request's resources (payload layer extends this); called without the lock."""
+
+    def kvbridge_reap(self) -> list[str]:
+        """Forget finished requests with nothing in flight; returns their ids."""
+        self._kvbridge_poll_kv()
+        with self._kvb_lock:
+            candidates = [s for s in self._kvb_requests.values() if s.finished]
+        # Outside the lock: the in-flight checks ask the senders, which have their own locks.
+        ready = [s for s in candidates if not self._kvbridge_in_flight(s)]
+        for state in ready:
+            self._kvbridge_release(state)
+            with self._kvb_lock:
+                self._kvb_requests.pop(state.request_id, None)
+                self._kvb_engine_to_transfer.pop(state.request_id, None)
+                self._record_history(state)
+        return [s.request_id for s in ready]
+
+    def _record_history(self, state: RequestState) -> None:
+        # Called with the lock held.
+        self._kvb_history[state.transfer_id] = {
+            "kv": state.kv,
+            "payload": state.payload,
+            "aborted": str(state.aborted).lower(),
+        }
+        self._kvb_history.move_to_end(state.transfer_id)
+        while len(self._kvb_history) > STATUS_HISTORY:
+            self._kvb_history.popitem(last=False)
+
+    def kvbridge_transfer_status(self, request_ids: Iterable[str] | None = None) -> dict[str, dict[str, str]]:
+        """Per transfer id (or host id): ``{"kv": none|pending|done|failed: why, "payload": ...}``."""
+        self.kvbridge_reap()
+        with self._kvb_lock:
+            live = {s.transfer_id: s for s in self._kvb_requests.values()}
+            live.update({s.request_id: s for s in self._kvb_requests.values()})
+            ids = list(request_ids) if request_ids is not None else list(live) + list(self._kvb_history)
+            out: dict[str, dict[str, str]] = {}
+            for rid in ids:
+                if rid in live:
+                    s = live[rid]
+                    out[rid] = {"kv": s.kv, "payload": s.payload, "aborted": str(s.aborted).lower()}
+                elif rid in self._kvb_history:
+                    out[rid] = dict(self._kvb_history[rid])
+                else:
+                    out[rid] = {"kv": "unknown", "payload": "unknown", "aborted": "false"}
+            return out
+
+    # -- KV delegation -----------------------------------------------------------------------
+    @property
+    def kvbridge_kv_manager(self) -> Any:
+        """The stage's ``KVTransferManager`` (created on first use; None when no KV is moved)."""
+        self._kvbridge_check_ready()
+        if self._kvb_settings.kv_transfer is None:
+            return None
+        with self._kvb_lock:
+            if self._kvb_kv_manager is None:
+                if self._kvb_closed:
+                    raise ConfigError("kvbridge runtime is shut down")
+                from vllm_kvbridge.kv.manager import KVTransferManager
+
+                self._kvb_kv_manager = KVTransferManager(
+                    self._kvb_settings.kv_transfer_config(), **self.kvbridge_kv_manager_kwargs()
+                )
+            return self._kvb_kv_manager
+
+    def kvbridge_kv_manager_kwargs(self) -> dict[str, Any]:
+        """Extra ``KVTransferManager`` arguments (layout, heads, rank, group); hosts override."""
+        return {"tp_rank": self._kvb_tp_rank, "process_group": self._kvb_tp_group}
+
+    def kvbridge_send_kv(self, sends: Sequence[tuple[str, Sequence[int], int]]) -> list[str]:
+        """Gather ``(host request id, block ids, num tokens)`` now and queue the sends.
+
+        Returns the submitted host ids. The gather runs on this thread (the caller frees the
+        blocks afterwards); a failed gather marks the request failed.
+        """
+        manager = self.kvbridge_kv_manager
+        if manager is None:
+            raise ConfigError("this stage has no kv_transfer settings but was asked to send KV")
+        finished_reqs: dict[str, dict[str, Any]] = {}
+        for request_id, block_ids, num_tokens in sends:
+            state = self.kvbridge_register_request(request_id)
+            with self._kvb_lock:
+                state.kv = PENDING
+            finished_reqs[request_id] = {"block_ids": list(block_ids), "seq_len": int(num_tokens)}
+        submitted = manager.handle_finished_requests_kv_transfer(
+            finished_reqs,
+            self.kvbridge_kv_caches(),
+            self.kvbridge_block_size(),
+            self.kvbridge_cache_dtype(),
+            request_id_resolver=self._kvbridge_transfer_id,
+        )
+        self._kvbridge_poll_kv()
+        return submitted
+
+    def _kvbridge_transfer_id(self, request_id: str) -> str:
+        with self._kvb_lock:
+            return self._kvb_engine_to_transfer.get(request_id, request_id)
+
+    def _kvbridge_poll_kv(self) -> None:
+        manager = self._kvb_kv_manager
+        if manager is None:
+            return
+        done, failed = manager.get_finished()
+        if not (done or failed):
+            return
+        with self._kvb_lock:
+            for rid, status in [(r, DONE) for r in done] + [(r, FAILED) for r in failed]:
+                state = self._kvb_requests.get(rid)
+                if state is not None:
+                    state.kv = status
+                else:  # finished and reaped before the send completed cannot happen (kv pending)
+                    logger.warning("KV send result for unknown request %s: %s", rid, status)
+
+    def kvbridge_sender_info(self, request_ids: Iterable[str] | None = None) -> dict[str, Any]:
+        """What receivers need to reach this rank: put metadata of the KV sends of
+        ``request_ids`` and of the payload edges (extended by the payload layer)."""
+        info: dict[str, Any] = {
+            "stage_id": self._kvb_settings.stage_id,
+            "tp_rank": self._kvb_tp_rank,
+            "tp_size": self._kvb_tp_size,
+            "kv": {},
+        }
+        manager = self._kvb_kv_manager
+        if manager is not None and request_ids is not None:
+            for rid in request_ids:
+                got = manager.get_sender_info(rid)
+                if got is not None:
+                    info["kv"][rid] = got
+        return info
+
+    # -- host hooks (see mixin.RunnerHost) ----------------------------------------------------
+    def kvbridge_kv_caches(self) -> Sequence[Any]:
+        raise NotImplementedError(f"{type(self).__name__} must provide kvbridge_kv_caches() to send KV")
+
+    def kvbridge_block_size(self) -> int:
+        raise NotImplementedError(f"{type(self).__name__} must provide kvbridge_block_size() to send KV")
+
+    def kvbridge_cache_dtype(self) -> Any:
+        caches = self.kvbridge_kv_caches()
+        return caches[0].dtype if caches else "auto"

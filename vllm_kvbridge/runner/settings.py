@@ -1,0 +1,317 @@
+"""What a kvbridge runner is told to do: :class:`RunnerSettings`.
+
+A vLLM stage receives it as ``vllm_config.additional_config["kvbridge"]`` (the pipeline's
+resolver builds the dict from the YAML stage config; :func:`engine_kwargs` in
+:mod:`vllm_kvbridge.runner.worker` puts it there). A non-vLLM runner (the diffusion
+runner) builds it with :meth:`RunnerSettings.from_dict` too. The dict, every key optional::
+
+    {
+      "stage_id": 0,                       # int or [A-Za-z0-9_-] string
+      "kv_transfer": {...},                # vllm_kvbridge.kv.config.KVTransferConfig.from_dict
+      "kv_send": {                         # when the AR runner sends a request's KV
+        "trigger": "on_finish",            # | "prefill_finished" | "special_token"
+        "trigger_token_id": null,          # required with "special_token"
+        "stop_after_transfer": false,      # only with "prefill_finished": finish after the prompt
+      },
+      "payload": {
+        "capture_hidden_states": false,    # AR runner: per-token final-norm hidden states
+        "capture_token_ids": true,         # AR runner: sampled token ids
+        "replace_keys": [],                # keys whose latest value replaces the previous one;
+                                           # every other tensor key is concatenated on dim 0
+        "custom_process_next_stage_input_func": null,   # "pkg.mod.func" or "pkg.mod:func"
+        "outputs": [                       # edges this stage sends payloads on
+          {"to_stage": 1, "mode": "full",  # | "async_chunk"
+           "connector": "SharedMemoryConnector", "connector_config": {},
+           "chunk_size": 16, "to_tp": 1, "send_retries": 3}
+        ],
+        "inputs": [                        # edges this stage receives payloads on
+          {"from_stage": 0, "mode": "full",
+           "connector": "SharedMemoryConnector", "connector_config": {},
+           "recv_timeout_s": 30.0,         # full payload: deadline from expect() to arrival
+           "stall_timeout_s": 30.0,        # async chunk: longest gap between two chunks
+           "from_tp": 1}
+        ]
+      }
+    }
+
+Unknown keys raise :class:`~vllm_kvbridge.errors.ConfigError` naming the key path
+(``kvbridge.payload.outputs[0].chunk_sise: unknown key``). The KV part is validated by
+the KV manager's own ``KVTransferConfig.from_dict`` (imported lazily, so this module has
+no dependency on the KV layer's import time).
+
+``custom_process_next_stage_input_func`` is called as
+``func(payload: dict, *, request_id: str, final: bool) -> dict`` on the sender just before
+a payload (or chunk) is put; it turns the producer's outputs into the next stage's inputs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_kvbridge.errors import ConfigError
+
+ADDITIONAL_CONFIG_KEY = "kvbridge"
+TRIGGERS = ("on_finish", "prefill_finished", "special_token")
+PAYLOAD_MODES = ("full", "async_chunk")
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+(:[A-Za-z_][A-Za-z0-9_.]*)?")
+_STAGE = re.compile(r"[A-Za-z0-9_-]{1,32}")
+
+
+def _check_keys(data: Any, known: set[str], path: str) -> Mapping[str, Any]:
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: expected a mapping, got {type(data).__name__}")
+    for key in data:
+        if key not in known:
+            raise ConfigError(f"{path}.{key}: unknown key (known: {', '.join(sorted(known))})")
+    return data
+
+
+def _typed(
+    data: Mapping[str, Any], name: str, kinds: type | tuple[type, ...], default: Any, path: str
+) -> Any:
+    value = data.get(name, default)
+    if value is None and default is None:
+        return None
+    # bool is an int subclass; a bool where a number is expected is a typo, not a 1.
+    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+        raise ConfigError(f"{path}.{name}: expected {_kind_names(kinds)}, got {value!r}")
+    if not isinstance(value, kinds):
+        raise ConfigError(f"{path}.{name}: expected {_kind_names(kinds)}, got {value!r}")
+    return value
+
+
+def _kind_names(kinds: type | tuple[type, ...]) -> str:
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    return " or ".join(k.__name__ for k in kinds)
+
+
+def _positive(value: float, path: str) -> None:
+    if not value > 0:
+        raise ConfigError(f"{path}: must be > 0, got {value!r}")
+
+
+def _stage_id(value: Any, path: str) -> int | str:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ConfigError(f"{path}: expected int or str, got {value!r}")
+    if isinstance(value, int) and value < 0:
+        raise ConfigError(f"{path}: must be >= 0, got {value}")
+    if isinstance(value, str) and not _STAGE.fullmatch(value):
+        raise ConfigError(f"{path}: must match [A-Za-z0-9_-]{{1,32}}, got {value!r}")
+    return value
+
+
+def load_dotted(path: str, what: str = "object") -> Any:
+    """Import ``pkg.mod.attr`` or ``pkg.mod:attr``; ConfigError (with the cause) if it fails."""
+    if not isinstance(path, str) or not _DOTTED.fullmatch(path):
+        raise ConfigError(f"{what}: {path!r} is not a dotted path like 'pkg.module.func'")
+    if ":" in path:
+        module_name, attr = path.split(":", 1)
+    else:
+        module_name, _, attr = path.rpartition(".")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"{what}: cannot load {path!r}: {exc}") from exc
+    return obj
+
+
+@dataclass(frozen=True)
+class KVSendSettings:
+    """When the AR runner sends a request's KV cache (see :mod:`vllm_kvbridge.runner.vllm_connector`)."""
+
+    trigger: str = "on_finish"
+    trigger_token_id: int | None = None
+    stop_after_transfer: bool = False
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str = "kvbridge.kv_send") -> KVSendSettings:
+        d = _check_keys(data, {"trigger", "trigger_token_id", "stop_after_transfer"}, path)
+        trigger = _typed(d, "trigger", str, "on_finish", path)
+        if trigger not in TRIGGERS:
+            raise ConfigError(f"{path}.trigger: must be one of {', '.join(TRIGGERS)}, got {trigger!r}")
+        token = _typed(d, "trigger_token_id", int, None, path)
+        stop = _typed(d, "stop_after_transfer", bool, False, path)
+        if trigger == "special_token" and token is None:
+            raise ConfigError(f"{path}.trigger_token_id: required when trigger is 'special_token'")
+        if trigger != "special_token" and token is not None:
+            raise ConfigError(f"{path}.trigger_token_id: only valid with trigger 'special_token'")
+        if token is not None and token < 0:
+            raise ConfigError(f"{path}.trigger_token_id: must be >= 0, got {token}")
+        if stop and trigger != "prefill_finished":
+            raise ConfigError(f"{path}.stop_after_transfer: only valid with trigger 'prefill_finished'")
+        return cls(trigger, token, stop)
+
+
+@dataclass(frozen=True)
+class PayloadEdgeSettings:
+    """One payload edge as this stage sees it (``peer_stage`` is the other end)."""
+
+    peer_stage: int | str
+    mode: str
+    connector: str
+    connector_config: dict[str, Any] = field(default_factory=dict)
+    chunk_size: int = 16
+    recv_timeout_s: float = 30.0
+    stall_timeout_s: float = 30.0
+    peer_tp: int = 1
+    send_retries: int = 3
+
+    @classmethod
+    def from_dict(cls, data: Any, *, direction: str, path: str) -> PayloadEdgeSettings:
+        peer_key = "to_stage" if direction == "output" else "from_stage"
+        tp_key = "to_tp" if direction == "output" else "from_tp"
+        common = {peer_key, "mode", "connector", "connector_config", tp_key}
+        extra = (
+            {"chunk_size", "send_retries"} if direction == "output" else {"recv_timeout_s", "stall_timeout_s"}
+        )
+        d = _check_keys(data, common | extra, path)
+        if peer_key not in d:
+            raise ConfigError(f"{path}.{peer_key}: required")
+        peer = _stage_id(d[peer_key], f"{path}.{peer_key}")
+        mode = _typed(d, "mode", str, "full", path)
+        if mode not in PAYLOAD_MODES:
+            raise ConfigError(f"{path}.mode: must be one of {', '.join(PAYLOAD_MODES)}, got {mode!r}")
+        connector = _typed(d, "connector", str, "SharedMemoryConnector", path)
+        cfg = _typed(d, "connector_config", dict, {}, path)
+        chunk = _typed(d, "chunk_size", int, 16, path)
+        _positive(chunk, f"{path}.chunk_size")
+        recv = float(_typed(d, "recv_timeout_s", (int, float), 30.0, path))
+        _positive(recv, f"{path}.recv_timeout_s")
+        stall = float(_typed(d, "stall_timeout_s", (int, float), 30.0, path))
+        _positive(stall, f"{path}.stall_timeout_s")
+        tp = _typed(d, tp_key, int, 1, path)
+        _positive(tp, f"{path}.{tp_key}")
+        retries = _typed(d, "send_retries", int, 3, path)
+        if retries < 0:
+            raise ConfigError(f"{path}.send_retries: must be >= 0, got {retries}")
+        return cls(peer, mode, connector, dict(cfg), chunk, recv, stall, tp, retries)
+
+
+@dataclass(frozen=True)
+class PayloadSettings:
+    """What the runner captures and on which edges payloads travel."""
+
+    capture_hidden_states: bool = False
+    capture_token_ids: bool = True
+    replace_keys: tuple[str, ...] = ()
+    custom_process_next_stage_input_func: str | None = None
+    outputs: tuple[PayloadEdgeSettings, ...] = ()
+    inputs: tuple[PayloadEdgeSettings, ...] = ()
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str = "kvbridge.payload") -> PayloadSettings:
+        known = {
+            "capture_hidden_states",
+            "capture_token_ids",
+            "replace_keys",
+            "custom_process_next_stage_input_func",
+            "outputs",
+            "inputs",
+        }
+        d = _check_keys(data, known, path)
+        hidden = _typed(d, "capture_hidden_states", bool, False, path)
+        tokens = _typed(d, "capture_token_ids", bool, True, path)
+        replace = _typed(d, "replace_keys", (list, tuple), [], path)
+        for i, key in enumerate(replace):
+            if not isinstance(key, str):
+                raise ConfigError(f"{path}.replace_keys[{i}]: expected str, got {key!r}")
+        func = _typed(d, "custom_process_next_stage_input_func", str, None, path)
+        if func is not None and not _DOTTED.fullmatch(func):
+            raise ConfigError(f"{path}.custom_process_next_stage_input_func: {func!r} is not a dotted path")
+        edges: dict[str, tuple[PayloadEdgeSettings, ...]] = {}
+        for name, direction in (("outputs", "output"), ("inputs", "input")):
+            items = _typed(d, name, (list, tuple), [], path)
+            edges[name] = tuple(
+                PayloadEdgeSettings.from_dict(item, direction=direction, path=f"{path}.{name}[{i}]")
+                for i, item in enumerate(items)
+            )
+            peers = [e.peer_stage for e in edges[name]]
+            if len(set(peers)) != len(peers):
+                raise ConfigError(f"{path}.{name}: one edge per peer stage, got {peers}")
+        return cls(hidden, tokens, tuple(replace), func, edges["outputs"], edges["inputs"])
+
+    @property
+    def sends(self) -> bool:
+        return bool(self.outputs)
+
+    def process_func(self) -> Callable[..., dict[str, Any]] | None:
+        """The loaded ``custom_process_next_stage_input_func`` (None when unset)."""
+        if self.custom_process_next_stage_input_func is None:
+            return None
+        func = load_dotted(
+            self.custom_process_next_stage_input_func, "kvbridge.payload.custom_process_next_stage_input_func"
+        )
+        if not callable(func):
+            raise ConfigError(
+                "kvbridge.payload.custom_process_next_stage_input_func: "
+                f"{self.custom_process_next_stage_input_func!r} is not callable"
+            )
+        return func
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    """Everything a kvbridge runner needs; see the module docstring for the dict form."""
+
+    stage_id: int | str = 0
+    kv_transfer: dict[str, Any] | None = None
+    kv_send: KVSendSettings = field(default_factory=KVSendSettings)
+    payload: PayloadSettings = field(default_factory=PayloadSettings)
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str = ADDITIONAL_CONFIG_KEY) -> RunnerSettings:
+        d = _check_keys(data, {"stage_id", "kv_transfer", "kv_send", "payload"}, path)
+        stage_id = _stage_id(d.get("stage_id", 0), f"{path}.stage_id")
+        kv = d.get("kv_transfer")
+        if kv is not None:
+            if not isinstance(kv, Mapping):
+                raise ConfigError(f"{path}.kv_transfer: expected a mapping, got {type(kv).__name__}")
+            kv = dict(kv)
+            # Validate now (the KV layer's own schema) so a typo fails at start-up, not at
+            # the first finished request.
+            from vllm_kvbridge.kv.config import KVTransferConfig
+
+            KVTransferConfig.from_dict(kv, path=f"{path}.kv_transfer")
+        return cls(
+            stage_id=stage_id,
+            kv_transfer=kv,
+            kv_send=KVSendSettings.from_dict(d.get("kv_send"), f"{path}.kv_send"),
+            payload=PayloadSettings.from_dict(d.get("payload"), f"{path}.payload"),
+        )
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> RunnerSettings:
+        """Read ``vllm_config.additional_config["kvbridge"]`` (empty settings when absent)."""
+        additional = getattr(vllm_config, "additional_config", None) or {}
+        return cls.from_dict(additional.get(ADDITIONAL_CONFIG_KEY))
+
+    def kv_transfer_config(self) -> Any:
+        """The KV manager's ``KVTransferConfig`` (None when the stage moves no KV)."""
+        if self.kv_transfer is None:
+            return None
+        from vllm_kvbridge.kv.config import KVTransferConfig
+
+        cfg = dict(self.kv_transfer)
+        cfg.setdefault("stage_id", self.stage_id)
+        return KVTransferConfig.from_dict(cfg, path=f"{ADDITIONAL_CONFIG_KEY}.kv_transfer")
+
+    @property
+    def sends_kv(self) -> bool:
+        return bool(self.kv_transfer and self.kv_transfer.get("need_send_cache"))
+
+    @property
+    def receives_kv(self) -> bool:
+        return bool(self.kv_transfer and self.kv_transfer.get("need_recv_cache"))
+
+    @property
+    def needs_connector(self) -> bool:
+        """True when this stage moves anything (KV or payloads): its runner must have the mixin."""
+        return self.sends_kv or self.receives_kv or bool(self.payload.outputs or self.payload.inputs)

