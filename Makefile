@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml scripts/setup-venv.sh
 	touch $@
 
 demo: setup
-	$(BIN)/vllm-kvbridge generate --prompt "A cute cat"
+	$(BIN)/vllm-kvbridge run --stage-config stage_configs/ar_to_dit_shm.yaml --prompt "A cute cat"
 
 # pytest exits 5 when it collected no test: a suite that ran nothing is a failure.
 test: setup

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 SUBCOMMAND_MODULES: list[str] = [
     "vllm_kvbridge.cli.tiny_model",
     "vllm_kvbridge.cli.demo",
+    "vllm_kvbridge.cli.check_config",
+    "vllm_kvbridge.cli.run",
     "vllm_kvbridge.cli.bench",
 ]
 

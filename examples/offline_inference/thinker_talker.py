@@ -1,0 +1,27 @@
+"""Thinker hidden states -> talker prompt embeddings, through the Python API.
+
+python examples/offline_inference/thinker_talker.py [--config stage_configs/thinker_talker_async_chunk.yaml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.pipeline import Pipeline
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", default="stage_configs/thinker_talker_full_payload.yaml")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    with Pipeline.from_config(args.config, model=str(ensure_tiny_model()), progress=print) as pipe:
+        for r in pipe.generate(["A cute cat", "Once upon a time"]):
+            thinker = r.stages[0].output
+            print(f"{r.prompt!r}: thinker said {thinker['text']!r}; talker said {r.text!r}")
+
+
+if __name__ == "__main__":
+    main()

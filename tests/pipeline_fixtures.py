@@ -1,0 +1,110 @@
+"""Helpers of the pipeline tests: stage-process fault injection, references, leak checks.
+
+Fault-injection modules are named by dotted path in stage configs, so the stage processes
+must be able to import this file: tests put ``tests/`` on ``PYTHONPATH`` (see
+:data:`STAGE_ENV`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vllm_kvbridge.models.tiny_dit import TinyKVDiT
+
+TESTS_DIR = Path(__file__).resolve().parent
+ROOT = TESTS_DIR.parent
+STAGE_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))}
+
+
+class CrashOnInit(nn.Module):
+    """A diffusion module whose constructor fails (a stage that crashes on start)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        raise RuntimeError("injected start-up failure of the diffusion module")
+
+
+class DieInForward(TinyKVDiT):
+    """Kills its process without a word on the first forward (a stage that dies mid-run)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        os._exit(17)
+
+
+def shm_segments(prefix: str = "kvbridge.r") -> list[str]:
+    """Segments of pipeline runs (orchestrator namespaces start with ``r<hex>``)."""
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+
+
+def descendants(pid: int) -> list[int]:
+    """Live descendant pids of ``pid`` (via ps; empty when none)."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in out.splitlines():
+        p, pp = (int(x) for x in line.split())
+        children.setdefault(pp, []).append(p)
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def hf_reference(
+    model_dir: str | Path, token_ids: list[int]
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """transformers' per-layer (K, V) as ``[seq, kv_heads, head_dim]`` and final-norm hidden states."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model(torch.tensor([token_ids]), use_cache=True, output_hidden_states=True)
+    pkv = out.past_key_values
+    layers = []
+    for i in range(model.config.num_hidden_layers):
+        if hasattr(pkv, "layers"):
+            k, v = pkv.layers[i].keys, pkv.layers[i].values
+        else:
+            k, v = pkv[i]
+        layers.append((k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous()))
+    return layers, out.hidden_states[-1][0]
+
+
+def load_dump(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def processes_using(path: str | Path) -> list[int]:
+    """Pids of live processes with an open file under ``path`` (stage logs live there)."""
+    root = str(Path(path).resolve())
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{entry}/fd/{fd}").startswith(root):
+                    found.append(int(entry))
+                    break
+            except OSError:
+                continue
+    return found
+
+
+def fork_safe_torch() -> None:
+    """Call first in a forked test: the parent may have started OpenMP's thread pool, which
+    does not survive ``fork`` (a parallel region in the child can hang); one thread is safe."""
+    torch.set_num_threads(1)

@@ -1,0 +1,148 @@
+"""AR -> DiT end to end with real stage processes (one vLLM engine + the diffusion runner).
+
+One pipeline run per shipped config (engine starts are slow), each checking several things.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from pipeline_fixtures import (
+    ROOT,
+    descendants,
+    fork_safe_torch,
+    hf_reference,
+    load_dump,
+    processes_using,
+    shm_segments,
+)
+
+from vllm_kvbridge.connectors.keys import encode_request_id
+from vllm_kvbridge.models.tiny_dit import TinyKVDiT
+from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.pipeline import Pipeline
+from vllm_kvbridge.runner.diffusion_runner import denoise
+
+DIT_KWARGS = {
+    "image_size": 32,
+    "patch_size": 4,
+    "hidden": 64,
+    "depth": 2,
+    "kv_heads": 2,
+    "kv_head_dim": 32,
+    "seed": 0,
+}
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+
+def _expected_image(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    return denoise(TinyKVDiT(**DIT_KWARGS).eval(), kv, num_steps=8, seed=0)[0]
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(300)
+def test_ar_to_dit_shm_end_to_end() -> None:
+    fork_safe_torch()
+    model = ensure_tiny_model()
+    dump = Path(tempfile.mkdtemp(prefix="kvb-dump-"))
+    prompts = ["A cute cat", "The quick brown fox jumps over the lazy dog. " * 3]
+    lines: list[str] = []
+    pipe = Pipeline.from_config(
+        ROOT / "stage_configs/ar_to_dit_shm.yaml", model=str(model), progress=lines.append
+    )
+    import msgspec
+
+    pipe.plan = msgspec.structs.replace(
+        pipe.plan, stages=[msgspec.structs.replace(s, debug_dump_dir=str(dump)) for s in pipe.plan.stages]
+    )
+    with pipe:
+        pids = pipe.stage_pids()
+        results = pipe.generate(prompts)
+        # a second batch through the same running stages (several requests in flight again)
+        again = pipe.generate(prompts[:1])
+    assert any("ready in" in line for line in lines) and any("req-1 done" in line for line in lines)
+    for r in [*results, *again]:
+        assert r.error is None and r.image.shape == (3, 32, 32)
+        assert bool(torch.isfinite(torch.from_numpy(r.image)).all())
+        assert r.image.min() >= 0.0 and r.image.max() <= 1.0
+        kv_edges = [t for t in r.transfers if t.what == "kv"]
+        assert kv_edges and kv_edges[0].nbytes > 0
+    assert not torch.equal(torch.from_numpy(results[0].image), torch.from_numpy(results[1].image))
+    assert torch.equal(torch.from_numpy(results[0].image), torch.from_numpy(again[0].image))
+
+    for r in results:
+        out = r.stages[0].output
+        tokens = list(out["prompt_token_ids"]) + list(out["token_ids"])
+        dumped = load_dump(dump / f"stage1_{encode_request_id(r.request_id)}_kv.safetensors")
+        seq = dumped["layer0.k"].shape[0]
+        assert len(tokens) - 1 <= seq <= len(tokens)
+        ref, _ = hf_reference(model, tokens[:seq])
+        for i, (k, v) in enumerate(ref):
+            assert (dumped[f"layer{i}.k"] - k).abs().max().item() <= 1e-4, f"layer {i} K"
+            assert (dumped[f"layer{i}.v"] - v).abs().max().item() <= 1e-4, f"layer {i} V"
+        kv = [(dumped[f"layer{i}.k"], dumped[f"layer{i}.v"]) for i in range(len(ref))]
+        assert torch.allclose(torch.from_numpy(r.image), _expected_image(kv), atol=1e-5)
+    # nothing left behind
+    for pid in pids.values():
+        assert not descendants(pid)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert shm_segments(f"kvbridge.{pipe.run_id}") == []
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(300)
+def test_ar_to_dit_zmq_through_the_cli() -> None:
+    fork_safe_torch()
+    model = ensure_tiny_model()
+    out_dir = Path(tempfile.mkdtemp(prefix="kvb-run-"))
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_kvbridge.cli.main",
+            "run",
+            "--stage-config",
+            str(ROOT / "stage_configs/ar_to_dit_zmq.yaml"),
+            "--prompt",
+            "A cute cat",
+            "--model",
+            str(model),
+            "--output-dir",
+            str(out_dir),
+            "--debug-dump-dir",
+            str(out_dir / "dump"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert time.monotonic() - t0 < 240
+    assert "[stage 0 (llm_ar)] ready in" in proc.stdout and "[stage 1 (diffusion)] req-1 done" in proc.stdout
+    assert "0 -> 1 kv" in proc.stdout and "GB/s" in proc.stdout
+    result = json.loads((out_dir / "result.json").read_text())
+    req = result["requests"][0]
+    assert req["error"] is None and req["image_shape"] == [3, 32, 32]
+    assert req["transfers"][0]["what"] == "kv" and req["transfers"][0]["bytes"] > 0
+    png = Path(req["outputs"][0]).read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and b"IHDR" in png[:40] and png.endswith(b"IEND\xaeB`\x82")
+    dumped = load_dump(out_dir / "dump" / f"stage1_{encode_request_id('req-1')}_kv.safetensors")
+    layers = len([k for k in dumped if k.endswith(".k")])
+    kv = [(dumped[f"layer{i}.k"], dumped[f"layer{i}.v"]) for i in range(layers)]
+    # The PNG holds the image the DiT paints from exactly this KV (8-bit quantised).
+    import numpy as np
+
+    from vllm_kvbridge.cli.run import encode_png
+
+    assert png == encode_png(np.asarray(_expected_image(kv)))
+    assert processes_using(out_dir) == []

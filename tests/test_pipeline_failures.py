@@ -1,0 +1,86 @@
+"""A stage that crashes on start or dies mid-run ends `run` with that stage's error, quickly,
+leaving no stage process and no shared-memory segment behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from pipeline_fixtures import ROOT, STAGE_ENV, processes_using, shm_segments
+
+from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+
+
+def _config(tmp: Path, class_path: str) -> Path:
+    text = (ROOT / "stage_configs/ar_to_dit_shm.yaml").read_text()
+    text = text.replace("class_path: vllm_kvbridge.models.tiny_dit.TinyKVDiT", f"class_path: {class_path}")
+    path = tmp / "faulty.yaml"
+    path.write_text(text)
+    return path
+
+
+def _run(config: Path, out: Path, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+    env = {**os.environ, **STAGE_ENV}
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_kvbridge.cli.main",
+            "run",
+            "--stage-config",
+            str(config),
+            "--prompt",
+            "A cute cat",
+            "--model",
+            str(ensure_tiny_model()),
+            "--output-dir",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    return proc, time.monotonic() - t0
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(120)
+def test_stage_crashing_on_start_fails_run_within_seconds() -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="kvb-fail-"))
+    before = shm_segments()
+    proc, took = _run(_config(tmp, "pipeline_fixtures.CrashOnInit"), tmp / "out", 100)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    first = proc.stderr.strip().splitlines()[0]
+    assert first.startswith(
+        "error: stage 1 (diffusion) failed: failed to start: RuntimeError: injected start-up failure"
+    ), proc.stderr
+    # the LLM stage was still starting (~40 s here): it was stopped, not waited for
+    assert took < 30, took
+    assert "ready" not in proc.stdout.split("[stage 0 (llm_ar)] starting")[1].split("\n")[0]
+    assert processes_using(tmp) == []  # every stage (and vLLM child) wrote its log under tmp
+    assert shm_segments() == before
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(240)
+def test_stage_dying_mid_run_fails_run_with_its_status() -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="kvb-die-"))
+    before = shm_segments()
+    proc, took = _run(_config(tmp, "pipeline_fixtures.DieInForward"), tmp / "out", 220)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "error: stage 1 (diffusion) failed: process exited with status 17" in proc.stderr
+    # the LLM stage finished the request; the DiT died on its first forward
+    assert "[stage 0 (llm_ar)] req-1 done" in proc.stdout
+    done_line = [line for line in proc.stdout.splitlines() if "req-1 done" in line]
+    assert done_line
+    assert not (tmp / "out" / "result.json").exists()
+    assert took < 150, took
+    assert processes_using(tmp) == []
+    assert shm_segments() == before

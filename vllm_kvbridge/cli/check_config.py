@@ -1,0 +1,117 @@
+"""``vllm-kvbridge check-config FILE``: validate a stage config and print the resolved plan.
+
+Exit status 0 when the file is valid, 1 with a one-line ``error: <key path>: <why>``
+otherwise. ``--json`` prints the resolved plan (including each LLM stage's runner
+settings) as JSON instead of text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import msgspec
+
+from vllm_kvbridge.config.resolve import ResolvedEdge, ResolvedPipeline, ResolvedStage, resolve
+from vllm_kvbridge.config.runner_settings import runner_settings
+from vllm_kvbridge.errors import ConfigError
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "check-config",
+        help="validate a stage config and print the resolved plan",
+        description="Validate a YAML stage config and print the per-stage plan.",
+    )
+    p.add_argument("file", help="stage config (YAML)")
+    p.add_argument("--json", action="store_true", help="print the resolved plan as JSON")
+    p.set_defaults(func=_run)
+
+
+def _carries(e: ResolvedEdge) -> str:
+    parts = (["kv"] if e.kv else []) + ([f"payload ({e.payload_mode})"] if e.payload_mode != "none" else [])
+    return " + ".join(parts)
+
+
+def _stage_lines(s: ResolvedStage) -> list[str]:
+    head = f"stage {s.stage_id}  {s.kind}"
+    lines = []
+    if s.is_llm:
+        lines.append(f"{head}  model={s.model or '<--model / tiny model>'}  tp={s.tensor_parallel_size}")
+        lines.append(f"  worker_cls: {s.worker_cls}")
+        lines.append(f"  engine_args: {json.dumps(s.engine_args, sort_keys=True)}")
+        if s.default_sampling_params:
+            lines.append(f"  sampling: {json.dumps(s.default_sampling_params, sort_keys=True)}")
+    else:
+        d = s.diffusion or {}
+        lines.append(
+            f"{head}  module={d.get('class_path')}  steps={d.get('num_steps')}  "
+            f"weights={d.get('weights') or 'random (seeded)'}"
+        )
+        if d.get("kwargs"):
+            lines.append(f"  kwargs: {json.dumps(d['kwargs'], sort_keys=True)}")
+    kv = s.kv_transfer
+    if kv.get("need_send_cache"):
+        extra = f", token {kv['trigger_token_id']}" if kv.get("trigger_token_id") is not None else ""
+        lines.append(
+            f"  kv send: trigger {kv['trigger']}{extra}"
+            + (", stop after transfer" if kv.get("stop_after_transfer") else "")
+        )
+    if kv.get("need_recv_cache"):
+        lines.append(
+            f"  kv receive: timeout {kv['recv_timeout']:g} s, prefetch "
+            f"{'on' if kv.get('prefetch') else 'off'}"
+        )
+    for e in s.outputs:
+        lines.append(
+            f"  -> stage {e.to_stage}: {e.connector.name} ('{e.connector.ref}') sends "
+            f"{_carries(e)}; tp {e.from_tp} -> {e.to_tp}"
+        )
+    for e in s.inputs:
+        lines.append(
+            f"  <- stage {e.from_stage}: {e.connector.name} ('{e.connector.ref}') receives "
+            f"{_carries(e)}; tp {e.from_tp} -> {e.to_tp}"
+        )
+    if s.payload.get("mode") == "async_chunk":
+        lines.append(
+            f"  chunks: {s.payload['chunk_size']} tokens, stall timeout {s.payload['stall_timeout']:g} s"
+        )
+    return lines
+
+
+def format_plan(plan: ResolvedPipeline) -> str:
+    lines = [f"pipeline {plan.name!r}" + (f" ({plan.source})" if plan.source else "")]
+    if plan.description:
+        lines.append(f"  {plan.description}")
+    for s in plan.stages:
+        lines.extend(_stage_lines(s))
+    lines.append(
+        f"runtime: request timeout {plan.request_timeout:g} s, shutdown timeout "
+        f"{plan.shutdown_timeout:g} s"
+        + (f", debug dumps in {plan.debug_dump_dir}" if plan.debug_dump_dir else "")
+    )
+    return "\n".join(lines)
+
+
+def plan_as_json(plan: ResolvedPipeline) -> dict[str, Any]:
+    data = msgspec.to_builtins(plan)
+    for s, out in zip(plan.stages, data["stages"]):
+        if s.is_llm:
+            out["runner_settings"] = runner_settings(s)
+    return data
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        plan = resolve(args.file)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(plan_as_json(plan), indent=2, sort_keys=True))
+    else:
+        print(format_plan(plan))
+        print("OK")
+    return 0

@@ -1,0 +1,211 @@
+"""``vllm-kvbridge run``: run a pipeline end to end and write its outputs.
+
+    vllm-kvbridge run --stage-config FILE --prompt TEXT [--prompt ...] [--model DIR] [--output-dir DIR]
+
+Prints one progress line per stage event and a final table (per stage wall time; per
+edge bytes moved, transfer seconds and GB/s), and writes into the output dir: one PNG per
+request for pipelines ending in a diffusion stage, one ``.txt`` per request for those
+ending in an LLM stage, the stage logs, and ``result.json``. Exit status: 0 when every
+request succeeded, 1 when a request failed, 2 for a bad config, 3 when a stage failed
+(its error is printed), 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import struct
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+from vllm_kvbridge.errors import ConfigError
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "run", help="run a pipeline from a stage config", description="Run a multi-stage pipeline end to end."
+    )
+    p.add_argument("--stage-config", required=True, help="stage config YAML (see stage_configs/)")
+    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    p.add_argument("--model", help="model for LLM stages that name none (default: the tiny offline model)")
+    p.add_argument("--output-dir", default="kvbridge-output", help="where outputs go (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, help="override the first stage's max_tokens")
+    p.add_argument("--debug-dump-dir", help="dump what receiving stages consumed (KV caches) here")
+    p.set_defaults(func=_run)
+
+
+# -- PNG (no imaging dependency: a PNG is a signature, IHDR, zlib'd scanlines, IEND) --------
+def _chunk(tag: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+
+
+def encode_png(image: Any) -> bytes:
+    """``[3|1, H, W]`` (or ``[H, W]``) values in [0, 1] -> 8-bit RGB/gray PNG bytes."""
+    import numpy as np
+
+    arr = np.asarray(image, dtype=np.float32)
+    if arr.ndim == 2:
+        arr = arr[None]
+    if arr.ndim != 3 or arr.shape[0] not in (1, 3):
+        raise ValueError(f"expected an image [C, H, W] with C in (1, 3), got shape {arr.shape}")
+    pixels = (np.nan_to_num(arr).clip(0.0, 1.0) * 255.0 + 0.5).astype(np.uint8).transpose(1, 2, 0)
+    h, w, c = pixels.shape
+    raw = b"".join(b"\x00" + pixels[y].tobytes() for y in range(h))  # filter type 0 per row
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2 if c == 3 else 0, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _chunk(b"IHDR", ihdr)
+        + _chunk(b"IDAT", zlib.compress(raw, 6))
+        + _chunk(b"IEND", b"")
+    )
+
+
+# -- output -----------------------------------------------------------------------------
+def _safe_name(rid: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", rid)[:64]
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def summary_table(results: list[Any], plan: Any) -> str:
+    """Per stage wall time (mean over requests) and per edge bytes/seconds/GB/s (totals)."""
+    lines = [f"{'stage':<24}{'requests':>9}{'mean wall s':>13}"]
+    for s in plan.stages:
+        walls = [rec.wall_s for r in results for rec in r.stages if rec.stage_id == s.stage_id and rec.done]
+        mean = sum(walls) / len(walls) if walls else 0.0
+        lines.append(f"{f'{s.stage_id} ({s.kind})':<24}{len(walls):>9}{mean:>13.3f}")
+    edges: dict[tuple[int, int, str], list[float]] = {}
+    for r in results:
+        for key, (nbytes, secs) in r.edge_totals().items():
+            acc = edges.setdefault(key, [0.0, 0.0])
+            acc[0] += nbytes
+            acc[1] += secs
+    lines.append("")
+    lines.append(f"{'edge':<24}{'bytes':>12}{'transfer s':>12}{'GB/s':>9}")
+    if not edges:
+        lines.append("(no transfer reported)")
+    for (a, b, what), (nbytes, secs) in sorted(edges.items()):
+        rate = f"{nbytes / secs / 1e9:.3f}" if secs > 0 else "-"
+        lines.append(f"{f'{a} -> {b} {what}':<24}{_fmt_bytes(nbytes):>12}{secs:>12.4f}{rate:>9}")
+    return "\n".join(lines)
+
+
+def write_outputs(results: list[Any], plan: Any, out_dir: Path, started: float) -> dict[str, Any]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records = []
+    for r in results:
+        paths = []
+        if r.image is not None:
+            path = out_dir / f"{_safe_name(r.request_id)}.png"
+            path.write_bytes(encode_png(r.image))
+            paths.append(str(path))
+        if r.text is not None:
+            path = out_dir / f"{_safe_name(r.request_id)}.txt"
+            path.write_text(r.text)
+            paths.append(str(path))
+        records.append(
+            {
+                "request_id": r.request_id,
+                "prompt": r.prompt,
+                "error": r.error,
+                "text": r.text,
+                "token_ids": r.token_ids,
+                "image_shape": list(r.image.shape) if r.image is not None else None,
+                "outputs": paths,
+                "stages": [
+                    {
+                        "stage_id": s.stage_id,
+                        "kind": s.kind,
+                        "wall_s": round(s.wall_s, 6),
+                        "stage_s": round(max(0.0, s.finished - s.started), 6) if s.finished else None,
+                    }
+                    for s in r.stages
+                ],
+                "transfers": [
+                    {"from_stage": a, "to_stage": b, "what": what, "bytes": nbytes, "seconds": round(secs, 6)}
+                    for (a, b, what), (nbytes, secs) in sorted(r.edge_totals().items())
+                ],
+            }
+        )
+    result = {
+        "pipeline": plan.name,
+        "source": plan.source,
+        "total_s": round(time.time() - started, 3),
+        "requests": records,
+    }
+    (out_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _run(args: argparse.Namespace) -> int:
+    from vllm_kvbridge.config.resolve import resolve
+    from vllm_kvbridge.pipeline.orchestrator import Pipeline, PipelineError, RequestError, StageError
+
+    started = time.time()
+    try:
+        plan = resolve(args.stage_config)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.debug_dump_dir:
+        import msgspec
+
+        dump = str(Path(args.debug_dump_dir).resolve())
+        plan = msgspec.structs.replace(
+            plan,
+            debug_dump_dir=dump,
+            stages=[msgspec.structs.replace(s, debug_dump_dir=dump) for s in plan.stages],
+        )
+    model = args.model
+    if model is None and any(s.is_llm and not s.model for s in plan.stages):
+        from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+
+        model = str(ensure_tiny_model())
+        print(f"model: tiny offline Llama at {model}", flush=True)
+    plan = plan.with_model(model)
+    out_dir = Path(args.output_dir)
+    params = {"max_tokens": args.max_tokens} if args.max_tokens else None
+
+    def progress(line: str) -> None:
+        print(line, flush=True)
+
+    pipe = Pipeline(plan, log_dir=out_dir / "logs", progress=progress)
+    results = None
+    code = 0
+    try:
+        with pipe:
+            try:
+                results = pipe.generate(args.prompt, params)
+            except RequestError as exc:
+                results, code = exc.results, 1
+                print(f"error: {exc}", file=sys.stderr)
+    except StageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        if exc.log_tail:
+            print(f"--- stage {exc.stage_id} ---\n{exc.log_tail}", file=sys.stderr)
+        return 3
+    except PipelineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print("interrupted: every stage stopped", file=sys.stderr)
+        return 130
+    result = write_outputs(results, plan, out_dir, started)
+    print()
+    print(summary_table(results, plan))
+    print()
+    for rec in result["requests"]:
+        status = f"FAILED: {rec['error']}" if rec["error"] else ", ".join(rec["outputs"]) or "(no output)"
+        print(f"{rec['request_id']}: {rec['prompt']!r} -> {status}")
+    print(f"wrote {out_dir / 'result.json'} (total {result['total_s']:.1f} s)")
+    return code

@@ -1,0 +1,420 @@
+"""Cross-field validation and per-stage resolution of a :class:`PipelineSpec`.
+
+:func:`resolve` turns the user's file into a :class:`ResolvedPipeline`: for every stage
+the connector it uses on each edge and in which role, the TP sizes of both ends of each
+edge, what each edge carries (KV, payload, chunked payload), the engine arguments and
+the runner settings the stage's worker receives. Everything a stage process needs is in
+its :class:`ResolvedStage`, which is a msgspec Struct so the orchestrator can hand it to
+the stage process as JSON (no pickle).
+
+Every error is one :class:`ConfigError` line starting with the key path.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from vllm_kvbridge.config.loader import load_spec
+from vllm_kvbridge.config.schema import DiffusionSpec, PipelineSpec, StageSpec
+from vllm_kvbridge.errors import ConfigError
+
+#: Worker classes used for LLM stages when ``worker_cls`` is not given, per platform.
+DEFAULT_WORKER_CLS = {
+    "cpu": "vllm_kvbridge.runner.worker.KVBridgeCPUWorker",
+    "gpu": "vllm_kvbridge.runner.worker.KVBridgeGPUWorker",
+}
+#: Engine arguments every LLM stage starts from; the stage's ``engine_args`` override them.
+DEFAULT_ENGINE_ARGS: dict[str, Any] = {"enforce_eager": True, "max_model_len": 512, "seed": 0}
+LLM_KINDS = ("llm_ar", "llm_generation")
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+(:[A-Za-z_][A-Za-z0-9_.]*)?")
+_EDGE_KEY = re.compile(r"(from|to)_stage_(\d+)")
+#: Engine arguments the resolver owns; a stage setting them in engine_args is a mistake.
+_RESERVED_ENGINE_ARGS = ("model", "worker_cls", "tensor_parallel_size", "additional_config")
+
+
+class ResolvedConnector(msgspec.Struct, frozen=True):
+    """A connector instance on one side of one edge."""
+
+    ref: str  # the name used in the file (a key of ``connectors`` or a registry name)
+    name: str  # canonical registry name
+    config: dict[str, Any] = {}
+
+
+class ResolvedEdge(msgspec.Struct, frozen=True):
+    """One edge as one of its two ends sees it."""
+
+    from_stage: int
+    to_stage: int
+    role: str  # "sender" | "receiver"
+    connector: ResolvedConnector
+    kv: bool
+    payload_mode: str  # "none" | "full" | "async_chunk"
+    from_tp: int
+    to_tp: int
+
+    @property
+    def peer(self) -> int:
+        return self.to_stage if self.role == "sender" else self.from_stage
+
+    @property
+    def key(self) -> str:
+        return f"to_stage_{self.to_stage}" if self.role == "sender" else f"from_stage_{self.from_stage}"
+
+
+class ResolvedStage(msgspec.Struct):
+    """Everything one stage process needs to start."""
+
+    stage_id: int
+    kind: str
+    model: str | None
+    tensor_parallel_size: int
+    worker_cls: str | None
+    engine_args: dict[str, Any]
+    env: dict[str, str]
+    devices: str | None
+    default_sampling_params: dict[str, Any]
+    kv_transfer: dict[str, Any]
+    payload: dict[str, Any]
+    inputs: list[ResolvedEdge]
+    outputs: list[ResolvedEdge]
+    diffusion: dict[str, Any] | None
+    start_timeout: float
+    debug_dump_dir: str | None = None
+
+    @property
+    def is_llm(self) -> bool:
+        return self.kind in LLM_KINDS
+
+
+class ResolvedPipeline(msgspec.Struct):
+    """The validated plan of a whole pipeline, stages in execution order."""
+
+    name: str
+    description: str
+    source: str | None
+    stages: list[ResolvedStage]
+    request_timeout: float
+    shutdown_timeout: float
+    debug_dump_dir: str | None
+
+    def stage(self, stage_id: int) -> ResolvedStage:
+        for s in self.stages:
+            if s.stage_id == stage_id:
+                return s
+        raise KeyError(stage_id)
+
+    @property
+    def entry_stage(self) -> ResolvedStage:
+        return self.stages[0]
+
+    @property
+    def final_stage(self) -> ResolvedStage:
+        return self.stages[-1]
+
+    def with_model(self, model: str | None) -> ResolvedPipeline:
+        """A copy where every LLM stage without an explicit model uses ``model``."""
+        stages = [msgspec.structs.replace(s, model=s.model or model) if s.is_llm else s for s in self.stages]
+        return msgspec.structs.replace(self, stages=stages)
+
+
+def _platform() -> str:
+    try:
+        import torch
+
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    except Exception:  # pragma: no cover - torch is a dependency
+        return "cpu"
+
+
+def _known_connector_names() -> set[str]:
+    from vllm_kvbridge.connectors.registry import available_connectors
+
+    return set(available_connectors())
+
+
+def _canonical(name: str) -> str:
+    from vllm_kvbridge.connectors.registry import canonical_name
+
+    return canonical_name(name)
+
+
+def _resolve_connector(ref: str, spec: PipelineSpec, path: str) -> ResolvedConnector:
+    known = _known_connector_names()
+    if ref in spec.connectors:
+        c = spec.connectors[ref]
+        canonical = _canonical(c.name)
+        if canonical not in known:
+            raise ConfigError(
+                f"connectors.{ref}.name: unknown connector type {c.name!r} "
+                f"(known: {', '.join(sorted(known))})"
+            )
+        return ResolvedConnector(ref=ref, name=canonical, config=dict(c.extra))
+    canonical = _canonical(ref)
+    if canonical in known:
+        return ResolvedConnector(ref=ref, name=canonical, config={})
+    named = ", ".join(sorted(spec.connectors)) or "none defined"
+    raise ConfigError(
+        f"{path}: unknown connector {ref!r} (connectors: {named}; types: {', '.join(sorted(known))})"
+    )
+
+
+def _check_dotted(value: str | None, path: str) -> None:
+    if value is not None and not _DOTTED.fullmatch(value):
+        raise ConfigError(f"{path}: {value!r} is not a dotted path like 'package.module.Name'")
+
+
+def _check_stage(i: int, s: StageSpec) -> None:
+    p = f"stages[{i}]"
+    if s.stage_id < 0:
+        raise ConfigError(f"{p}.stage_id: must be >= 0, got {s.stage_id}")
+    if s.tensor_parallel_size < 1:
+        raise ConfigError(f"{p}.tensor_parallel_size: must be >= 1, got {s.tensor_parallel_size}")
+    if s.start_timeout <= 0:
+        raise ConfigError(f"{p}.start_timeout: must be > 0, got {s.start_timeout}")
+    kv, pl = s.kv_transfer, s.payload
+    for name in ("recv_timeout", "send_timeout"):
+        if getattr(kv, name) <= 0:
+            raise ConfigError(f"{p}.kv_transfer.{name}: must be > 0, got {getattr(kv, name)}")
+    if kv.trigger == "special_token" and kv.trigger_token_id is None:
+        raise ConfigError(f"{p}.kv_transfer.trigger_token_id: required when trigger is 'special_token'")
+    if kv.trigger != "special_token" and kv.trigger_token_id is not None:
+        raise ConfigError(f"{p}.kv_transfer.trigger_token_id: only valid with trigger 'special_token'")
+    if kv.stop_after_transfer and kv.trigger != "prefill_finished":
+        raise ConfigError(f"{p}.kv_transfer.stop_after_transfer: only valid with trigger 'prefill_finished'")
+    if pl.chunk_size < 1:
+        raise ConfigError(f"{p}.payload.chunk_size: must be >= 1, got {pl.chunk_size}")
+    for name in ("stall_timeout", "recv_timeout"):
+        if getattr(pl, name) <= 0:
+            raise ConfigError(f"{p}.payload.{name}: must be > 0, got {getattr(pl, name)}")
+    _check_dotted(
+        pl.custom_process_next_stage_input_func, f"{p}.payload.custom_process_next_stage_input_func"
+    )
+    _check_dotted(s.worker_cls, f"{p}.worker_cls")
+    for key in _RESERVED_ENGINE_ARGS:
+        if key in s.engine_args:
+            raise ConfigError(f"{p}.engine_args.{key}: set it as a stage field, not an engine argument")
+    if s.kind == "diffusion":
+        if s.tensor_parallel_size != 1:
+            raise ConfigError(
+                f"{p}.tensor_parallel_size: diffusion stages run on one rank, got {s.tensor_parallel_size}"
+            )
+        if kv.need_send_cache:
+            raise ConfigError(f"{p}.kv_transfer.need_send_cache: a diffusion stage does not produce KV")
+        if s.worker_cls is not None:
+            raise ConfigError(f"{p}.worker_cls: diffusion stages run the diffusion runner, not a vLLM worker")
+        d = s.diffusion or DiffusionSpec()
+        _check_dotted(d.class_path, f"{p}.diffusion.class_path")
+        if d.num_steps < 1:
+            raise ConfigError(f"{p}.diffusion.num_steps: must be >= 1, got {d.num_steps}")
+    else:
+        if s.diffusion is not None:
+            raise ConfigError(f"{p}.diffusion: only valid for kind 'diffusion' (this stage is {s.kind!r})")
+        if kv.need_recv_cache:
+            raise ConfigError(f"{p}.kv_transfer.need_recv_cache: LLM stages cannot consume KV caches yet")
+
+
+def _edges(spec: PipelineSpec) -> list[tuple[int, int, str | None, str]]:
+    """(from, to, default connector ref, key path) per edge; a linear chain when omitted."""
+    if spec.edges is None:
+        ids = [s.stage_id for s in spec.stages]
+        return [(a, b, None, "edges") for a, b in itertools.pairwise(ids)]
+    return [(e.from_stage, e.to_stage, e.connector, f"edges[{i}]") for i, e in enumerate(spec.edges)]
+
+
+def resolve_spec(spec: PipelineSpec, source: str | None = None) -> ResolvedPipeline:
+    """Validate ``spec`` as a whole and compute every stage's plan."""
+    if not spec.stages:
+        raise ConfigError("stages: at least one stage is required")
+    index: dict[int, int] = {}
+    for i, s in enumerate(spec.stages):
+        _check_stage(i, s)
+        if s.stage_id in index:
+            raise ConfigError(
+                f"stages[{i}].stage_id: duplicate stage id {s.stage_id} (also stages[{index[s.stage_id]}])"
+            )
+        index[s.stage_id] = i
+    if spec.stages[0].kind not in LLM_KINDS:
+        raise ConfigError(
+            f"stages[0].kind: the first stage takes the text prompt and must be an LLM "
+            f"stage, got {spec.stages[0].kind!r}"
+        )
+    for name in spec.connectors:
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+            raise ConfigError(f"connectors.{name}: connector names use [A-Za-z0-9_-]")
+        _resolve_connector(name, spec, f"connectors.{name}")
+
+    edges = _edges(spec)
+    seen_in: dict[int, str] = {}
+    seen_out: dict[int, str] = {}
+    inputs: dict[int, list[ResolvedEdge]] = {s.stage_id: [] for s in spec.stages}
+    outputs: dict[int, list[ResolvedEdge]] = {s.stage_id: [] for s in spec.stages}
+    for a, b, default_ref, path in edges:
+        for end, sid in (("from_stage", a), ("to_stage", b)):
+            if sid not in index:
+                raise ConfigError(f"{path}.{end}: no stage with stage_id {sid}")
+        if index[b] != index[a] + 1:
+            raise ConfigError(
+                f"{path}: edges must link a stage to the next one in 'stages' "
+                f"(got {a} -> {b}); branching pipelines are not supported yet"
+            )
+        if a in seen_out:
+            raise ConfigError(f"{path}: stage {a} already has an outgoing edge ({seen_out[a]})")
+        if b in seen_in:
+            raise ConfigError(f"{path}: stage {b} already has an incoming edge ({seen_in[b]})")
+        seen_out[a], seen_in[b] = path, path
+        src, dst = spec.stages[index[a]], spec.stages[index[b]]
+        sp, dp = f"stages[{index[a]}]", f"stages[{index[b]}]"
+
+        kv = src.kv_transfer.need_send_cache
+        if kv != dst.kv_transfer.need_recv_cache:
+            raise ConfigError(
+                f"{dp}.kv_transfer.need_recv_cache: must be {str(kv).lower()} because stage {a} "
+                f"{'sends' if kv else 'does not send'} KV on edge {a} -> {b}"
+            )
+        mode = src.payload.mode
+        if dst.payload.mode != mode:
+            raise ConfigError(
+                f"{dp}.payload.mode: stage {a} sends {mode!r} payloads on edge {a} -> {b} "
+                f"but this stage expects {dst.payload.mode!r}"
+            )
+        if mode != "none" and src.kind == "diffusion":
+            raise ConfigError(f"{sp}.payload.mode: diffusion stages do not produce payloads")
+        if not kv and mode == "none":
+            raise ConfigError(f"{path}: edge {a} -> {b} carries nothing (no KV, payload mode 'none')")
+        tp_a, tp_b = src.tensor_parallel_size, dst.tensor_parallel_size
+        if max(tp_a, tp_b) % min(tp_a, tp_b):
+            raise ConfigError(
+                f"{dp}.tensor_parallel_size: TP sizes of edge {a} -> {b} must divide one "
+                f"another, got {tp_a} and {tp_b}"
+            )
+
+        out_key, in_key = f"to_stage_{b}", f"from_stage_{a}"
+        out_ref = src.output_connectors.get(out_key, default_ref)
+        in_ref = dst.input_connectors.get(in_key, default_ref)
+        if out_ref is None:
+            raise ConfigError(
+                f"{sp}.output_connectors.{out_key}: no connector for edge {a} -> {b} "
+                f"(set {path}.connector or this key)"
+            )
+        if in_ref is None:
+            raise ConfigError(
+                f"{dp}.input_connectors.{in_key}: no connector for edge {a} -> {b} "
+                f"(set {path}.connector or this key)"
+            )
+        out_c = _resolve_connector(
+            out_ref,
+            spec,
+            f"{sp}.output_connectors.{out_key}" if out_key in src.output_connectors else f"{path}.connector",
+        )
+        in_c = _resolve_connector(
+            in_ref,
+            spec,
+            f"{dp}.input_connectors.{in_key}" if in_key in dst.input_connectors else f"{path}.connector",
+        )
+        if out_c.name != in_c.name:
+            raise ConfigError(
+                f"{dp}.input_connectors.{in_key}: receiver uses {in_c.name} but stage {a} "
+                f"sends with {out_c.name}"
+            )
+        common = {
+            "from_stage": a,
+            "to_stage": b,
+            "kv": kv,
+            "payload_mode": mode,
+            "from_tp": tp_a,
+            "to_tp": tp_b,
+        }
+        outputs[a].append(ResolvedEdge(role="sender", connector=out_c, **common))
+        inputs[b].append(ResolvedEdge(role="receiver", connector=in_c, **common))
+
+    for i, s in enumerate(spec.stages):
+        p = f"stages[{i}]"
+        for key in s.input_connectors:
+            m = _EDGE_KEY.fullmatch(key)
+            if not m or m.group(1) != "from":
+                raise ConfigError(f"{p}.input_connectors.{key}: keys are 'from_stage_<id>'")
+            if int(m.group(2)) not in [e.from_stage for e in inputs[s.stage_id]]:
+                raise ConfigError(f"{p}.input_connectors.{key}: no edge {m.group(2)} -> {s.stage_id}")
+        for key in s.output_connectors:
+            m = _EDGE_KEY.fullmatch(key)
+            if not m or m.group(1) != "to":
+                raise ConfigError(f"{p}.output_connectors.{key}: keys are 'to_stage_<id>'")
+            if int(m.group(2)) not in [e.to_stage for e in outputs[s.stage_id]]:
+                raise ConfigError(f"{p}.output_connectors.{key}: no edge {s.stage_id} -> {m.group(2)}")
+        if s.kv_transfer.need_send_cache and not outputs[s.stage_id]:
+            raise ConfigError(f"{p}.kv_transfer.need_send_cache: stage {s.stage_id} has no outgoing edge")
+        if s.kv_transfer.need_recv_cache and not inputs[s.stage_id]:
+            raise ConfigError(f"{p}.kv_transfer.need_recv_cache: stage {s.stage_id} has no incoming edge")
+
+    platform = _platform()
+    stages = [
+        _resolve_stage(s, inputs[s.stage_id], outputs[s.stage_id], platform, spec.runtime.debug_dump_dir)
+        for s in spec.stages
+    ]
+    rt = spec.runtime
+    for name in ("request_timeout", "shutdown_timeout"):
+        if getattr(rt, name) <= 0:
+            raise ConfigError(f"runtime.{name}: must be > 0, got {getattr(rt, name)}")
+    return ResolvedPipeline(
+        name=spec.name,
+        description=spec.description,
+        source=source,
+        stages=stages,
+        request_timeout=rt.request_timeout,
+        shutdown_timeout=rt.shutdown_timeout,
+        debug_dump_dir=rt.debug_dump_dir,
+    ).with_model(spec.model or None)
+
+
+def _resolve_stage(
+    s: StageSpec,
+    inputs: list[ResolvedEdge],
+    outputs: list[ResolvedEdge],
+    platform: str,
+    debug_dump_dir: str | None,
+) -> ResolvedStage:
+    kv = msgspec.structs.asdict(s.kv_transfer)
+    payload = msgspec.structs.asdict(s.payload)
+    engine_args: dict[str, Any] = {}
+    worker_cls = None
+    if s.kind in LLM_KINDS:
+        engine_args = {**DEFAULT_ENGINE_ARGS, **s.engine_args}
+        if platform == "cpu":
+            engine_args.setdefault("dtype", "float32")
+        if any(e.payload_mode != "none" for e in inputs):
+            # The received hidden states become the prompt (vLLM's prompt-embeds input).
+            engine_args["enable_prompt_embeds"] = True
+        worker_cls = s.worker_cls or DEFAULT_WORKER_CLS[platform]
+    diffusion = None
+    if s.kind == "diffusion":
+        diffusion = msgspec.structs.asdict(s.diffusion or DiffusionSpec())
+    env = {k: str(v) for k, v in s.env.items()}
+    return ResolvedStage(
+        stage_id=s.stage_id,
+        kind=s.kind,
+        model=s.model,
+        tensor_parallel_size=s.tensor_parallel_size,
+        worker_cls=worker_cls,
+        engine_args=engine_args,
+        env=env,
+        devices=s.devices,
+        default_sampling_params=dict(s.default_sampling_params),
+        kv_transfer=kv,
+        payload=payload,
+        inputs=inputs,
+        outputs=outputs,
+        diffusion=diffusion,
+        start_timeout=s.start_timeout,
+        debug_dump_dir=debug_dump_dir,
+    )
+
+
+def resolve(path: str | Path, env: Mapping[str, str] | None = None) -> ResolvedPipeline:
+    """Load, validate and resolve a YAML stage config."""
+    return resolve_spec(load_spec(path, env), source=str(path))

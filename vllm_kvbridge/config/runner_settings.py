@@ -1,0 +1,97 @@
+"""What a resolved stage hands to the code that runs it.
+
+* :func:`kv_transfer_config_dict`: the stage's KV settings as the keyword dict of
+  :class:`vllm_kvbridge.kv.config.KVTransferConfig` (``KVTransferConfig.from_dict``).
+* :func:`runner_settings`: the dict an LLM stage's worker receives as
+  ``vllm_config.additional_config["kvbridge"]`` (read by ``RunnerSettings.from_dict``).
+
+These are the only two places that translate the YAML schema into the lower layers'
+settings, so a renamed field changes here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_kvbridge.config.resolve import ResolvedEdge, ResolvedStage
+
+
+def _kv_edge(stage: ResolvedStage, role: str) -> ResolvedEdge | None:
+    edges = stage.outputs if role == "sender" else stage.inputs
+    return next((e for e in edges if e.kv), None)
+
+
+def kv_transfer_config_dict(stage: ResolvedStage) -> dict[str, Any]:
+    """``KVTransferConfig`` fields for ``stage`` (one KV edge per direction at most)."""
+    kv = stage.kv_transfer
+    out: dict[str, Any] = {
+        "stage_id": stage.stage_id,
+        "need_send_cache": bool(kv.get("need_send_cache")),
+        "need_recv_cache": bool(kv.get("need_recv_cache")),
+        "recv_timeout": float(kv.get("recv_timeout", 30.0)),
+        "enable_kv_async_prefetch": bool(kv.get("prefetch", True)) and bool(kv.get("need_recv_cache")),
+    }
+    send, recv = _kv_edge(stage, "sender"), _kv_edge(stage, "receiver")
+    edge = send or recv
+    if send is not None:
+        out["to_stage"] = send.to_stage
+    if recv is not None:
+        out["from_stage"] = recv.from_stage
+    if edge is not None:
+        out.update(
+            from_tp=edge.from_tp,
+            to_tp=edge.to_tp,
+            connector=edge.connector.name,
+            connector_config=dict(edge.connector.config),
+        )
+    return out
+
+
+def runner_settings(stage: ResolvedStage) -> dict[str, Any]:
+    """``additional_config["kvbridge"]`` for an LLM stage's worker (``RunnerSettings.from_dict``)."""
+    kv = stage.kv_transfer
+    payload = stage.payload
+    capture = set(payload.get("capture", []))
+    outputs = [
+        {
+            "to_stage": e.to_stage,
+            "mode": e.payload_mode,
+            "connector": e.connector.name,
+            "connector_config": dict(e.connector.config),
+            "chunk_size": int(payload.get("chunk_size", 16)),
+            "to_tp": e.to_tp,
+        }
+        for e in stage.outputs
+        if e.payload_mode != "none"
+    ]
+    inputs = [
+        {
+            "from_stage": e.from_stage,
+            "mode": e.payload_mode,
+            "connector": e.connector.name,
+            "connector_config": dict(e.connector.config),
+            "recv_timeout_s": float(payload.get("recv_timeout", 30.0)),
+            "stall_timeout_s": float(payload.get("stall_timeout", 30.0)),
+            "from_tp": e.from_tp,
+        }
+        for e in stage.inputs
+        if e.payload_mode != "none"
+    ]
+    settings: dict[str, Any] = {
+        "stage_id": stage.stage_id,
+        "kv_send": {
+            "trigger": kv.get("trigger", "on_finish"),
+            "trigger_token_id": kv.get("trigger_token_id"),
+            "stop_after_transfer": bool(kv.get("stop_after_transfer")),
+        },
+        "payload": {
+            "capture_hidden_states": "hidden_states" in capture and bool(outputs),
+            "capture_token_ids": "token_ids" in capture,
+            "custom_process_next_stage_input_func": payload.get("custom_process_next_stage_input_func"),
+            "outputs": outputs,
+            "inputs": inputs,
+        },
+    }
+    if kv.get("need_send_cache") or kv.get("need_recv_cache"):
+        settings["kv_transfer"] = kv_transfer_config_dict(stage)
+    return settings

@@ -1,0 +1,153 @@
+"""The stage-config schema: what a YAML pipeline file may contain.
+
+Every Struct forbids unknown fields, so a typo (``need_send_cahce``) is an error that
+names the key path instead of a silently ignored setting. Values are checked for type by
+msgspec and for meaning by :mod:`vllm_kvbridge.config.resolve`.
+
+A pipeline file looks like::
+
+    name: ar_to_dit_shm
+    connectors:                       # named transports, referenced by edges and stages
+      shm: {name: SharedMemoryConnector, extra: {}}
+    stages:
+      - stage_id: 0
+        kind: llm_ar
+        engine_args: {max_model_len: 512}
+        kv_transfer: {need_send_cache: true, trigger: on_finish}
+      - stage_id: 1
+        kind: diffusion
+        kv_transfer: {need_recv_cache: true, recv_timeout: 30}
+        diffusion: {class_path: vllm_kvbridge.models.tiny_dit.TinyKVDiT}
+    edges:
+      - {from_stage: 0, to_stage: 1, connector: shm}
+
+Stages may override the edge's connector for their own role with
+``output_connectors: {to_stage_1: name}`` (sender side) and
+``input_connectors: {from_stage_0: name}`` (receiver side).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+StageKind = Literal["llm_ar", "diffusion", "llm_generation"]
+Trigger = Literal["on_finish", "prefill_finished", "special_token"]
+PayloadMode = Literal["none", "full", "async_chunk"]
+
+
+class _Spec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=False):
+    """Base of every config Struct: unknown keys are rejected."""
+
+
+class ConnectorSpec(_Spec):
+    """A named transport. ``name`` is a registry name or alias (``shm``, ``zmq``, ``mooncake``)."""
+
+    name: str
+    extra: dict[str, Any] = {}
+
+
+class KVTransferSpec(_Spec):
+    """When a stage sends or receives KV caches.
+
+    ``trigger`` (sender): ``on_finish`` sends when the request finishes;
+    ``prefill_finished`` sends once the prompt's KV is complete (with
+    ``stop_after_transfer`` the request then ends); ``special_token`` sends when the
+    sampled token equals ``trigger_token_id``. ``recv_timeout`` (receiver) is the
+    deadline in seconds for a KV cache to arrive; ``prefetch`` lets the receiver start
+    pulling the next queued request's KV while the current one runs.
+    """
+
+    need_send_cache: bool = False
+    need_recv_cache: bool = False
+    trigger: Trigger = "on_finish"
+    trigger_token_id: int | None = None
+    stop_after_transfer: bool = False
+    recv_timeout: float = 30.0
+    send_timeout: float = 30.0
+    prefetch: bool = True
+
+
+class PayloadSpec(_Spec):
+    """Stage payloads (hidden states, token ids, ...) sent to or received from a neighbour.
+
+    ``mode``: ``none``, ``full`` (one payload per request, sent on finish) or
+    ``async_chunk`` (ordered chunks of ``chunk_size`` tokens while generating). A sender
+    and its receiver must use the same mode. ``capture`` lists what the producer puts in
+    the payload. ``custom_process_next_stage_input_func`` is a dotted path to a function
+    that turns a producer's outputs into the next stage's inputs.
+    """
+
+    mode: PayloadMode = "none"
+    chunk_size: int = 16
+    stall_timeout: float = 30.0
+    recv_timeout: float = 30.0
+    capture: list[Literal["hidden_states", "token_ids"]] = msgspec.field(
+        default_factory=lambda: ["hidden_states", "token_ids"]
+    )
+    custom_process_next_stage_input_func: str | None = None
+
+
+class DiffusionSpec(_Spec):
+    """The torch ``nn.Module`` a diffusion stage hosts.
+
+    ``class_path`` is ``package.module.Class`` (or ``package.module:Class``), built as
+    ``Class(**kwargs)``; ``weights`` is an optional safetensors file loaded strictly.
+    """
+
+    class_path: str = "vllm_kvbridge.models.tiny_dit.TinyKVDiT"
+    kwargs: dict[str, Any] = {}
+    weights: str | None = None
+    num_steps: int = 8
+    seed: int = 0
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    device: str = "cpu"
+
+
+class StageSpec(_Spec):
+    """One stage: an engine in its own process (or group of TP ranks)."""
+
+    stage_id: int
+    kind: StageKind
+    model: str | None = None
+    worker_cls: str | None = None
+    engine_args: dict[str, Any] = {}
+    tensor_parallel_size: int = 1
+    devices: str | None = None
+    env: dict[str, str | int | float | bool] = {}
+    default_sampling_params: dict[str, Any] = {}
+    input_connectors: dict[str, str] = {}
+    output_connectors: dict[str, str] = {}
+    kv_transfer: KVTransferSpec = msgspec.field(default_factory=KVTransferSpec)
+    payload: PayloadSpec = msgspec.field(default_factory=PayloadSpec)
+    diffusion: DiffusionSpec | None = None
+    start_timeout: float = 300.0
+
+
+class EdgeSpec(_Spec):
+    """A directed link between two stages and the connector both roles use by default."""
+
+    from_stage: int
+    to_stage: int
+    connector: str | None = None
+
+
+class RuntimeSpec(_Spec):
+    """Orchestrator settings."""
+
+    request_timeout: float = 300.0
+    shutdown_timeout: float = 10.0
+    debug_dump_dir: str | None = None
+
+
+class PipelineSpec(_Spec):
+    """A whole pipeline file."""
+
+    stages: list[StageSpec]
+    name: str = "pipeline"
+    description: str = ""
+    model: str | None = None
+    connectors: dict[str, ConnectorSpec] = {}
+    edges: list[EdgeSpec] | None = None
+    runtime: RuntimeSpec = msgspec.field(default_factory=RuntimeSpec)

@@ -1,0 +1,183 @@
+"""The engines a stage process drives: one class per stage kind.
+
+A :class:`StageEngine` is driven by the stage process's single-threaded serve loop
+(which owns the control socket): ``submit`` queues a request, ``step`` makes progress and
+returns the messages to send (``StageDone`` / ``RequestFailed``), ``busy`` says whether
+``step`` has work (the loop then polls its socket without sleeping), ``abort`` drops
+requests, ``close`` releases everything. ``step`` must not block for long: slow work
+(KV receives, denoising) runs on the engine's own worker thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from abc import ABC, abstractmethod
+from typing import Any
+
+from vllm_kvbridge.config.resolve import ResolvedStage
+from vllm_kvbridge.pipeline import messages as m
+
+
+class StageEngine(ABC):
+    def __init__(self, stage: ResolvedStage) -> None:
+        self.stage = stage
+
+    def info(self) -> dict[str, Any]:
+        return {"kind": self.stage.kind}
+
+    @abstractmethod
+    def submit(self, msg: m.Submit) -> None: ...
+
+    @abstractmethod
+    def step(self) -> list[m.StageDone | m.RequestFailed]: ...
+
+    @abstractmethod
+    def busy(self) -> bool: ...
+
+    @abstractmethod
+    def abort(self, request_ids: list[str]) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+def build_engine(stage: ResolvedStage) -> StageEngine:
+    if stage.kind == "diffusion":
+        return DiffusionStageEngine(stage)
+    from vllm_kvbridge.pipeline.llm_engine import LLMStageEngine
+
+    return LLMStageEngine(stage)
+
+
+class DiffusionStageEngine(StageEngine):
+    """Runs :class:`~vllm_kvbridge.runner.diffusion_runner.DiffusionRunner` on a worker thread.
+
+    Requests run in arrival order; while one denoises, the KV of the next queued one is
+    prefetched. Per-request errors (a KV that never arrives) become ``RequestFailed``;
+    the worker thread itself never dies on one.
+    """
+
+    def __init__(self, stage: ResolvedStage) -> None:
+        super().__init__(stage)
+        from vllm_kvbridge.runner.diffusion_runner import DiffusionRunner
+
+        self.runner = DiffusionRunner(stage)
+        self._lock = threading.Lock()
+        self._queue: list[tuple[m.Submit, Any]] = []
+        self._wakeup = threading.Event()
+        self._done: queue.SimpleQueue[m.StageDone | m.RequestFailed | BaseException] = queue.SimpleQueue()
+        self._aborted: set[str] = set()
+        self._pending = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._work, name="kvbridge-diffusion", daemon=True)
+        self._thread.start()
+
+    def info(self) -> dict[str, Any]:
+        return {"kind": "diffusion", "latent_shape": list(self.runner.module.latent_shape)}
+
+    def _request(self, msg: m.Submit) -> Any:
+        from vllm_kvbridge.runner.diffusion_runner import DiffusionRequest
+
+        up = msg.upstream[0] if msg.upstream else m.Upstream(-1, msg.request_id)
+        params = msg.sampling_params
+        return DiffusionRequest(
+            msg.request_id,
+            up.transfer_request_id,
+            up.from_stage,
+            dict(up.sender_info),
+            seed=params.get("seed"),
+            num_steps=params.get("num_steps"),
+        )
+
+    def submit(self, msg: m.Submit) -> None:
+        with self._lock:
+            self._queue.append((msg, self._request(msg)))
+            self._pending += 1
+        self._wakeup.set()
+
+    def busy(self) -> bool:
+        return not self._done.empty()
+
+    def abort(self, request_ids: list[str]) -> None:
+        with self._lock:
+            self._aborted.update(request_ids)
+
+    def step(self) -> list[m.StageDone | m.RequestFailed]:
+        out: list[m.StageDone | m.RequestFailed] = []
+        while not self._done.empty():
+            item = self._done.get()
+            if isinstance(item, BaseException):
+                raise item
+            out.append(item)
+        return out
+
+    def _work(self) -> None:
+        try:
+            while True:
+                self._wakeup.wait(0.1)
+                with self._lock:
+                    self._wakeup.clear()
+                    if self._stop:
+                        return
+                    if not self._queue:
+                        continue
+                    msg, req = self._queue.pop(0)
+                    nxt = self._queue[0][1] if self._queue else None
+                    aborted = msg.request_id in self._aborted
+                    self._aborted.discard(msg.request_id)
+                if aborted:
+                    continue
+                if nxt is not None:
+                    self._safe(lambda n=nxt: self.runner.prefetch(n))
+                started = time.time()
+                try:
+                    res = self.runner.execute(req)
+                except Exception as exc:
+                    self._done.put(
+                        m.RequestFailed(msg.request_id, self.stage.stage_id, f"{type(exc).__name__}: {exc}")
+                    )
+                    continue
+                transfers = []
+                if req.from_stage >= 0 and self.runner.need_kv:
+                    transfers.append(
+                        m.TransferStat(
+                            req.from_stage,
+                            self.stage.stage_id,
+                            "kv",
+                            res.kv_bytes,
+                            res.kv_seconds,
+                            "receiver",
+                        )
+                    )
+                self._done.put(
+                    m.StageDone(
+                        msg.request_id,
+                        self.stage.stage_id,
+                        output={"shape": list(res.image.shape)},
+                        image=m.tensor_to_msg(res.image),
+                        started=started,
+                        finished=time.time(),
+                        transfers=transfers,
+                    )
+                )
+        except BaseException as exc:  # an engine bug: fail the stage, loudly
+            traceback.print_exc()
+            self._done.put(exc)
+
+    @staticmethod
+    def _safe(fn: Any) -> None:
+        try:
+            fn()
+        except Exception:
+            # A failed prefetch is retried by the regular receive, which reports the error.
+            traceback.print_exc()
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+        self.runner.close()

@@ -1,0 +1,251 @@
+"""The engine of an LLM stage: a vLLM ``LLMEngine`` running the kvbridge worker.
+
+The stage's runner settings travel to the worker as ``additional_config["kvbridge"]``
+(:func:`vllm_kvbridge.runner.worker.engine_kwargs`). Requests are added to vLLM's engine
+and stepped by the serve loop, so new requests join a running batch. A finished request
+is reported only once its KV/payload sends completed (``kvbridge_transfer_status`` on
+every rank), together with the sender info of every rank (``kvbridge_sender_info``),
+which the orchestrator forwards to the next stage. The transfer id of every request is
+the orchestrator's request id (``extra_args["kvbridge"]["request_id"]``).
+
+A stage with an incoming payload edge (a talker) receives the producer's payload on a
+:class:`~vllm_kvbridge.runner.payload_stream.PayloadReceiver` and submits its
+``hidden_states`` to vLLM as prompt embeddings (``enable_prompt_embeds``).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from vllm_kvbridge.config.resolve import ResolvedStage
+from vllm_kvbridge.config.runner_settings import runner_settings
+from vllm_kvbridge.pipeline import messages as m
+from vllm_kvbridge.pipeline.engines import StageEngine
+
+#: Seconds between two transfer-status RPCs while requests wait for their sends.
+STATUS_POLL_S = 0.005
+
+
+def _merge_kv_info(per_rank: list[dict[str, Any]], rid: str) -> dict[str, Any]:
+    """Sender info of one request over all ranks, in the KV manager's ``keys``/``ranks`` form."""
+    keys: dict[str, Any] = {}
+    ranks: dict[str, Any] = {}
+    for info in per_rank:
+        got = (info.get("kv") or {}).get(rid) or {}
+        keys.update(got.get("keys") or {})
+        ranks.update(got.get("ranks") or {})
+    out: dict[str, Any] = {}
+    if keys:
+        out["keys"] = keys
+    if ranks:
+        out["ranks"] = ranks
+    return out
+
+
+class LLMStageEngine(StageEngine):
+    def __init__(self, stage: ResolvedStage) -> None:
+        super().__init__(stage)
+        from vllm import LLM
+
+        from vllm_kvbridge.runner.worker import engine_kwargs
+
+        self.settings = runner_settings(stage)
+        self.moves_data = bool(stage.outputs or stage.inputs)
+        kwargs = dict(stage.engine_args)
+        if self.moves_data:
+            kwargs.update(engine_kwargs(self.settings, worker_cls=stage.worker_cls))
+        self.llm = LLM(model=stage.model, tensor_parallel_size=stage.tensor_parallel_size, **kwargs)
+        self.engine = self.llm.llm_engine
+        self.dump_dir = Path(stage.debug_dump_dir) if stage.debug_dump_dir else None
+        self._receivers: dict[int, Any] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        for e in stage.inputs:
+            if e.payload_mode == "none":
+                continue
+            from vllm_kvbridge.connectors.registry import create_connector
+            from vllm_kvbridge.runner.payload_stream import PayloadReceiver
+
+            self._receivers[e.from_stage] = PayloadReceiver(
+                create_connector(e.connector.name, e.connector.config),
+                e.from_stage,
+                stage.stage_id,
+                mode=e.payload_mode,
+                recv_timeout_s=float(stage.payload.get("recv_timeout", 30.0)),
+                stall_timeout_s=float(stage.payload.get("stall_timeout", 30.0)),
+                close_connector=True,
+            )
+        if self._receivers:
+            self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvbridge-payload-wait")
+        self._inputs: dict[str, tuple[Future, Any, float]] = {}
+        self._started: dict[str, float] = {}
+        self._awaiting: dict[str, Any] = {}  # finished in vLLM, sends still in flight
+        self._aborted: set[str] = set()
+
+    def info(self) -> dict[str, Any]:
+        return {"kind": self.stage.kind, "model": self.stage.model, "pid_engine": None}
+
+    # -- requests --------------------------------------------------------------------------
+    def _params(self, msg: m.Submit) -> Any:
+        from vllm import SamplingParams
+
+        params = {**self.stage.default_sampling_params, **msg.sampling_params}
+        params.pop("num_steps", None)
+        extra = dict(params.pop("extra_args", None) or {})
+        extra["kvbridge"] = {**(extra.get("kvbridge") or {}), "request_id": msg.request_id}
+        return SamplingParams(**params, extra_args=extra)
+
+    def submit(self, msg: m.Submit) -> None:
+        params = self._params(msg)
+        self._started[msg.request_id] = time.time()
+        payload_ups = [u for u in msg.upstream if u.from_stage in self._receivers]
+        if payload_ups:
+            up = payload_ups[0]
+            receiver = self._receivers[up.from_stage]
+            meta = (up.sender_info.get("payload") or {}).get(str(self.stage.stage_id)) or None
+            receiver.expect(up.transfer_request_id, metadata=meta)
+            assert self._pool is not None
+            fut = self._pool.submit(receiver.result, up.transfer_request_id)
+            self._inputs[msg.request_id] = (fut, params, time.perf_counter())
+            return
+        if msg.prompt is None:
+            raise ValueError(f"request {msg.request_id!r} has neither a prompt nor an upstream payload")
+        self.engine.add_request(msg.request_id, msg.prompt, params)
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._aborted.add(rid)
+            entry = self._inputs.pop(rid, None)
+            if entry is not None:
+                for receiver in self._receivers.values():
+                    receiver.cancel(rid)
+            self._awaiting.pop(rid, None)
+        self.engine.abort_request(list(request_ids))
+
+    def busy(self) -> bool:
+        return bool(self._inputs or self._awaiting) or self.engine.has_unfinished_requests()
+
+    # -- progress --------------------------------------------------------------------------
+    def _start_from_payload(self, out: list[m.StageDone | m.RequestFailed]) -> None:
+        for rid, (fut, params, t0) in list(self._inputs.items()):
+            if not fut.done():
+                continue
+            del self._inputs[rid]
+            try:
+                payload = fut.result()
+                embeds = payload["hidden_states"]
+                if self.dump_dir is not None:
+                    self._dump(rid, payload)
+                self.engine.add_request(rid, {"prompt_embeds": embeds}, params)
+                self._recv_stats = getattr(self, "_recv_stats", {})
+                self._recv_stats[rid] = (
+                    int(embeds.numel() * embeds.element_size()),
+                    time.perf_counter() - t0,
+                )
+            except Exception as exc:
+                out.append(m.RequestFailed(rid, self.stage.stage_id, f"{type(exc).__name__}: {exc}"))
+
+    def _dump(self, rid: str, payload: dict[str, Any]) -> None:
+        import torch
+        from safetensors.torch import save_file
+
+        from vllm_kvbridge.connectors.keys import encode_request_id
+
+        assert self.dump_dir is not None
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        tensors = {
+            k: v.detach().cpu().contiguous().clone()
+            for k, v in payload.items()
+            if isinstance(v, torch.Tensor)
+        }
+        save_file(
+            tensors,
+            str(self.dump_dir / f"stage{self.stage.stage_id}_{encode_request_id(rid)}_payload.safetensors"),
+        )
+
+    def step(self) -> list[m.StageDone | m.RequestFailed]:
+        out: list[m.StageDone | m.RequestFailed] = []
+        if self._inputs:
+            self._start_from_payload(out)
+        if self.engine.has_unfinished_requests():
+            for o in self.engine.step():
+                if o.finished and o.request_id not in self._aborted:
+                    self._awaiting[o.request_id] = (o, time.time())
+        if self._awaiting:
+            self._report_finished(out)
+        return out
+
+    def _report_finished(self, out: list[m.StageDone | m.RequestFailed]) -> None:
+        ids = list(self._awaiting)
+        if self.moves_data and self.stage.outputs:
+            per_rank = self.llm.collective_rpc("kvbridge_transfer_status", args=(ids,))
+            ready = []
+            for rid in ids:
+                states = [st.get(rid, {}) for st in per_rank]
+                failed = [
+                    v
+                    for st in states
+                    for k, v in st.items()
+                    if k in ("kv", "payload") and str(v).startswith("failed")
+                ]
+                if failed:
+                    self._awaiting.pop(rid)
+                    out.append(m.RequestFailed(rid, self.stage.stage_id, f"transfer failed: {failed[0]}"))
+                elif all(
+                    st.get("kv") in ("none", "done", "unknown")
+                    and st.get("payload") in ("none", "done", "unknown")
+                    for st in states
+                ):
+                    ready.append(rid)
+            if not ready:
+                time.sleep(STATUS_POLL_S)
+                return
+            infos = self.llm.collective_rpc("kvbridge_sender_info", args=(ready,))
+        else:
+            ready, infos = ids, []
+        for rid in ready:
+            o, finished_at = self._awaiting.pop(rid)
+            comp = o.outputs[0]
+            sender_info: dict[str, Any] = {}
+            if infos:
+                sender_info = _merge_kv_info(infos, rid)
+                payload_meta = {}
+                for info in infos:
+                    payload_meta.update({str(k): v for k, v in (info.get("payload") or {}).items()})
+                if payload_meta:
+                    sender_info["payload"] = payload_meta
+            transfers = []
+            stats = getattr(self, "_recv_stats", {}).pop(rid, None)
+            if stats is not None:
+                up = next(e.from_stage for e in self.stage.inputs if e.payload_mode != "none")
+                transfers.append(
+                    m.TransferStat(up, self.stage.stage_id, "payload", stats[0], stats[1], "receiver")
+                )
+            out.append(
+                m.StageDone(
+                    rid,
+                    self.stage.stage_id,
+                    output={
+                        "text": comp.text,
+                        "token_ids": list(comp.token_ids),
+                        "prompt_token_ids": list(o.prompt_token_ids or []),
+                    },
+                    transfer_request_id=rid,
+                    sender_info=sender_info,
+                    started=self._started.pop(rid, finished_at),
+                    finished=time.time(),
+                    transfers=transfers,
+                )
+            )
+
+    def close(self) -> None:
+        for receiver in self._receivers.values():
+            receiver.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        try:
+            self.engine.engine_core.shutdown()
+        except Exception:
+            pass

@@ -1,0 +1,150 @@
+"""Control messages between the orchestrator and its stage processes.
+
+Carried over one ZMQ ROUTER (orchestrator) / DEALER (stage) pair per stage, encoded
+with msgspec msgpack as a tagged union (the ``type`` tag names the Struct), so a frame
+either decodes to one of these classes or is rejected: no pickle, no guessing.
+
+Flow of one request through ``A -> B``::
+
+    orchestrator -> A : Submit(request_id, prompt)
+    A -> orchestrator : StageDone(request_id, output, sender_info)       # KV/payload put
+    orchestrator -> B : Submit(request_id, upstream=[Upstream(A, sender_info)])
+    B -> orchestrator : StageDone(request_id, output)                    # final output
+
+A stage reports ``Ready`` once its engine is up, ``RequestFailed`` for one failed request
+(the stage keeps running) and ``StageFailed`` before it exits on a fatal error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True):
+    pass
+
+
+class Ready(_Msg, tag="ready"):
+    stage_id: int
+    pid: int
+    info: dict[str, Any] = {}
+
+
+class Upstream(msgspec.Struct, forbid_unknown_fields=True):
+    """What a stage learns about one of its producers for one request."""
+
+    from_stage: int
+    #: The id the producer's runner used in its transfer keys (vLLM makes internal ids).
+    transfer_request_id: str
+    #: Connector metadata the producer reported (``PutResult.metadata`` and friends).
+    sender_info: dict[str, Any] = {}
+    #: The producer's output (token ids etc.), for stages that build inputs from it.
+    output: dict[str, Any] = {}
+
+
+class Submit(_Msg, tag="submit"):
+    request_id: str
+    prompt: str | None = None
+    sampling_params: dict[str, Any] = {}
+    upstream: list[Upstream] = []
+
+
+class Abort(_Msg, tag="abort"):
+    request_ids: list[str]
+
+
+class Shutdown(_Msg, tag="shutdown"):
+    pass
+
+
+class TransferStat(msgspec.Struct, forbid_unknown_fields=True):
+    """Bytes and seconds of one transfer as one end of the edge measured it."""
+
+    from_stage: int
+    to_stage: int
+    what: str  # "kv" | "payload" | "chunks"
+    nbytes: int
+    seconds: float
+    side: str  # "sender" | "receiver"
+
+
+class Tensor(msgspec.Struct, forbid_unknown_fields=True):
+    """A small dense tensor in a control message (images, short token arrays)."""
+
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
+class StageDone(_Msg, tag="done"):
+    request_id: str
+    stage_id: int
+    #: Text outputs: ``text``, ``token_ids``, ``prompt_token_ids``; diffusion: ``image``.
+    output: dict[str, Any] = {}
+    image: Tensor | None = None
+    transfer_request_id: str = ""
+    sender_info: dict[str, Any] = {}
+    started: float = 0.0  # time.time() on the stage
+    finished: float = 0.0
+    transfers: list[TransferStat] = []
+
+
+class RequestFailed(_Msg, tag="request_failed"):
+    request_id: str
+    stage_id: int
+    error: str
+
+
+class StageFailed(_Msg, tag="stage_failed"):
+    stage_id: int
+    error: str
+    traceback: str = ""
+
+
+ToStage = Submit | Abort | Shutdown
+FromStage = Ready | StageDone | RequestFailed | StageFailed
+
+_ENCODER = msgspec.msgpack.Encoder()
+_TO_STAGE = msgspec.msgpack.Decoder(ToStage)
+_FROM_STAGE = msgspec.msgpack.Decoder(FromStage)
+
+
+def encode(msg: _Msg) -> bytes:
+    return _ENCODER.encode(msg)
+
+
+def decode_to_stage(data: bytes) -> ToStage:
+    """Decode a frame the orchestrator sent (raises ``msgspec.DecodeError`` when malformed)."""
+    return _TO_STAGE.decode(data)
+
+
+def decode_from_stage(data: bytes) -> FromStage:
+    """Decode a frame a stage sent (raises ``msgspec.DecodeError`` when malformed)."""
+    return _FROM_STAGE.decode(data)
+
+
+def tensor_to_msg(t: Any) -> Tensor:
+    """A CPU torch tensor -> :class:`Tensor` (copied into bytes)."""
+    arr = t.detach().cpu().contiguous().numpy()
+    return Tensor(dtype=str(arr.dtype), shape=list(arr.shape), data=arr.tobytes())
+
+
+def tensor_from_msg(t: Tensor) -> Any:
+    """:class:`Tensor` -> numpy array (validated: dtype allow-list, size matches shape)."""
+    import numpy as np
+
+    if t.dtype not in ("float32", "float16", "uint8", "int64", "int32"):
+        raise ValueError(f"tensor dtype {t.dtype!r} not allowed in control messages")
+    dtype = np.dtype(t.dtype)
+    count = 1
+    for dim in t.shape:
+        if dim < 0:
+            raise ValueError(f"negative dimension in tensor shape {t.shape}")
+        count *= dim
+    if count * dtype.itemsize != len(t.data):
+        raise ValueError(
+            f"tensor of shape {t.shape} {t.dtype} needs {count * dtype.itemsize} bytes, got {len(t.data)}"
+        )
+    return np.frombuffer(t.data, dtype=dtype).reshape(t.shape).copy()

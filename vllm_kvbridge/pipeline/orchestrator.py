@@ -1,0 +1,527 @@
+"""The orchestrator: one process per stage, requests routed stage to stage.
+
+``Pipeline`` starts every stage as ``python -m vllm_kvbridge.pipeline.stage_process`` in
+its own session, hands it its :class:`ResolvedStage` as JSON on stdin, and talks to it
+over one ZMQ ROUTER socket (msgspec messages, see :mod:`vllm_kvbridge.pipeline.messages`).
+A request enters the first stage; when a stage reports it done, the sender info it
+reported is forwarded with the request to the next stage; the last stage's output is
+the request's result. Any number of requests are in flight at once.
+
+Failure and shutdown contract:
+
+* a stage that reports :class:`StageFailed`, or whose process exits, ends the pipeline:
+  every stage process is stopped and :class:`StageError` is raised naming the stage and
+  its error (the tail of its log when it died without a word). The loop checks the
+  processes every poll interval, so this takes well under a second, never a hang;
+* a request that fails in one stage, or outlives ``runtime.request_timeout``, fails
+  alone (the stages are told to abort it);
+* :meth:`Pipeline.close` (also on Ctrl-C / exceptions through the context manager) sends
+  ``Shutdown``, waits ``runtime.shutdown_timeout``, then SIGTERM and finally SIGKILL to
+  each stage's process group, and removes any shared-memory segment of this run's
+  namespaces whose owner is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+from vllm_kvbridge.config.resolve import ResolvedConnector, ResolvedPipeline, ResolvedStage, resolve
+from vllm_kvbridge.errors import KVBridgeError
+from vllm_kvbridge.pipeline import messages as m
+
+POLL_S = 0.05
+_LOG_TAIL_LINES = 15
+
+
+class PipelineError(KVBridgeError):
+    """The pipeline cannot serve (a stage failed or the pipeline is closed)."""
+
+
+class StageError(PipelineError):
+    """A stage failed to start or died; ``stage_id`` and ``error`` say which and why."""
+
+    def __init__(self, stage_id: int, kind: str, error: str, log_tail: str = "") -> None:
+        self.stage_id, self.kind, self.error, self.log_tail = stage_id, kind, error, log_tail
+        super().__init__(f"stage {stage_id} ({kind}) failed: {error}")
+
+
+class RequestError(PipelineError):
+    """One or more requests failed; ``results`` holds every result, failed ones with ``error``."""
+
+    def __init__(self, results: list[RequestResult]) -> None:
+        self.results = results
+        failed = [r for r in results if r.error]
+        super().__init__("; ".join(f"request {r.request_id}: {r.error}" for r in failed))
+
+
+@dataclass
+class StageRecord:
+    stage_id: int
+    kind: str
+    submitted: float  # time.time() when the orchestrator sent it
+    done: float = 0.0
+    started: float = 0.0  # as the stage reported
+    finished: float = 0.0
+    output: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def wall_s(self) -> float:
+        return max(0.0, self.done - self.submitted)
+
+
+@dataclass
+class RequestResult:
+    """Everything one request produced, stage by stage."""
+
+    request_id: str
+    prompt: str
+    stages: list[StageRecord] = field(default_factory=list)
+    transfers: list[m.TransferStat] = field(default_factory=list)
+    text: str | None = None
+    token_ids: list[int] | None = None
+    image: Any = None  # numpy [3, H, W] float32 in [0, 1] when the last stage is diffusion
+    error: str | None = None
+    finished: bool = False
+
+    def edge_totals(self) -> dict[tuple[int, int, str], tuple[int, float]]:
+        """(from, to, what) -> (bytes, seconds), measured on the receiving side when it reported."""
+        out: dict[tuple[int, int, str], tuple[int, float]] = {}
+        for side in ("sender", "receiver"):
+            for t in self.transfers:
+                if t.side == side:
+                    out[(t.from_stage, t.to_stage, t.what)] = (t.nbytes, t.seconds)
+        return out
+
+
+@dataclass
+class _StageHandle:
+    stage: ResolvedStage
+    proc: subprocess.Popen
+    log_path: Path
+    spawned: float
+    ready_at: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+    failure: StageError | None = None
+
+    @property
+    def label(self) -> str:
+        return f"stage {self.stage.stage_id} ({self.stage.kind})"
+
+
+def _log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _last_error_line(tail: str) -> str:
+    for line in reversed(tail.splitlines()):
+        if line.strip() and not line.startswith(" "):
+            return line.strip()
+    return ""
+
+
+def _with_run_namespaces(stage: ResolvedStage, run_id: str) -> ResolvedStage:
+    """Give shared-memory edges a namespace unique to this run, so the orchestrator can
+    sweep exactly this run's segments after a crash (and two runs never collide)."""
+
+    def fix(c: ResolvedConnector, a: int, b: int) -> ResolvedConnector:
+        if c.name != "SharedMemoryConnector" or "namespace" in c.config:
+            return c
+        return msgspec.structs.replace(c, config={**c.config, "namespace": f"{run_id}-{a}-{b}"})
+
+    inputs = [
+        msgspec.structs.replace(e, connector=fix(e.connector, e.from_stage, e.to_stage)) for e in stage.inputs
+    ]
+    outputs = [
+        msgspec.structs.replace(e, connector=fix(e.connector, e.from_stage, e.to_stage))
+        for e in stage.outputs
+    ]
+    return msgspec.structs.replace(stage, inputs=inputs, outputs=outputs)
+
+
+class Pipeline:
+    """A running multi-stage pipeline (see the module docstring for the contract).
+
+    Use as a context manager, or call :meth:`close`::
+
+        with Pipeline.from_config("stage_configs/ar_to_dit_shm.yaml") as pipe:
+            results = pipe.generate(["A cute cat"])
+    """
+
+    def __init__(
+        self,
+        plan: ResolvedPipeline,
+        *,
+        log_dir: str | Path | None = None,
+        progress: Callable[[str], None] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.run_id = f"r{uuid.uuid4().hex[:10]}"
+        self.plan = msgspec.structs.replace(
+            plan, stages=[_with_run_namespaces(s, self.run_id) for s in plan.stages]
+        )
+        self._own_log_dir = log_dir is None
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"kvbridge-{self.run_id}-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._progress = progress or (lambda line: None)
+        self._env = dict(env or {})
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._stages: dict[int, _StageHandle] = {}
+        self._order = [s.stage_id for s in self.plan.stages]
+        self._results: dict[str, RequestResult] = {}
+        self._deadlines: dict[str, float] = {}
+        self._where: dict[str, set[int]] = {}  # request id -> stages working on it
+        self._counter = 0
+        self._started = False
+        self._closed = False
+        self.failure: StageError | None = None
+
+    # -- construction -------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, path: str | Path, *, model: str | None = None, **kwargs: Any) -> Pipeline:
+        """Load and resolve a YAML stage config; ``model`` fills LLM stages that name none."""
+        plan = resolve(path)
+        if model is not None:
+            plan = plan.with_model(str(model))
+        missing = [s.stage_id for s in plan.stages if s.is_llm and not s.model]
+        if missing:
+            raise PipelineError(
+                f"no model for LLM stage(s) {missing}: set 'model' in the config or pass model="
+            )
+        return cls(plan, **kwargs)
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Spawn every stage and wait until all are ready (or raise :class:`StageError`)."""
+        if self._closed:
+            raise PipelineError("pipeline is closed")
+        if self._started:
+            return
+        self._started = True
+        try:
+            self._ctx = zmq.Context()
+            self._sock = self._ctx.socket(zmq.ROUTER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+            address = f"tcp://127.0.0.1:{port}"
+            for stage in self.plan.stages:
+                self._spawn(stage, address)
+            self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, stage: ResolvedStage, address: str) -> None:
+        env = {**os.environ, **self._env, **stage.env}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if stage.devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = stage.devices
+        log_path = self.log_dir / f"stage_{stage.stage_id}.log"
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "vllm_kvbridge.pipeline.stage_process",
+                    "--address",
+                    address,
+                    "--stage-id",
+                    str(stage.stage_id),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # its own process group: killable as a whole
+            )
+        assert proc.stdin is not None
+        proc.stdin.write(msgspec.json.encode(stage))
+        proc.stdin.close()
+        handle = _StageHandle(stage, proc, log_path, time.monotonic())
+        self._stages[stage.stage_id] = handle
+        self._progress(f"[{handle.label}] starting (pid {proc.pid}, log {log_path})")
+
+    def _wait_ready(self) -> None:
+        while True:
+            waiting = [h for h in self._stages.values() if not h.ready_at]
+            if not waiting:
+                return
+            now = time.monotonic()
+            for h in waiting:
+                if now - h.spawned > h.stage.start_timeout:
+                    self._fail(
+                        StageError(
+                            h.stage.stage_id,
+                            h.stage.kind,
+                            f"not ready after {h.stage.start_timeout:.0f} s (start_timeout)",
+                            _log_tail(h.log_path),
+                        )
+                    )
+            self._pump(POLL_S)
+
+    def close(self) -> None:
+        """Stop every stage process and release sockets and segments. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        handles = list(self._stages.values())
+        for h in handles:
+            if h.proc.poll() is None and self._sock is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sock.send_multipart(
+                        [f"stage-{h.stage.stage_id}".encode(), m.encode(m.Shutdown())], flags=zmq.NOBLOCK
+                    )
+        deadline = time.monotonic() + self.plan.shutdown_timeout
+        self._wait_exit(handles, deadline)
+        for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            alive = [h for h in handles if h.proc.poll() is None]
+            for h in alive:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(h.proc.pid, sig)
+            self._wait_exit(alive, time.monotonic() + grace)
+        # The stage is gone; anything left in its group (vLLM engine-core children) goes too.
+        for h in handles:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(h.proc.pid, signal.SIGKILL)
+        self._sweep_shm()
+        if self._sock is not None:
+            self._sock.close(0)
+        if self._ctx is not None:
+            self._ctx.term()
+        self._sock = self._ctx = None
+
+    @staticmethod
+    def _wait_exit(handles: Sequence[_StageHandle], deadline: float) -> None:
+        for h in handles:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                h.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+
+    def _sweep_shm(self) -> None:
+        from vllm_kvbridge.connectors import shm_segments as seg
+
+        namespaces = {
+            e.connector.config.get("namespace")
+            for s in self.plan.stages
+            for e in (*s.inputs, *s.outputs)
+            if e.connector.name == "SharedMemoryConnector"
+        }
+        for ns in sorted(n for n in namespaces if n and n.startswith(self.run_id)):
+            with contextlib.suppress(OSError):
+                seg.reap_stale(ns)
+
+    def __enter__(self) -> Pipeline:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- requests -----------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Sequence[str] | str,
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        request_ids: Sequence[str] | None = None,
+        raise_on_error: bool = True,
+    ) -> list[RequestResult]:
+        """Run ``prompts`` through every stage (all in flight at once); results in prompt order.
+
+        ``sampling_params`` override the first stage's ``default_sampling_params``. Raises
+        :class:`StageError` when a stage dies (the pipeline is then closed) and, with
+        ``raise_on_error``, :class:`RequestError` when any request failed.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        self.start()
+        if self.failure is not None:
+            raise self.failure
+        ids = list(request_ids) if request_ids is not None else []
+        if not ids:
+            for _ in prompts:
+                self._counter += 1
+                ids.append(f"req-{self._counter}")
+        if len(ids) != len(prompts) or len(set(ids)) != len(ids):
+            raise ValueError("request_ids must be unique and one per prompt")
+        first = self.plan.entry_stage
+        for rid, prompt in zip(ids, prompts):
+            if rid in self._results:
+                raise ValueError(f"request id {rid!r} is already in use")
+            self._results[rid] = RequestResult(rid, prompt)
+            self._deadlines[rid] = time.monotonic() + self.plan.request_timeout
+            params = {**first.default_sampling_params, **(sampling_params or {})}
+            self._submit_chain(first.stage_id, m.Submit(rid, prompt=prompt, sampling_params=params))
+        try:
+            while not all(self._results[r].finished for r in ids):
+                self._pump(POLL_S)
+                self._expire()
+        except BaseException:
+            self.close()
+            raise
+        results = [self._results.pop(r) for r in ids]
+        if raise_on_error and any(r.error for r in results):
+            raise RequestError(results)
+        return results
+
+    def _submit(self, stage_id: int, msg: m.Submit) -> None:
+        h = self._stages[stage_id]
+        self._results[msg.request_id].stages.append(StageRecord(stage_id, h.stage.kind, time.time()))
+        self._where.setdefault(msg.request_id, set()).add(stage_id)
+        assert self._sock is not None
+        self._sock.send_multipart([f"stage-{stage_id}".encode(), m.encode(msg)])
+
+    def _finish(self, rid: str, error: str | None = None) -> None:
+        r = self._results.get(rid)
+        if r is None or r.finished:
+            return
+        r.error, r.finished = error, True
+        self._deadlines.pop(rid, None)
+        stages = self._where.pop(rid, set())
+        if error is not None and self._sock is not None and not self._closed:
+            # Stages still working on it (e.g. a consumer waiting for chunks) drop it.
+            for sid in stages:
+                h = self._stages.get(sid)
+                if h is not None and h.proc.poll() is None:
+                    with contextlib.suppress(zmq.ZMQError):
+                        self._sock.send_multipart(
+                            [f"stage-{sid}".encode(), m.encode(m.Abort([rid]))], flags=zmq.NOBLOCK
+                        )
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for rid, deadline in list(self._deadlines.items()):
+            if now > deadline:
+                r = self._results[rid]
+                pending = [x.stage_id for x in r.stages if not x.done]
+                self._finish(rid, f"timed out after {self.plan.request_timeout:.0f} s in stage(s) {pending}")
+
+    # -- the event loop -----------------------------------------------------------------
+    def _pump(self, timeout_s: float) -> None:
+        """Handle stage messages for up to ``timeout_s`` and check the stage processes."""
+        assert self._sock is not None
+        if self._sock.poll(int(timeout_s * 1000)):
+            while True:
+                try:
+                    ident, frame = self._sock.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._handle(ident, frame)
+        for h in self._stages.values():
+            code = h.proc.poll()
+            if code is not None and not self._closed:
+                # Drain what it may have said last (its StageFailed) before reporting.
+                while self._sock.poll(0):
+                    self._handle(*self._sock.recv_multipart())
+                if h.failure is None:
+                    tail = _log_tail(h.log_path)
+                    why = _last_error_line(tail) or "no output"
+                    self._fail(
+                        StageError(
+                            h.stage.stage_id, h.stage.kind, f"process exited with status {code} ({why})", tail
+                        )
+                    )
+                self._fail(h.failure)
+
+    def _fail(self, error: StageError | None) -> None:
+        assert error is not None
+        h = self._stages.get(error.stage_id)
+        if h is not None and h.failure is None:
+            h.failure = error
+        self.failure = self.failure or error
+        self._progress(f"[stage {error.stage_id} ({error.kind})] FAILED: {error.error}")
+        for rid in list(self._deadlines):
+            self._finish(rid, str(error))
+        self.close()
+        raise error
+
+    def _handle(self, ident: bytes, frame: bytes) -> None:
+        try:
+            msg = m.decode_from_stage(frame)
+        except msgspec.DecodeError as exc:
+            raise PipelineError(f"malformed control message from {ident!r}: {exc}") from None
+        h = self._stages.get(getattr(msg, "stage_id", -1))
+        if h is None:
+            raise PipelineError(f"message from unknown stage {ident!r}")
+        if isinstance(msg, m.Ready):
+            h.ready_at, h.info = time.monotonic(), msg.info
+            self._progress(f"[{h.label}] ready in {h.ready_at - h.spawned:.1f} s")
+        elif isinstance(msg, m.StageFailed):
+            tail = msg.traceback.strip().splitlines()
+            h.failure = StageError(msg.stage_id, h.stage.kind, msg.error, "\n".join(tail[-_LOG_TAIL_LINES:]))
+            self._fail(h.failure)
+        elif isinstance(msg, m.RequestFailed):
+            self._progress(f"[{h.label}] {msg.request_id} failed: {msg.error}")
+            self._finish(msg.request_id, f"stage {msg.stage_id} ({h.stage.kind}): {msg.error}")
+        elif isinstance(msg, m.StageDone):
+            self._on_done(h, msg)
+
+    def _on_done(self, h: _StageHandle, msg: m.StageDone) -> None:
+        r = self._results.get(msg.request_id)
+        if r is None or r.finished:
+            return  # late answer for a request that already failed or timed out
+        rec = next(x for x in r.stages if x.stage_id == msg.stage_id)
+        rec.done, rec.started, rec.finished, rec.output = time.time(), msg.started, msg.finished, msg.output
+        r.transfers.extend(msg.transfers)
+        self._progress(f"[{h.label}] {msg.request_id} done in {rec.wall_s:.2f} s")
+        idx = self._order.index(msg.stage_id)
+        if idx + 1 < len(self._order):
+            nxt = self._order[idx + 1]
+            if not any(x.stage_id == nxt for x in r.stages):
+                up = m.Upstream(
+                    msg.stage_id, msg.transfer_request_id or msg.request_id, msg.sender_info, msg.output
+                )
+                self._submit(nxt, self._downstream_submit(nxt, msg.request_id, [up]))
+        else:
+            if msg.image is not None:
+                r.image = m.tensor_from_msg(msg.image)
+            r.text = msg.output.get("text")
+            r.token_ids = msg.output.get("token_ids")
+        if len(r.stages) == len(self._order) and all(x.done for x in r.stages):
+            self._finish(msg.request_id)
+
+    def _downstream_submit(self, stage_id: int, rid: str, upstream: list[m.Upstream]) -> m.Submit:
+        params = self._stages[stage_id].stage.default_sampling_params
+        return m.Submit(rid, prompt=None, sampling_params=dict(params), upstream=upstream)
+
+    def _submit_chain(self, stage_id: int, msg: m.Submit) -> None:
+        """Submit to ``stage_id``, and at once to the stages behind async-chunk edges: they
+        start receiving chunks while the producer is still generating."""
+        self._submit(stage_id, msg)
+        stage = self._stages[stage_id].stage
+        for e in stage.outputs:
+            if e.payload_mode == "async_chunk":
+                up = m.Upstream(stage_id, msg.request_id, {}, {})
+                self._submit_chain(e.to_stage, self._downstream_submit(e.to_stage, msg.request_id, [up]))
+
+    # -- introspection ------------------------------------------------------------------
+    def stage_pids(self) -> dict[int, int]:
+        return {sid: h.proc.pid for sid, h in self._stages.items()}
+
+    def stage_info(self) -> dict[int, dict[str, Any]]:
+        return {sid: dict(h.info) for sid, h in self._stages.items()}
+
+    def startup_seconds(self) -> dict[int, float]:
+        return {sid: h.ready_at - h.spawned for sid, h in self._stages.items() if h.ready_at}

@@ -1,0 +1,134 @@
+"""The main program of one stage process.
+
+Started by the orchestrator as ``python -m vllm_kvbridge.pipeline.stage_process
+--address ADDR --stage-id N`` with the stage's :class:`ResolvedStage` as JSON on stdin
+(no pickle crosses the process boundary). It builds the stage's engine (a vLLM engine
+with the kvbridge worker for LLM stages, the diffusion runner for diffusion stages),
+reports :class:`Ready`, then serves :class:`Submit` messages until :class:`Shutdown`.
+
+Failure contract: an exception while starting or an unexpected one while serving is sent
+as :class:`StageFailed` (with the traceback) and the process exits with status 1; an
+error that concerns one request only is sent as :class:`RequestFailed` and the stage
+keeps serving. The process runs in its own session (the orchestrator kills the whole
+group, engine-core children included, as a last resort) and kills its group itself when
+the orchestrator disappears, so a stage never outlives its pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+import msgspec
+import zmq
+
+from vllm_kvbridge.config.resolve import ResolvedStage
+from vllm_kvbridge.pipeline import messages as m
+from vllm_kvbridge.pipeline.engines import StageEngine, build_engine
+
+#: How long the serve loop sleeps in poll when the engine has nothing to do (seconds).
+IDLE_POLL_S = 0.02
+
+
+class _Terminated(BaseException):
+    """Raised in the main thread by SIGTERM so ``finally`` blocks release resources."""
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Kill this process group when the orchestrator is gone (it can no longer clean up)."""
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent_pid:
+            try:
+                os.killpg(os.getpgid(0), signal.SIGKILL)
+            finally:
+                os._exit(1)
+
+
+def serve(stage: ResolvedStage, address: str) -> int:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.setsockopt(zmq.IDENTITY, f"stage-{stage.stage_id}".encode())
+    sock.connect(address)
+    engine: StageEngine | None = None
+    try:
+        try:
+            engine = build_engine(stage)
+        except BaseException as exc:
+            if isinstance(exc, _Terminated):
+                raise
+            sock.send(
+                m.encode(
+                    m.StageFailed(
+                        stage.stage_id,
+                        f"failed to start: {type(exc).__name__}: {exc}",
+                        traceback.format_exc(),
+                    )
+                )
+            )
+            return 1
+        sock.send(m.encode(m.Ready(stage.stage_id, os.getpid(), engine.info())))
+        while True:
+            busy = engine.busy()
+            if sock.poll(0 if busy else int(IDLE_POLL_S * 1000)):
+                msg = m.decode_to_stage(sock.recv())
+                if isinstance(msg, m.Shutdown):
+                    return 0
+                if isinstance(msg, m.Abort):
+                    engine.abort(msg.request_ids)
+                else:
+                    engine.submit(msg)
+                continue
+            for out in engine.step():
+                sock.send(m.encode(out))
+    except _Terminated:
+        return 0
+    except BaseException as exc:
+        try:
+            sock.send(
+                m.encode(
+                    m.StageFailed(stage.stage_id, f"{type(exc).__name__}: {exc}", traceback.format_exc())
+                )
+            )
+        except zmq.ZMQError:
+            pass
+        return 1
+    finally:
+        if engine is not None:
+            try:
+                engine.close()
+            except BaseException:
+                traceback.print_exc()
+        sock.close()
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="vllm-kvbridge stage process (started by the orchestrator)")
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--stage-id", type=int, required=True)
+    args = parser.parse_args(argv)
+    parent = os.getppid()
+    threading.Thread(target=_watch_parent, args=(parent,), name="kvbridge-parent-watch", daemon=True).start()
+
+    def on_term(signum: int, frame: object) -> None:
+        raise _Terminated()
+
+    # The stage runs in its own session, so a terminal's Ctrl-C reaches only the
+    # orchestrator, which tells the stages to stop (Shutdown, then SIGTERM).
+    signal.signal(signal.SIGTERM, on_term)
+    stage = msgspec.json.decode(sys.stdin.buffer.read(), type=ResolvedStage)
+    if stage.stage_id != args.stage_id:
+        print(f"stage id mismatch: --stage-id {args.stage_id}, config {stage.stage_id}", file=sys.stderr)
+        return 2
+    return serve(stage, args.address)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
