@@ -23,3 +23,19 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from vllm_kvbridge.models.tiny_llama import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), seed=0)
+
+
+_SESSION_PID = os.getpid()
+
+
+@pytest.fixture(autouse=True)
+def _fork_safe_torch() -> None:
+    """In a ``@pytest.mark.forked`` child, run torch single-threaded.
+
+    The parent may already have started OpenMP's thread pool, which does not survive
+    ``fork``: the child's first parallel region can hang. One thread is always safe.
+    """
+    if os.getpid() != _SESSION_PID:
+        import torch
+
+        torch.set_num_threads(1)

@@ -102,9 +102,3 @@ def processes_using(path: str | Path) -> list[int]:
             except OSError:
                 continue
     return found
-
-
-def fork_safe_torch() -> None:
-    """Call first in a forked test: the parent may have started OpenMP's thread pool, which
-    does not survive ``fork`` (a parallel region in the child can hang); one thread is safe."""
-    torch.set_num_threads(1)

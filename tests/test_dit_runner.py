@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 from kv_fixtures import BLOCK, fake_cpu_caches, reference_kv, request_plan
-from pipeline_fixtures import fork_safe_torch
 
 from vllm_kvbridge.config import resolve_spec, spec_from_dict
 from vllm_kvbridge.errors import TransferTimeout
@@ -50,7 +49,6 @@ def _leftovers(namespace: str) -> list[str]:
 
 @pytest.mark.forked
 def test_receive_prefetch_and_denoise_exact() -> None:
-    fork_safe_torch()
     tmp_path = Path(tempfile.mkdtemp(prefix="kvb-dit-"))
     ns = f"ditrun{os.getpid()}"
     caches = fake_cpu_caches(2, seed=5)
@@ -97,7 +95,6 @@ def test_receive_prefetch_and_denoise_exact() -> None:
 
 @pytest.mark.forked
 def test_missing_kv_fails_the_request_at_the_deadline() -> None:
-    fork_safe_torch()
     ns = f"ditmiss{os.getpid()}"
     runner = DiffusionRunner(_stage(ns, recv_timeout=0.5))
     try:

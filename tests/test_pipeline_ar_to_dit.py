@@ -18,7 +18,6 @@ import torch
 from pipeline_fixtures import (
     ROOT,
     descendants,
-    fork_safe_torch,
     hf_reference,
     load_dump,
     processes_using,
@@ -50,7 +49,6 @@ def _expected_image(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor
 @pytest.mark.forked
 @pytest.mark.timeout(300)
 def test_ar_to_dit_shm_end_to_end() -> None:
-    fork_safe_torch()
     model = ensure_tiny_model()
     dump = Path(tempfile.mkdtemp(prefix="kvb-dump-"))
     prompts = ["A cute cat", "The quick brown fox jumps over the lazy dog. " * 3]
@@ -101,7 +99,6 @@ def test_ar_to_dit_shm_end_to_end() -> None:
 @pytest.mark.forked
 @pytest.mark.timeout(300)
 def test_ar_to_dit_zmq_through_the_cli() -> None:
-    fork_safe_torch()
     model = ensure_tiny_model()
     out_dir = Path(tempfile.mkdtemp(prefix="kvb-run-"))
     t0 = time.monotonic()

@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from pipeline_fixtures import ROOT, fork_safe_torch, hf_reference, load_dump, processes_using, shm_segments
+from pipeline_fixtures import ROOT, hf_reference, load_dump, processes_using, shm_segments
 
 from vllm_kvbridge.connectors.keys import encode_request_id
 from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
@@ -38,7 +38,6 @@ def _run(config: str, dump: Path) -> tuple[list, str]:
 @pytest.mark.forked
 @pytest.mark.timeout(500)
 def test_thinker_talker_full_payload_and_async_chunk_agree() -> None:
-    fork_safe_torch()
     model = ensure_tiny_model()
     received: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
     for config in ("thinker_talker_full_payload.yaml", "thinker_talker_async_chunk.yaml"):
