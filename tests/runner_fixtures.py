@@ -95,4 +95,179 @@ def kv_receiver(namespace: str, timeout: float = 30.0) -> Any:
             "connector_config": {"namespace": namespace},
         }
     )
-    return KVTransferManager(cfg, num_kv_heads=2)
+    # No num_kv_heads: the receiver takes the count from what the sender sent.
+    return KVTransferManager(cfg)
+
+
+# -- TP fan-out of received payloads (spawned gloo ranks) -------------------------------------
+FANOUT_CHUNKS = 3
+
+
+def fanout_reference() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The full payload and the async chunks the producer sends (deterministic, mixed types)."""
+    gen = torch.Generator().manual_seed(7)
+    full = {
+        "hidden_states": torch.randn(7, 16, generator=gen),
+        "token_ids": torch.arange(100, 107, dtype=torch.int64),
+        "half": torch.randn(3, 5, generator=gen).to(torch.bfloat16),
+        "ids": [1, 2, 3],
+        "meta": {"n": 3, "name": "x", "scale": 0.5},
+    }
+    chunks = [
+        {"h": torch.randn(2, 8, generator=gen), "tok": torch.tensor([i, i + 1], dtype=torch.int32)}
+        for i in range(FANOUT_CHUNKS)
+    ]
+    return full, chunks
+
+
+def same_payload(a: Any, b: Any) -> bool:
+    """Bit-exact equality of payload trees (tensor dtype, shape and bytes; plain values ==)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_payload(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(same_payload(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def fanout_worker(rank: int, world: int, port: int, ns: str, results: Any) -> None:
+    """Ranks [0, world-1) are the TP ranks of stage 1; rank world-1 is the producer.
+
+    Stage 1 receives a full payload from stage 0 and an async-chunk stream from stage 2
+    (both sent by the producer rank); every TP rank calls ``kvbridge_get_payload`` and
+    must get what TP rank 0 received, bit-exact; a failed receive on rank 0 (timeout,
+    sender abort) must reach every rank as an error. ``results[rank]`` is the outcome.
+    """
+    import torch.distributed as dist
+
+    from vllm_kvbridge.connectors.registry import create_connector
+    from vllm_kvbridge.errors import TransferError, TransferTimeout
+    from vllm_kvbridge.runner.mixin import KVBridgeModelRunnerMixin
+    from vllm_kvbridge.runner.payload_stream import PayloadAborted, PayloadSender
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    tp = world - 1
+    group = dist.new_group(list(range(tp)))
+    full, chunks = fanout_reference()
+    ns_full, ns_chunk = f"{ns}f", f"{ns}c"
+    outcome: dict[str, Any] = {}
+    try:
+        if rank == tp:  # producer: stage 0 (full) and stage 2 (async chunk)
+            conns = [create_connector("SharedMemoryConnector", {"namespace": n}) for n in (ns_full, ns_chunk)]
+            full_tx = PayloadSender(conns[0], 0, 1)
+            chunk_tx = PayloadSender(conns[1], 2, 1)
+            full_tx.send_full("r-full", full)
+            for i, part in enumerate(chunks):
+                chunk_tx.send_chunk("r-chunk", part, final=i == len(chunks) - 1)
+            chunk_tx.send_chunk("r-abort", chunks[0])
+            chunk_tx.abort("r-abort", "producer gave up", chunked=True)
+            dist.barrier()  # every rank has what it needs: the segments may go
+            full_tx.close()
+            chunk_tx.close()
+            for c in conns:
+                c.close()
+            outcome["sent"] = True
+        else:
+            host = KVBridgeModelRunnerMixin()
+            edge = {"connector": "SharedMemoryConnector"}
+            settings = {
+                "stage_id": 1,
+                "payload": {
+                    "inputs": [
+                        {
+                            "from_stage": 0,
+                            "mode": "full",
+                            "recv_timeout_s": 2,
+                            **edge,
+                            "connector_config": {"namespace": ns_full},
+                        },
+                        {
+                            "from_stage": 2,
+                            "mode": "async_chunk",
+                            "recv_timeout_s": 30,
+                            **edge,
+                            "connector_config": {"namespace": ns_chunk},
+                        },
+                    ]
+                },
+            }
+            host.kvbridge_init(settings, tp_rank=rank, tp_size=tp, tp_group=group)
+            try:
+                for rid, stage in (("r-full", 0), ("r-chunk", 2), ("r-missing", 0), ("r-abort", 2)):
+                    host.kvbridge_expect_payload(rid, stage)  # a no-op on ranks > 0
+                got_full = host.kvbridge_get_payload("r-full", 0, timeout=30)
+                got_chunk = host.kvbridge_get_payload("r-chunk", 2, timeout=30)
+                outcome["full_exact"] = same_payload(got_full, full)
+                outcome["chunk_exact"] = same_payload(got_chunk, merge_reference(chunks))
+                for rid, stage in (("r-missing", 0), ("r-abort", 2)):
+                    try:
+                        host.kvbridge_get_payload(rid, stage, timeout=30)
+                        outcome[rid] = "no error"
+                    except PayloadAborted as exc:
+                        outcome[rid] = f"aborted: {exc}"
+                    except TransferTimeout as exc:
+                        outcome[rid] = f"timeout: {exc}"
+                    except TransferError as exc:
+                        outcome[rid] = f"error: {exc}"
+            finally:
+                dist.barrier()
+                host.kvbridge_shutdown()
+            outcome["threads"] = host.kvbridge_threads_alive()
+    except BaseException as exc:
+        outcome["exception"] = repr(exc)
+        raise
+    finally:
+        results[rank] = outcome
+        dist.destroy_process_group()
+
+
+def merge_reference(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    from vllm_kvbridge.runner.payload_stream import merge_payloads
+
+    return merge_payloads(chunks)
+
+
+# -- process-exit children (spawned) ----------------------------------------------------------
+def payload_producer_settings(ns: str) -> dict[str, Any]:
+    edge = {"connector": "SharedMemoryConnector", "connector_config": {"namespace": ns}}
+    return {"stage_id": 0, "payload": {"outputs": [{"to_stage": 1, "mode": "full", **edge}]}}
+
+
+def exit_without_shutdown_child(ns: str, report: Any) -> None:
+    """A producer runtime that puts a payload and returns without ``kvbridge_shutdown``."""
+    import time
+
+    from vllm_kvbridge.runner.mixin import KVBridgeModelRunnerMixin
+
+    host = KVBridgeModelRunnerMixin()
+    host.kvbridge_init(payload_producer_settings(ns))
+    host.kvbridge_register_request("e", "unclaimed", capture=True)
+    host.kvbridge_add_step_output("e", {"h": torch.ones(4, 8)})
+    host.kvbridge_mark_finished("e")
+    end = time.monotonic() + 20
+    while host.kvbridge_transfer_status(["unclaimed"])["unclaimed"]["payload"] != "done":
+        assert time.monotonic() < end, "payload was not put"
+        time.sleep(0.01)
+    report.put((os.getpid(), shm_entries(ns)))
+    # Returning ends the process the way a vLLM worker ends: multiprocessing's exit path.
+
+
+def killed_sender_child(ns: str, report: Any) -> None:
+    """Puts a payload on a shm edge, then dies by SIGKILL (no clean-up of any kind)."""
+    import signal
+
+    from vllm_kvbridge.connectors.registry import create_connector
+
+    conn = create_connector("SharedMemoryConnector", {"namespace": ns})
+    assert conn.put(0, 1, "orphan", {"h": torch.ones(3)}).ok
+    report.put((os.getpid(), shm_entries(ns)))
+    report.close()
+    report.join_thread()
+    os.kill(os.getpid(), signal.SIGKILL)

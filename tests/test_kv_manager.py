@@ -402,3 +402,74 @@ def test_metrics_two_managers_and_health() -> None:
         "kvbridge_kv_transfer_bytes_total", {"stage": "s0", "direction": "send", "connector": "shm"}
     )
     assert value is not None and value >= 100
+
+
+@pytest.mark.forked
+def test_receiver_takes_the_head_count_from_the_sender_unless_configured() -> None:
+    caches = fake_cpu_caches(2, 5)  # a 2-KV-head model
+    plan = request_plan(4)
+    ns = {"namespace": "kvtestheads"}
+    # TP 1 -> 2 sender: rank 0 slices head 0 for receiver rank 0 and head 1 for receiver rank 1.
+    send = _send_cfg("SharedMemoryConnector", connector_config=ns, to_tp=2)
+    with KVTransferManager(send) as sender:  # heads from the cache itself
+        ids = ["h-plain", "h-rank1", "h-wrong", "h-info"]
+        sender.handle_finished_requests_kv_transfer({r: plan for r in ids}, caches, BLOCK, "auto")
+        assert _wait_finished(sender, len(ids)) == (set(ids), set())
+        info = sender.get_sender_info("h-info")
+        assert info["num_kv_heads"] == 2
+
+        def receiver(rank: int, heads: int | None, **kw: Any) -> KVTransferManager:
+            cfg = _recv_cfg("SharedMemoryConnector", ns, recv_timeout=3, to_tp=2, tp_rank=rank, **kw)
+            return KVTransferManager(cfg, num_kv_heads=heads)
+
+        # Not configured: learnt from the header of what arrived; each rank gets its head.
+        for rank, rid in ((0, "h-plain"), (1, "h-rank1")):
+            with receiver(rank, None) as mgr:
+                data, _ = mgr.receive_kv_cache_for_request(rid)
+                assert (data.head_start, data.head_end, data.num_kv_heads_total) == (rank, rank + 1, 2)
+                _assert_exact(data, *reference_kv(caches, plan, rank, rank + 1))
+        # Configured but wrong: a clear error, not a silently mis-sliced cache.
+        with receiver(0, 4) as mgr, pytest.raises(TransferCorrupt, match=r"2 KV heads in all.*expects 4"):
+            mgr.receive_kv_cache_for_request("h-wrong")
+        # The sender's info carries the count too (what TP on both sides needs).
+        with receiver(1, None) as mgr:
+            data, _ = mgr.receive_kv_cache_for_request("h-info", sender_info=info)
+            _assert_exact(data, *reference_kv(caches, plan, 1, 2))
+    # TP on both sides, nothing configured and no sender info: refused before waiting.
+    both = _recv_cfg("SharedMemoryConnector", ns, recv_timeout=3, from_tp=2, to_tp=2)
+    with KVTransferManager(both) as mgr, pytest.raises(ConfigError, match="needs num_kv_heads"):
+        mgr.receive_kv_cache_for_request("anything")
+    assert _shm_leftovers("kvtestheads") == []
+
+
+@pytest.mark.forked
+def test_sender_info_does_not_grow_with_the_number_of_requests() -> None:
+    caches = fake_cpu_caches(2, 6)
+    ns = {"namespace": "kvtestinfo"}
+    cfg = _send_cfg("SharedMemoryConnector", connector_config=ns)
+    with KVTransferManager(cfg, num_kv_heads=2, max_sender_info=8) as sender:
+        for batch in range(6):  # 60 requests, each filed under its engine id and transfer id
+            ids = [f"eng-{batch}-{i}" for i in range(10)]
+            sender.handle_finished_requests_kv_transfer(
+                {r: request_plan(i) for i, r in enumerate(ids)},
+                caches,
+                BLOCK,
+                "auto",
+                request_id_resolver=lambda e: "user" + e[3:],
+            )
+            assert _wait_finished(sender, len(ids))[0] == set(ids)
+            assert sender.health()["sender_info_entries"] <= 8
+        # The newest requests are still answered, under either id, with the same info.
+        assert sender.get_sender_info("eng-5-9") is sender.get_sender_info("user-5-9") is not None
+        assert sender.get_sender_info("eng-0-0") is None
+        # Forgetting drops both ids.
+        assert sender.forget_sender_info("user-5-9") and sender.get_sender_info("eng-5-9") is None
+        assert not sender.forget_sender_info("user-5-9")
+    with KVTransferManager(cfg, num_kv_heads=2, sender_info_ttl_s=0.2) as sender:
+        sender.handle_finished_requests_kv_transfer({"ttl": request_plan(1)}, caches, BLOCK, "auto")
+        assert _wait_finished(sender, 1)[0] == {"ttl"}
+        assert sender.get_sender_info("ttl") is not None
+        time.sleep(0.3)
+        assert sender.get_sender_info("ttl") is None and sender.health()["sender_info_entries"] == 0
+    with pytest.raises(ConfigError):
+        KVTransferManager(cfg, max_sender_info=0)

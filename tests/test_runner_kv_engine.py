@@ -48,6 +48,9 @@ def engine(tiny_model_dir: Path):
     finally:
         receiver.shutdown()
         stop_engine(llm)
+    # vLLM's own shutdown path (SIGTERM to the engine core, death pipe to the worker)
+    # released the worker's pool segments: nothing of the edge is left.
+    assert shm_entries(NAMESPACE) == []
 
 
 @pytest.fixture(scope="module")

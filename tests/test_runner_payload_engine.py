@@ -9,6 +9,8 @@ is checked against vLLM's own output (token ids, bit-exact), against transformer
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -56,6 +58,9 @@ def engine(tiny_model_dir: Path):
         for c in conns:
             c.close()
         stop_engine(llm)
+    # The last test SIGKILLs the worker: its pool segments are removed by the engine
+    # core's shutdown (scheduler-side connector), nobody else on these edges reaps.
+    assert shm_entries(NS_FULL) == [] and shm_entries(NS_CHUNK) == []
 
 
 def _params(rid: str, max_tokens: int):
@@ -136,3 +141,26 @@ def test_aborted_request_fails_receivers_and_leaves_nothing(engine) -> None:
     assert llm.collective_rpc("kvbridge_transfer_status", args=(["ab"],))[0]["ab"]["payload"] == "aborted"
     for ns in (NS_FULL, NS_CHUNK):
         assert [e for e in shm_entries(ns) if ".k." in e] == []
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a killed child stays a zombie until its parent waits)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_zz_killed_worker_leaves_nothing_after_the_engine_stopped(engine) -> None:
+    """Runs last (the engine is dead afterwards); the check is in the fixture's teardown."""
+    llm, _, _ = engine
+    pid = llm.collective_rpc("kvbridge_debug_state")[0]["pid"]
+    # The worker holds pool segments of both edges (kept for reuse after the tests above).
+    for ns in (NS_FULL, NS_CHUNK):
+        assert any(f".p.{pid}." in e for e in shm_entries(ns)), shm_entries(ns)
+    os.kill(pid, signal.SIGKILL)
+    end = time.monotonic() + 30
+    while _running(pid) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert any(f".p.{pid}." in e for e in shm_entries(NS_FULL))  # SIGKILL: nothing ran

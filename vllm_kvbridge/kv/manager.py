@@ -60,6 +60,7 @@ import queue
 import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -80,7 +81,7 @@ from vllm_kvbridge.errors import (
 from vllm_kvbridge.kv.config import KVTransferConfig, StageId
 from vllm_kvbridge.kv.layout import KVCacheLayout, cpu_layout, gather_layers, packed_layout
 from vllm_kvbridge.kv.metrics import KVTransferMetrics
-from vllm_kvbridge.kv.topology import Route, TPTopology, merge_head_parts
+from vllm_kvbridge.kv.topology import HeadRange, Route, TPTopology, merge_head_parts
 from vllm_kvbridge.wire.kv_format import KVCacheTransferData
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,14 @@ class _SendJob:
     request_id: str
     to_stage: StageId
     parts: list[tuple[str, int, KVCacheTransferData]]  # (key, from_rank, data)
+    num_kv_heads: int = 0
+
+
+@dataclass
+class _SentInfo:
+    info: dict[str, Any]
+    at: float  # time.monotonic() of the send's completion
+    ids: tuple[str, ...]  # every id it is filed under (engine's and transfer id)
 
 
 def _request_id(req: Any) -> str:
@@ -187,6 +196,8 @@ class KVTransferManager:
         layout: KVCacheLayout | None = None,
         process_group: Any = None,
         connector: Connector | None = None,
+        sender_info_ttl_s: float = 600.0,
+        max_sender_info: int = 4096,
     ) -> None:
         if not isinstance(config, KVTransferConfig):
             raise ConfigError(f"config must be a KVTransferConfig, got {type(config).__name__}")
@@ -210,7 +221,11 @@ class KVTransferManager:
         self._pending_sends: set[str] = set()
         self._done: list[str] = []
         self._failed: dict[str, str] = {}
-        self._sent_info: dict[str, dict[str, Any]] = {}
+        # id (engine's and transfer id) -> record; oldest first, bounded (see get_sender_info)
+        if not sender_info_ttl_s > 0 or max_sender_info < 1:
+            raise ConfigError("sender_info_ttl_s must be > 0 and max_sender_info >= 1")
+        self._sent_info: OrderedDict[str, _SentInfo] = OrderedDict()
+        self._sent_info_ttl_s, self._max_sent_info = float(sender_info_ttl_s), int(max_sender_info)
         # receiver state
         self._stage_sender_info: dict[str, Mapping[str, Any]] = {}
         self._received: dict[str, ReceivedKV] = {}
@@ -415,7 +430,7 @@ class KVTransferManager:
             )
             key = route.key(rid, self.config.stage_id, to_stage, purpose=purpose)
             parts.append((key, route.from_rank, data))
-        return _SendJob(engine_id, rid, to_stage, parts)
+        return _SendJob(engine_id, rid, to_stage, parts, topo.num_kv_heads)
 
     def _submit(self, job: _SendJob) -> None:
         with self._lock:
@@ -481,10 +496,24 @@ class KVTransferManager:
                     except Exception:
                         pass
                 return f"{key}: {error} (after {cfg.send_retries + 1} attempts)"
+        infos["num_kv_heads"] = job.num_kv_heads  # lets a receiver that is not configured check
+        record = _SentInfo(infos, time.monotonic(), tuple(dict.fromkeys((job.engine_id, job.request_id))))
         with self._lock:
-            self._sent_info[job.engine_id] = infos
-            self._sent_info[job.request_id] = infos
+            for rid in record.ids:
+                self._sent_info[rid] = record
+                self._sent_info.move_to_end(rid)
+            self._prune_sent_info_locked()
         return None
+
+    def _prune_sent_info_locked(self) -> None:
+        """Drop sender info past its TTL, then the oldest beyond ``max_sender_info`` ids."""
+        expire = time.monotonic() - self._sent_info_ttl_s
+        while self._sent_info:
+            oldest = next(iter(self._sent_info.values()))
+            if oldest.at > expire and len(self._sent_info) <= self._max_sent_info:
+                break
+            for rid in oldest.ids:
+                self._sent_info.pop(rid, None)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """``(done, failed)`` request ids since the last call; each id is reported once."""
@@ -495,9 +524,27 @@ class KVTransferManager:
         return done, failed
 
     def get_sender_info(self, request_id: str) -> dict[str, Any] | None:
-        """The put metadata of a sent request (``{"ranks": ..., "keys": ...}``), for the receiver."""
+        """The put metadata of a sent request, for the receiver (engine's or transfer id).
+
+        ``{"ranks": ..., "keys": ..., "num_kv_heads": n}``. Kept from the moment the send
+        completed until :meth:`forget_sender_info`, for ``sender_info_ttl_s`` seconds at most,
+        and only for the newest ``max_sender_info`` ids, so the table cannot grow with the
+        number of requests (None once forgotten, as for a request never sent).
+        """
         with self._lock:
-            return self._sent_info.get(request_id)
+            self._prune_sent_info_locked()
+            record = self._sent_info.get(request_id)
+            return record.info if record is not None else None
+
+    def forget_sender_info(self, request_id: str) -> bool:
+        """Drop a request's sender info (under both of its ids); True if there was any."""
+        with self._lock:
+            record = self._sent_info.get(request_id)
+            if record is None:
+                return False
+            for rid in record.ids:
+                self._sent_info.pop(rid, None)
+            return True
 
     def pending_sends(self) -> int:
         with self._lock:
@@ -564,15 +611,23 @@ class KVTransferManager:
         """One cache (all routes to this rank). Raises _Consumed for post-processing failures."""
         from_stage = self.recv_stages[0]
         receiver_rank = 0 if self.config.distribution == "leader" else self.tp_rank
-        topo = self.topology()
-        routes = topo.routes_to(receiver_rank) if self.num_kv_heads else topo.routes_to(receiver_rank)[:1]
+        heads = self._expected_heads(sender_info, from_stage)
+        if heads is None:
+            # Whatever the head count, this rank's first piece comes from sender rank 0
+            # (see _expected_heads); its header tells the count, which fixes the rest.
+            one = HeadRange(0, 1)  # placeholder heads; only the key (ranks) of the probe matters
+            routes: Sequence[Route] = (Route(0, receiver_rank, one, one, one),)
+        else:
+            routes = self.topology(heads).routes_to(receiver_rank)
         conn = self.connector
         pieces: list[tuple[Route, KVCacheTransferData]] = []
         nbytes = 0
         self.metrics.transfer_started("recv")
         start = time.perf_counter()
         try:
-            for route in routes:
+            i = 0
+            while i < len(routes):
+                route = routes[i]
                 key = route.key(rid, from_stage, self.config.stage_id, purpose=purpose)
                 with self._lock:
                     data = self._parts.pop(key, None)
@@ -585,12 +640,21 @@ class KVTransferManager:
                         deadline,
                     )
                     try:
-                        data = self._decode(got, rid, route)
+                        if heads is None:  # learn the head count, then check the piece against it
+                            heads, routes = self._learn_heads(
+                                got, rid, key, from_stage, receiver_rank, purpose
+                            )
+                            route = routes[0]
+                        data = self._decode(got, rid, route, heads)
                     except Exception as exc:
                         raise _Consumed(exc) from exc
                     with self._lock:  # keep it until its siblings arrived (never lose a consumed piece)
                         self._parts[key] = data
+                elif heads is None:
+                    heads, routes = self._learn_heads(data, rid, key, from_stage, receiver_rank, purpose)
+                    route = routes[0]
                 pieces.append((route, data))
+                i += 1
             try:
                 merged = self._merge(rid, pieces, target_device)
             except Exception as exc:
@@ -610,14 +674,78 @@ class KVTransferManager:
         finally:
             self.metrics.transfer_ended("recv")
 
+    def _expected_heads(self, sender_info: Mapping[str, Any] | None, from_stage: StageId) -> int | None:
+        """The sender's total KV head count, if known before anything arrived.
+
+        Configured (``num_kv_heads``) first, else the ``num_kv_heads`` the sender put in its
+        sender info (this call's, then the stage's). ``None``: learn it from the header of
+        the first piece, which is only possible when that piece's key does not depend on
+        the count, i.e. when one side of the edge has TP 1 (the first route to any receiver
+        rank then starts at sender rank 0); otherwise a :class:`ConfigError`.
+        """
+        if self.num_kv_heads is not None:
+            return self.num_kv_heads
+        for source in (sender_info, self._stage_sender_info.get(str(from_stage))):
+            heads = source.get("num_kv_heads") if isinstance(source, Mapping) else None
+            if heads is not None:
+                if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+                    raise ConfigError(f"sender info num_kv_heads must be a positive int, got {heads!r}")
+                return heads
+        if self.config.from_tp > 1 and self.config.to_tp > 1:
+            raise ConfigError(
+                f"KV edge with from_tp={self.config.from_tp} and to_tp={self.config.to_tp}: the receiver "
+                "needs num_kv_heads (configure kv_transfer.num_kv_heads, or pass the sender's info, "
+                "which carries it)"
+            )
+        return None
+
+    def _learn_heads(
+        self, got: Any, rid: str, key: str, from_stage: StageId, receiver_rank: int, purpose: str
+    ) -> tuple[int, tuple[Route, ...]]:
+        """Head count from the first piece's header; the routes it implies (first = ``key``)."""
+        data = self._as_kv_data(got, rid)
+        heads = data.num_kv_heads_total
+        if heads is None:
+            if data.tp_size != 1 or self.config.from_tp != 1:
+                raise TransferCorrupt(f"KV of {rid}: a sliced piece without num_kv_heads_total in its header")
+            # An unsliced cache from a TP-1 sender holds every head: count them.
+            layer = next((t for t in data.key_cache if t is not None), None)
+            if layer is None or layer.dim() != 3:
+                raise TransferCorrupt(f"KV of {rid}: cannot tell its head count (no [seq, heads, dim] layer)")
+            heads = int(layer.shape[1])
+        if data.tp_size != self.config.from_tp:
+            raise TransferCorrupt(
+                f"KV of {rid} comes from a sender with TP {data.tp_size}, this edge expects "
+                f"from_tp={self.config.from_tp}"
+            )
+        try:
+            routes = self.topology(heads).routes_to(receiver_rank)
+        except ConfigError as exc:
+            raise TransferCorrupt(
+                f"KV of {rid}: sender's head count {heads} does not fit this edge: {exc}"
+            ) from exc
+        if routes[0].key(rid, from_stage, self.config.stage_id, purpose=purpose) != key:
+            raise TransferCorrupt(f"KV of {rid}: {heads} heads imply another first piece than {key}")
+        return heads, routes
+
     @staticmethod
-    def _decode(got: Any, rid: str, route: Route) -> KVCacheTransferData:
+    def _as_kv_data(got: Any, rid: str) -> KVCacheTransferData:
         if isinstance(got, torch.Tensor):
             got = KVCacheTransferData.from_bytes_device(got, expected_request_id=rid)
         if not isinstance(got, KVCacheTransferData):
             raise TransferCorrupt(f"expected KVCacheTransferData for {rid}, got {type(got).__name__}")
+        return got
+
+    @classmethod
+    def _decode(cls, got: Any, rid: str, route: Route, heads: int | None = None) -> KVCacheTransferData:
+        got = cls._as_kv_data(got, rid)
         if got.request_id != rid:
             raise TransferCorrupt(f"received KV of request {got.request_id!r} under the key of {rid!r}")
+        if heads is not None and got.num_kv_heads_total is not None and got.num_kv_heads_total != heads:
+            raise TransferCorrupt(
+                f"received KV of {rid} has {got.num_kv_heads_total} KV heads in all; this stage expects "
+                f"{heads} (kv_transfer.num_kv_heads / the model's head count)"
+            )
         if got.head_start is not None and (got.head_start, got.head_end) != (
             route.global_heads.start,
             route.global_heads.end,
@@ -938,6 +1066,7 @@ class KVTransferManager:
                 "pending_sends": len(self._pending_sends),
                 "prefetch_in_flight": sum(1 for f in self._prefetch.values() if not f.done()),
                 "received_waiting": len(self._received),
+                "sender_info_entries": len(self._sent_info),
                 "closed": self._closed,
             }
         return {**state, "metrics": self.metrics.health(), "connector": conn.health() if conn else None}

@@ -39,6 +39,7 @@ connector (:mod:`vllm_kvbridge.runner.vllm_connector`).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -87,6 +88,7 @@ class KVBridgeModelRunnerMixin(_PayloadTransportMixin):
             senders = dict(self._kvb_senders)
             receivers = dict(self._kvb_receivers)
         return {
+            "pid": os.getpid(),
             "requests": self.kvbridge_active_requests(),
             "accumulators": list(self._kvb_acc),
             "payload_in_flight": {peer: s.in_flight() for peer, s in senders.items()},

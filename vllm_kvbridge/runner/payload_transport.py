@@ -255,12 +255,16 @@ class _PayloadTransportMixin(_ConnectorRuntimeMixin):
         if not getattr(self, "_kvb_ready", False):
             return
         with self._kvb_lock:
+            if self._kvb_closed:
+                return
             senders, self._kvb_senders = list(self._kvb_senders.values()), {}
             receivers, self._kvb_receivers = list(self._kvb_receivers.values()), {}
+        # Receivers first (they only wait), then senders: queued puts get what is left of
+        # the budget, then their connectors are closed under them (the put fails, cleanly).
         for receiver in receivers:
-            receiver.close()
+            receiver.close(timeout=self._kvbridge_shutdown_left())
         for sender in senders:
-            sender.close()
+            sender.close(timeout=self._kvbridge_shutdown_left())
         super().kvbridge_shutdown()
 
     def kvbridge_threads_alive(self) -> int:

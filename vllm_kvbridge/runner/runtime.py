@@ -22,12 +22,28 @@ rank 0 sends; on receive, rank 0 receives and broadcasts to the other ranks of t
 (:func:`~vllm_kvbridge.runner.payload_stream.broadcast_payload`).
 Endpoints are reported by the sender (:meth:`kvbridge_sender_info`: per-rank put
 metadata, e.g. a ZMQ endpoint), never recomputed by the receiver.
+
+Shutdown
+--------
+:meth:`kvbridge_shutdown` releases everything (payload threads, KV manager, connectors and
+their segments/sockets) within :data:`SHUTDOWN_TIMEOUT_S`. In a vLLM worker it runs on
+vLLM's own shutdown path (``WorkerProc.shutdown`` -> ``Worker.shutdown``: the kvbridge
+worker's ``shutdown`` and the worker-side ``KVBridgeConnector.shutdown``); as a fallback
+it is registered to run at process exit (``atexit`` and multiprocessing's exit
+finalizers, which a ``multiprocessing`` child runs before ``os._exit``). vLLM SIGKILLs a
+worker tree that has not exited ~5 s after SIGTERM, so the time budget is small; what a
+killed process leaves (shared-memory names carrying its pid) is removed by
+:func:`reap_stage_leftovers`, which the scheduler-side connector runs in the engine-core
+process once the workers are gone, and which every new runtime runs at start.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import multiprocessing.util
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,7 +58,82 @@ logger = logging.getLogger(__name__)
 
 #: Terminal statuses kept for status queries after a request's state is gone.
 STATUS_HISTORY = 4096
+#: Wall-clock budget of :meth:`_ConnectorRuntimeMixin.kvbridge_shutdown` (vLLM kills a
+#: worker ~5 s after asking it to stop).
+SHUTDOWN_TIMEOUT_S = 3.0
 PENDING, DONE, FAILED, NONE = "pending", "done", "failed", "none"
+
+
+def _stage_edges(settings: RunnerSettings) -> list[tuple[Any, Any, str, dict[str, Any]]]:
+    """``(from_stage, to_stage, connector name, connector config)`` of every edge of a stage."""
+    edges = []
+    for edge in settings.payload.outputs:
+        edges.append((settings.stage_id, edge.peer_stage, edge.connector, edge.connector_config))
+    for edge in settings.payload.inputs:
+        edges.append((edge.peer_stage, settings.stage_id, edge.connector, edge.connector_config))
+    kv = settings.kv_transfer_config()
+    if kv is not None and kv.need_send_cache and kv.to_stage is not None:
+        edges.append((kv.stage_id, kv.to_stage, kv.connector, dict(kv.connector_config)))
+    if kv is not None and kv.need_recv_cache and kv.recv_stages:
+        edges.append((kv.recv_stages[0], kv.stage_id, kv.connector, dict(kv.connector_config)))
+    return edges
+
+
+def reap_stage_leftovers(settings: RunnerSettings | Mapping[str, Any]) -> list[str]:
+    """Remove what dead processes left on this stage's shared-memory edges; return the names.
+
+    Only names whose owner process is gone are touched (pool and claim names carry the
+    pid, published keys name it in their header), so it is safe while live processes use
+    the same edges. Other connectors keep no named OS resources to reap.
+    """
+    if not isinstance(settings, RunnerSettings):
+        settings = RunnerSettings.from_dict(dict(settings))
+    from vllm_kvbridge.connectors import shm_segments
+    from vllm_kvbridge.connectors.registry import get_connector_factory
+    from vllm_kvbridge.connectors.shm import SharedMemoryConnector
+
+    removed: list[str] = []
+    for from_stage, to_stage, name, config in _stage_edges(settings):
+        try:
+            cls = get_connector_factory(name)
+        except Exception:  # an unknown connector cannot have shm leftovers of ours
+            continue
+        if not (isinstance(cls, type) and issubclass(cls, SharedMemoryConnector)):
+            continue
+        conn = cls(config)  # no threads, no segments until first used: naming only
+        try:
+            namespace = conn.namespace(from_stage, to_stage)
+            removed += shm_segments.reap_stale(namespace, shm_dir=conn.shm_dir)
+        finally:
+            conn.close()
+    if removed:
+        logger.info("kvbridge: removed %d shared-memory names of dead processes: %s", len(removed), removed)
+    return removed
+
+
+class _ExitHook:
+    """Runs a runtime's ``kvbridge_shutdown`` at process exit unless cancelled first.
+
+    It holds the runtime strongly on purpose: a runtime dropped without shutdown still
+    owns live threads and connectors (and their named segments), which only its
+    ``kvbridge_shutdown`` releases; ``kvbridge_shutdown`` cancels the hook.
+    """
+
+    def __init__(self, runtime: Any) -> None:
+        self._runtime = runtime
+        self._finalizer = multiprocessing.util.Finalize(None, self, exitpriority=100)
+        atexit.register(self)
+
+    def __call__(self) -> None:
+        runtime, self._runtime = self._runtime, None
+        self.cancel()
+        if runtime is not None:
+            runtime.kvbridge_shutdown()
+
+    def cancel(self) -> None:
+        self._runtime = None
+        atexit.unregister(self)
+        self._finalizer.cancel()
 
 
 @dataclass
@@ -91,6 +182,12 @@ class _ConnectorRuntimeMixin:
         self._kvb_kv_manager: Any = None
         self._kvb_closed = False
         self._kvb_ready = True
+        try:
+            reap_stage_leftovers(settings)  # a dead predecessor's segments (a restarted stage)
+        except Exception:
+            logger.exception("kvbridge: reaping leftovers of dead processes failed")
+        # Fallback if the host never calls kvbridge_shutdown (see "Shutdown" above).
+        self._kvb_exit_hook = _ExitHook(self)
 
     @property
     def kvbridge_settings(self) -> RunnerSettings:
@@ -121,7 +218,11 @@ class _ConnectorRuntimeMixin:
             return conn
 
     def kvbridge_shutdown(self) -> None:
-        """Close the KV manager and every connector; idempotent."""
+        """Close the KV manager and every connector; idempotent.
+
+        The payload layer stops its threads first (extending this); everything is bounded
+        by :data:`SHUTDOWN_TIMEOUT_S` in all.
+        """
         if not getattr(self, "_kvb_ready", False):
             return
         with self._kvb_lock:
@@ -131,9 +232,10 @@ class _ConnectorRuntimeMixin:
             conns = list(self._kvb_connectors.values())
             self._kvb_connectors.clear()
             manager, self._kvb_kv_manager = self._kvb_kv_manager, None
+        start = time.monotonic()
         if manager is not None:
             try:
-                manager.shutdown()
+                manager.shutdown(timeout=self._kvbridge_shutdown_left())
             except Exception:
                 logger.exception("KV manager shutdown failed")
         for conn in conns:
@@ -141,6 +243,22 @@ class _ConnectorRuntimeMixin:
                 conn.close()
             except Exception:
                 logger.exception("closing connector %s failed", conn.name)
+        self._kvb_exit_hook.cancel()
+        logger.info(
+            "kvbridge: stage %s rank %d shut down (KV manager: %s, %d connectors) in %.3f s",
+            self._kvb_settings.stage_id,
+            self._kvb_tp_rank,
+            manager is not None,
+            len(conns),
+            time.monotonic() - start,
+        )
+
+    def _kvbridge_shutdown_left(self) -> float:
+        """Seconds left of the shutdown budget (started by the first kvbridge_shutdown layer)."""
+        started = getattr(self, "_kvb_shutdown_started", None)
+        if started is None:
+            started = self._kvb_shutdown_started = time.monotonic()
+        return max(0.1, SHUTDOWN_TIMEOUT_S - (time.monotonic() - started))
 
     # -- per-request state -----------------------------------------------------------------
     def kvbridge_register_request(

@@ -313,6 +313,28 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def has_pending_block_frees(self) -> bool:
         return bool(self._held)
 
+    # ----------------------------------------------------------------------- shutdown
+    def shutdown(self) -> None:
+        """vLLM's connector shutdown (``Worker.shutdown`` / ``Scheduler.shutdown``).
+
+        Worker side: release the attached runner's kvbridge resources (a second route to
+        ``kvbridge_shutdown`` besides the kvbridge worker's own ``shutdown``; idempotent).
+        Scheduler side (engine-core process, after the executor stopped the workers):
+        remove what a worker that was killed before it finished shutting down left on
+        this stage's shared-memory edges (only names of dead processes are touched).
+        """
+        if self.role == KVConnectorRole.WORKER:
+            host = self._host
+            if host is not None and hasattr(host, "kvbridge_shutdown"):
+                host.kvbridge_shutdown()
+            return
+        from vllm_kvbridge.runner.runtime import reap_stage_leftovers
+
+        try:
+            reap_stage_leftovers(self.settings)
+        except Exception:
+            logger.exception("kvbridge: reaping the stage's shared-memory leftovers failed")
+
 
 def kv_transfer_config_dict() -> dict[str, Any]:
     """vLLM ``kv_transfer_config`` (as a dict, JSON-safe) that installs :class:`KVBridgeConnector`."""
