@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from vllm_kvbridge.errors import ConfigError, TransferError
+from vllm_kvbridge.runner.mixin import KVBridgeModelRunnerMixin
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -142,15 +143,17 @@ class DiffusionOutput:
     seconds: float
 
 
-class DiffusionRunner:
+class DiffusionRunner(KVBridgeModelRunnerMixin):
     """Build the module, receive KV per request (prefetching the next), denoise.
 
-    ``kv_receiver`` is anything with the KV manager's receive API; by default the runner
-    builds a :class:`KVTransferManager` from the stage's resolved ``kv_transfer`` section.
+    Composes the same facade as the AR runner (:class:`KVBridgeModelRunnerMixin`): the
+    stage's connectors, its :class:`~vllm_kvbridge.kv.manager.KVTransferManager`, payload
+    receivers and their shutdown all come from the runtime layer. Only the receive side
+    is used, so none of the host hooks (paged caches) are needed.
     """
 
-    def __init__(self, stage: Any, *, kv_receiver: Any | None = None) -> None:
-        from vllm_kvbridge.config.runner_settings import kv_transfer_config_dict
+    def __init__(self, stage: Any) -> None:
+        from vllm_kvbridge.config.runner_settings import runner_settings
 
         self.stage = stage
         d = stage.diffusion or {}
@@ -164,17 +167,16 @@ class DiffusionRunner:
             d.get("device", "cpu"),
         )
         self.dump_dir = Path(stage.debug_dump_dir) if stage.debug_dump_dir else None
-        self.need_kv = bool(stage.kv_transfer.get("need_recv_cache"))
+        self.kvbridge_init(runner_settings(stage))
+        self.need_kv = self.kvbridge_settings.receives_kv
         self.prefetch_enabled = bool(stage.kv_transfer.get("prefetch", True))
-        self._kv = kv_receiver
-        if self._kv is None and self.need_kv:
-            from vllm_kvbridge.kv.config import KVTransferConfig
-            from vllm_kvbridge.kv.manager import KVTransferManager
+        # Created now, not on first request: a bad connector config fails the stage at start.
+        self._kv = self.kvbridge_kv_manager if self.need_kv else None
 
-            cfg = KVTransferConfig.from_dict(kv_transfer_config_dict(stage))
-            # The module knows how many KV heads it consumes (the TP routing needs it).
-            heads = getattr(self.module, "kv_heads", None)
-            self._kv = KVTransferManager(cfg, num_kv_heads=int(heads) if heads else None)
+    def kvbridge_kv_manager_kwargs(self) -> dict[str, Any]:
+        # The module knows how many KV heads it consumes (the TP routing needs it).
+        heads = getattr(self.module, "kv_heads", None)
+        return {**super().kvbridge_kv_manager_kwargs(), "num_kv_heads": int(heads) if heads else None}
 
     # -- KV ------------------------------------------------------------------------------
     def prefetch(self, req: DiffusionRequest) -> None:
@@ -232,6 +234,6 @@ class DiffusionRunner:
         save_file(tensors, str(self.dump_dir / name))
 
     def close(self) -> None:
-        if self._kv is not None:
-            self._kv.shutdown()
-            self._kv = None
+        """Stop prefetches and close every connector (idempotent)."""
+        self._kv = None
+        self.kvbridge_shutdown()
