@@ -44,8 +44,12 @@ def soon(seconds: float) -> float:
 
 
 def test_zero_copy_roundtrip_consumes_the_key(mooncake_master: MooncakeMaster):
-    with create_connector("mooncake", mooncake_master.config(namespace=NS)) as sender, \
-            MooncakeStoreConnector(mooncake_master.config(namespace=NS, global_segment_size=0)) as receiver:
+    with (
+        create_connector("mooncake", mooncake_master.connector_config(namespace=NS)) as sender,
+        MooncakeStoreConnector(
+            mooncake_master.connector_config(namespace=NS, global_segment_size=0)
+        ) as receiver,
+    ):
         assert sender.zero_copy and receiver.zero_copy
         result = sender.put(0, 1, key(), payload(1))
         assert result.ok and result.metadata["key"] == f"{NS}/{key()}"
@@ -64,7 +68,7 @@ def test_zero_copy_roundtrip_consumes_the_key(mooncake_master: MooncakeMaster):
 
 
 def test_bytes_fallback_roundtrip(mooncake_master: MooncakeMaster):
-    cfg = mooncake_master.config(namespace=NS, zero_copy=False)
+    cfg = mooncake_master.connector_config(namespace=NS, zero_copy=False)
     with MooncakeStoreConnector(cfg) as sender, MooncakeStoreConnector(cfg) as receiver:
         assert not sender.zero_copy
         result = sender.put(0, 1, key(), payload(2, 1 << 18))
@@ -75,9 +79,13 @@ def test_bytes_fallback_roundtrip(mooncake_master: MooncakeMaster):
 
 def test_env_expansion_of_config(mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("MC_TEST_NS", "fromenv")
-    cfg = {"master_server_address": "${KVB_TEST_MOONCAKE_MASTER}",
-           "metadata_server": "${KVB_TEST_MOONCAKE_METADATA}", "namespace": "${MC_TEST_NS}",
-           "global_segment_size": "${MC_TEST_SEG:-64MiB}", "protocol": "${MC_TEST_PROTO:-tcp}"}
+    cfg = {
+        "master_server_address": "${KVB_TEST_MOONCAKE_MASTER}",
+        "metadata_server": "${KVB_TEST_MOONCAKE_METADATA}",
+        "namespace": "${MC_TEST_NS}",
+        "global_segment_size": "${MC_TEST_SEG:-64MiB}",
+        "protocol": "${MC_TEST_PROTO:-tcp}",
+    }
     with MooncakeStoreConnector(cfg) as conn:
         assert conn.master_server_address == mooncake_master.master_address
         assert conn.namespace == "fromenv" and conn.global_segment_size == 64 << 20
@@ -86,10 +94,18 @@ def test_env_expansion_of_config(mooncake_master: MooncakeMaster, monkeypatch: p
     assert mooncake_master.keys() == []
 
 
-@pytest.mark.parametrize("bad", [
-    {"protocol": "udp"}, {"namespace": "a/b"}, {"global_segment_size": "lots"}, {"pin": "maybe"},
-    {"ttl_s": -1}, {"master_server_address": "nohost"}, {"master_server_address": "${KVB_UNSET_VAR}"},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"protocol": "udp"},
+        {"namespace": "a/b"},
+        {"global_segment_size": "lots"},
+        {"pin": "maybe"},
+        {"ttl_s": -1},
+        {"master_server_address": "nohost"},
+        {"master_server_address": "${KVB_UNSET_VAR}"},
+    ],
+)
 def test_bad_config_is_a_config_error(bad: dict):
     with pytest.raises(ConfigError):
         MooncakeStoreConnector({"master_server_address": "127.0.0.1:1", **bad})
@@ -104,15 +120,21 @@ def test_unreachable_master_is_a_clear_error_quickly():
     port = free_port()  # nobody listens there
     start = time.monotonic()
     with pytest.raises(TransferError, match=f"master at 127.0.0.1:{port} is unreachable"):
-        MooncakeStoreConnector({"master_server_address": f"127.0.0.1:{port}",
-                                "metadata_server": f"http://127.0.0.1:{free_port()}/metadata"})
+        MooncakeStoreConnector(
+            {
+                "master_server_address": f"127.0.0.1:{port}",
+                "metadata_server": f"http://127.0.0.1:{free_port()}/metadata",
+            }
+        )
     assert time.monotonic() - start < 3
 
 
 def test_unreachable_metadata_server_is_a_clear_error(mooncake_master: MooncakeMaster):
     port = free_port()
     with pytest.raises(TransferError, match="metadata server"):
-        MooncakeStoreConnector(mooncake_master.config(metadata_server=f"http://127.0.0.1:{port}/metadata"))
+        MooncakeStoreConnector(
+            mooncake_master.connector_config(metadata_server=f"http://127.0.0.1:{port}/metadata")
+        )
 
 
 def test_master_that_never_answers_times_out_setup(mooncake_master: MooncakeMaster):
@@ -124,17 +146,22 @@ def test_master_that_never_answers_times_out_setup(mooncake_master: MooncakeMast
         address = f"127.0.0.1:{silent.getsockname()[1]}"
         start = time.monotonic()
         with pytest.raises(TransferError, match="did not finish within connect_timeout_s"):
-            MooncakeStoreConnector(mooncake_master.config(
-                master_server_address=address, connect_timeout_s=1.5, setup_check="subprocess"))
+            MooncakeStoreConnector(
+                mooncake_master.connector_config(
+                    master_server_address=address, connect_timeout_s=1.5, setup_check="subprocess"
+                )
+            )
         assert time.monotonic() - start < 5
     # ...while against the real master the check passes and the connector works
-    with MooncakeStoreConnector(mooncake_master.config(namespace=NS, setup_check="subprocess")) as conn:
+    with MooncakeStoreConnector(
+        mooncake_master.connector_config(namespace=NS, setup_check="subprocess")
+    ) as conn:
         assert conn.put(0, 1, key(), payload(1)).ok
         assert same(conn.get(0, 1, key(), deadline=soon(5)), payload(1))
 
 
 def test_master_killed_mid_run_then_restarted(mooncake_master: MooncakeMaster):
-    cfg = mooncake_master.config(namespace=NS, master_retry_s=1.0)
+    cfg = mooncake_master.connector_config(namespace=NS, master_retry_s=1.0)
     with MooncakeStoreConnector(cfg) as sender, MooncakeStoreConnector(cfg) as receiver:
         assert sender.put(0, 1, key("before"), payload(1)).ok
         errors: list[BaseException] = []
@@ -178,9 +205,11 @@ def test_master_killed_mid_run_then_restarted(mooncake_master: MooncakeMaster):
 
 
 def test_store_full_put_fails_cleanly_without_evicting(mooncake_master: MooncakeMaster):
-    cfg = mooncake_master.config(namespace=NS, global_segment_size=16 << 20)  # Mooncake's minimum
-    with MooncakeStoreConnector(cfg) as sender, \
-            MooncakeStoreConnector({**cfg, "global_segment_size": 0}) as receiver:
+    cfg = mooncake_master.connector_config(namespace=NS, global_segment_size=16 << 20)  # Mooncake's minimum
+    with (
+        MooncakeStoreConnector(cfg) as sender,
+        MooncakeStoreConnector({**cfg, "global_segment_size": 0}) as receiver,
+    ):
         n = (6 << 20) // 4  # ~6 MiB each: two fit, the third does not
         results = [sender.put(0, 1, key(i), payload(i, n)) for i in range(3)]
         assert [r.ok for r in results] == [True, True, False]
@@ -193,7 +222,7 @@ def test_store_full_put_fails_cleanly_without_evicting(mooncake_master: Mooncake
 
 
 def test_unread_key_is_removed_by_ttl(mooncake_master: MooncakeMaster):
-    with MooncakeStoreConnector(mooncake_master.config(namespace=NS, ttl_s=0.3)) as sender:
+    with MooncakeStoreConnector(mooncake_master.connector_config(namespace=NS, ttl_s=0.3)) as sender:
         assert sender.put(0, 1, key(), payload(1)).ok
         assert mooncake_master.keys(NS) == [f"{NS}/{key()}"]
         until = soon(5)
@@ -204,7 +233,7 @@ def test_unread_key_is_removed_by_ttl(mooncake_master: MooncakeMaster):
 
 
 def test_cleanup_and_close_remove_keys_from_the_store(mooncake_master: MooncakeMaster):
-    cfg = mooncake_master.config(namespace=NS)
+    cfg = mooncake_master.connector_config(namespace=NS)
     sender, receiver = MooncakeStoreConnector(cfg), MooncakeStoreConnector(cfg)
     for i in range(4):
         assert sender.put(0, 1, key(i), payload(i)).ok
@@ -221,7 +250,7 @@ def test_cleanup_and_close_remove_keys_from_the_store(mooncake_master: MooncakeM
 
 
 def test_same_key_from_two_senders_is_refused(mooncake_master: MooncakeMaster):
-    cfg = mooncake_master.config(namespace=NS)
+    cfg = mooncake_master.connector_config(namespace=NS)
     with MooncakeStoreConnector(cfg) as a, MooncakeStoreConnector(cfg) as b:
         assert a.put(0, 1, key(), payload(1)).ok
         second = b.put(0, 1, key(), payload(2))
@@ -231,9 +260,11 @@ def test_same_key_from_two_senders_is_refused(mooncake_master: MooncakeMaster):
 
 
 def test_oversized_object_is_refused_and_removed(mooncake_master: MooncakeMaster):
-    cfg = mooncake_master.config(namespace=NS)
-    with MooncakeStoreConnector(cfg) as sender, \
-            MooncakeStoreConnector({**cfg, "max_payload_bytes": 1 << 16}) as receiver:
+    cfg = mooncake_master.connector_config(namespace=NS)
+    with (
+        MooncakeStoreConnector(cfg) as sender,
+        MooncakeStoreConnector({**cfg, "max_payload_bytes": 1 << 16}) as receiver,
+    ):
         assert not receiver.put(0, 1, key(9), payload(9, 1 << 16)).ok  # over its own limit too
         result = sender.put(0, 1, key(), payload(1, 1 << 16))
         with pytest.raises(TransferRefused, match="max_payload_bytes"):
@@ -243,7 +274,7 @@ def test_oversized_object_is_refused_and_removed(mooncake_master: MooncakeMaster
 
 
 def test_corrupt_object_raises_and_is_removed(mooncake_master: MooncakeMaster):
-    with MooncakeStoreConnector(mooncake_master.config(namespace=NS)) as conn:
+    with MooncakeStoreConnector(mooncake_master.connector_config(namespace=NS)) as conn:
         assert conn._store.put(conn.store_key(key()), b"not a kvbridge payload") == 0
         with pytest.raises(TransferCorrupt, match="does not decode"):
             conn.get(0, 1, key(), deadline=soon(5))
@@ -251,7 +282,7 @@ def test_corrupt_object_raises_and_is_removed(mooncake_master: MooncakeMaster):
 
 
 def test_get_deadline_and_bad_metadata(mooncake_master: MooncakeMaster):
-    with MooncakeStoreConnector(mooncake_master.config(namespace=NS)) as conn:
+    with MooncakeStoreConnector(mooncake_master.connector_config(namespace=NS)) as conn:
         start = time.monotonic()
         with pytest.raises(TransferTimeout, match="did not appear"):
             conn.get(0, 1, key(), deadline=start + 0.3)

@@ -13,76 +13,54 @@ from __future__ import annotations
 import atexit
 import multiprocessing as mp
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import time
-import urllib.request
-from pathlib import Path
 from typing import Any
 
-_master: dict[str, str] = {}
+from vllm_kvbridge.connectors.mooncake_master import ENV_PREFIX, MooncakeMaster
+
+_master: MooncakeMaster | None = None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def local_master(timeout: float = 30.0) -> dict[str, str]:
-    """Start (once per process) a ``mooncake_master`` with its HTTP metadata server on loopback."""
-    if _master:
-        return _master
-    rpc, http, admin = _free_port(), _free_port(), _free_port()
-    binary = Path(sys.executable).parent / "mooncake_master"
-    proc = subprocess.Popen(
-        [str(binary), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1", "--enable_http_metadata_server=true",
-         f"--http_metadata_server_port={http}", "--http_metadata_server_host=127.0.0.1",
-         f"--metrics_port={admin}", "--metrics_host=127.0.0.1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-
-    def stop() -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-    atexit.register(stop)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{admin}/health", timeout=1):
-                break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                stop()
-                raise RuntimeError("mooncake_master did not start") from None
-            time.sleep(0.05)
-    _master.update(master=f"127.0.0.1:{rpc}", metadata=f"http://127.0.0.1:{http}/metadata")
+def local_master(timeout: float = 30.0) -> MooncakeMaster:
+    """A ``mooncake_master`` on free loopback ports, started once per process, stopped at exit."""
+    global _master
+    if _master is None or not _master.running():
+        master = MooncakeMaster().start(timeout)
+        atexit.register(master.close)
+        _master = master
     return _master
 
 
 def connector_config(segment_bytes: int = 2 << 30) -> dict[str, Any]:
-    master = os.environ.get("KVB_MOONCAKE_MASTER")
-    metadata = os.environ.get("KVB_MOONCAKE_METADATA")
+    master = os.environ.get(f"{ENV_PREFIX}_MASTER")
+    metadata = os.environ.get(f"{ENV_PREFIX}_METADATA")
     if not (master and metadata):
         local = local_master()
-        master, metadata = local["master"], local["metadata"]
-    return {"master_server_address": master, "metadata_server": metadata, "local_hostname": "127.0.0.1",
-            "global_segment_size": segment_bytes, "protocol": "tcp", "namespace": f"bench{os.getpid()}"}
+        master, metadata = local.master_address, local.metadata_server
+    return {
+        "master_server_address": master,
+        "metadata_server": metadata,
+        "local_hostname": "127.0.0.1",
+        "global_segment_size": segment_bytes,
+        "protocol": "tcp",
+        "namespace": f"bench{os.getpid()}",
+    }
 
 
 def _raw_store(config: dict[str, Any], local_buffer: int) -> Any:
     from mooncake.store import MooncakeDistributedStore
 
     store = MooncakeDistributedStore()
-    rc = store.setup("127.0.0.1", config["metadata_server"], config["global_segment_size"], local_buffer,
-                     "tcp", "", config["master_server_address"])
+    rc = store.setup(
+        "127.0.0.1",
+        config["metadata_server"],
+        config["global_segment_size"],
+        local_buffer,
+        "tcp",
+        "",
+        config["master_server_address"],
+    )
     if rc != 0:
         raise RuntimeError(f"Mooncake setup failed: {rc}")
     return store

@@ -1,6 +1,7 @@
 """``vllm-kvbridge run``: run a pipeline end to end and write its outputs.
 
     vllm-kvbridge run --stage-config FILE --prompt TEXT [--prompt ...] [--model DIR] [--output-dir DIR]
+                      [--start-mooncake-master]
 
 Prints one progress line per stage event and a final table (per stage wall time; per
 edge bytes moved, transfer seconds and GB/s), and writes into the output dir: one PNG per
@@ -8,6 +9,12 @@ request for pipelines ending in a diffusion stage, one ``.txt`` per request for 
 ending in an LLM stage, the stage logs, and ``result.json``. Exit status: 0 when every
 request succeeded, 1 when a request failed, 2 for a bad config, 3 when a stage failed
 (its error is printed), 130 on Ctrl-C.
+
+``--start-mooncake-master`` starts a ``mooncake_master`` (with its HTTP metadata server) on
+free loopback ports for this run, points every ``MooncakeStoreConnector`` of the config at
+it, and stops it at the end after printing how many keys were left in the store (its log
+goes with the stage logs). A one-host convenience; several hosts share a master started by
+hand (``docs/multi_host.md``).
 """
 
 from __future__ import annotations
@@ -35,6 +42,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--output-dir", default="kvbridge-output", help="where outputs go (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, help="override the first stage's max_tokens")
     p.add_argument("--debug-dump-dir", help="dump what receiving stages consumed (KV caches) here")
+    p.add_argument(
+        "--start-mooncake-master",
+        action="store_true",
+        help="start a local mooncake_master on free loopback ports for this run and point every "
+        "MooncakeStoreConnector of the config at it (stopped at the end)",
+    )
     p.set_defaults(func=_run)
 
 
@@ -147,16 +160,73 @@ def write_outputs(results: list[Any], plan: Any, out_dir: Path, started: float) 
     return result
 
 
+# -- --start-mooncake-master ------------------------------------------------------------
+MOONCAKE = "MooncakeStoreConnector"
+
+
+def uses_mooncake(plan: Any) -> bool:
+    return any(e.connector.name == MOONCAKE for s in plan.stages for e in (*s.inputs, *s.outputs))
+
+
+def use_mooncake_master(plan: Any, master_address: str, metadata_server: str) -> Any:
+    """A copy of ``plan`` whose Mooncake connectors use this master and metadata server."""
+    import msgspec
+
+    def point(edge: Any) -> Any:
+        if edge.connector.name != MOONCAKE:
+            return edge
+        config = {**edge.connector.config, "master_server_address": master_address}
+        config["metadata_server"] = metadata_server
+        return msgspec.structs.replace(edge, connector=msgspec.structs.replace(edge.connector, config=config))
+
+    stages = [
+        msgspec.structs.replace(s, inputs=[point(e) for e in s.inputs], outputs=[point(e) for e in s.outputs])
+        for s in plan.stages
+    ]
+    return msgspec.structs.replace(plan, stages=stages)
+
+
 def _run(args: argparse.Namespace) -> int:
     from vllm_kvbridge.config.resolve import resolve
-    from vllm_kvbridge.pipeline.orchestrator import Pipeline, PipelineError, RequestError, StageError
 
-    started = time.time()
     try:
         plan = resolve(args.stage_config)
+        if args.start_mooncake_master and not uses_mooncake(plan):
+            raise ConfigError(f"--start-mooncake-master: the config uses no {MOONCAKE}")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if not args.start_mooncake_master:
+        return _run_plan(args, plan)
+    from vllm_kvbridge.connectors.mooncake_master import MooncakeMaster
+
+    master = MooncakeMaster(log_dir=Path(args.output_dir) / "logs")
+    try:
+        master.start()
+    except (OSError, RuntimeError) as exc:
+        print(f"error: --start-mooncake-master: {exc}", file=sys.stderr)
+        master.stop()
+        return 3
+    print(
+        f"mooncake_master: {master.master_address}, metadata {master.metadata_server} "
+        f"(pid {master.pid}, log {master.log_path})",
+        flush=True,
+    )
+    try:
+        return _run_plan(args, use_mooncake_master(plan, master.master_address, master.metadata_server))
+    finally:
+        try:
+            left = len(master.keys())
+        except OSError as exc:
+            left = f"unknown ({exc})"
+        master.stop()
+        print(f"mooncake_master: stopped, {left} keys left in the store", flush=True)
+
+
+def _run_plan(args: argparse.Namespace, plan: Any) -> int:
+    from vllm_kvbridge.pipeline.orchestrator import Pipeline, PipelineError, RequestError, StageError
+
+    started = time.time()
     if args.debug_dump_dir:
         import msgspec
 
