@@ -18,8 +18,23 @@ KEYS = {"connector", "bytes", "e2e_s", "gbps", "memcpy_gbps", "ratio", "ceiling_
 
 def test_bench_connectors_prints_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "rows.json"
-    assert main(["bench", "connectors", "--connectors", "shm,zmq", "--sizes", "64KB,256KB",
-                 "--repeat", "2", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "connectors",
+                "--connectors",
+                "shm,zmq",
+                "--sizes",
+                "64KB,256KB",
+                "--repeat",
+                "2",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[:2] == ["connector", "bytes"] and "ceiling" in table[0]
     assert [line.split()[0] for line in table[2:]] == ["shm", "zmq", "shm", "zmq"]

@@ -112,8 +112,11 @@ def test_concurrent_put_get_from_8_threads(pair):
                 seed = 1000 * t + i
                 k = key(f"t{t}", chunk=i)
                 if i % 2:  # half the gets start before their put
-                    getter = threading.Thread(target=lambda k=k, s=seed: results.append(
-                        (s, receiver.get(0, 1, k, metadata, deadline=deadline(20)))))
+                    getter = threading.Thread(
+                        target=lambda k=k, s=seed: results.append(
+                            (s, receiver.get(0, 1, k, metadata, deadline=deadline(20)))
+                        )
+                    )
                     getter.start()
                     assert sender.put(0, 1, k, make_payload(seed, 4096)).ok
                     getter.join()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import os
+import threading
 import time
 
 import pytest
@@ -39,7 +40,7 @@ def test_corrupt_segment_raises_transfer_corrupt_and_is_removed(token, case):
         size = 1 << 30
     fields = (seg.MAGIC, seg.READY, size, 1, os.getpid(), 0, time.time_ns(), len(key_raw))
     seg._HDR.pack_into(header, 0, *fields)
-    header[seg._KEY_OFFSET:seg._KEY_OFFSET + len(key_raw)] = key_raw
+    header[seg._KEY_OFFSET : seg._KEY_OFFSET + len(key_raw)] = key_raw
     if case == "bad_magic":
         header[:8] = b"NOTKVBSH"
     raw = bytes(header[:20]) if case == "too_short" else bytes(header) + b"\x07" * 64
@@ -159,3 +160,99 @@ def test_metadata_namespace_wins_and_names_are_validated(token):
         create_connector("shm", {"namespace": "bad name"})
     with pytest.raises(ConfigError):
         create_connector("shm", {"ttl_s": -1})
+
+
+def test_receiver_keeps_the_mapping_of_a_reused_segment(token):
+    with SHM.make(token) as sender, SHM.make(token) as receiver:
+        for i in range(5):  # same size class: the sender reuses one segment every time
+            assert sender.put(0, 1, key(i), make_payload(i, 1 << 20)).ok
+            got = receiver.get(0, 1, key(i), deadline=deadline(5))
+            assert same(got, make_payload(i, 1 << 20))  # new bytes through the kept mapping
+            del got
+            gc.collect()
+        health = receiver.health()
+        assert health["mapped_segments"] == 1 and health["mapped_bytes"] > 1 << 19
+        assert len([n for n in SHM.leftovers(token) if ".p." in n]) == 1
+
+
+def test_kept_mapping_is_dropped_when_the_sender_drops_the_segment(token):
+    fds = len(os.listdir("/proc/self/fd"))
+    with SHM.make(token, reap_interval_s=0.05) as receiver:
+        sender = SHM.make(token)
+        assert sender.put(0, 1, key(), make_payload(1)).ok
+        held = receiver.get(0, 1, key(), deadline=deadline(5))
+        assert receiver.health()["mapped_segments"] == 1
+        sender.close()  # unlinks the segment; the receiver still views it
+        assert receiver.health()["mapped_segments"] == 1  # busy: kept while viewed
+        assert same(held, make_payload(1))
+        del held
+        gc.collect()
+        end = time.monotonic() + 5  # the receiver's reaper notices the segment is gone
+        while receiver.health()["mapped_segments"] and time.monotonic() < end:
+            time.sleep(0.05)
+        assert receiver.health()["mapped_segments"] == 0
+    assert SHM.leftovers(token) == []
+    assert len(os.listdir("/proc/self/fd")) <= fds
+
+
+def test_payload_outlives_the_receiver_connector(token):
+    with SHM.make(token) as sender:
+        receiver = SHM.make(token)
+        assert sender.put(0, 1, key(), make_payload(3, 1 << 20)).ok
+        held = receiver.get(0, 1, key(), deadline=deadline(5))
+        receiver.close()  # forgets the kept mapping; the views keep it mapped
+        assert same(held, make_payload(3, 1 << 20))
+        del held
+        gc.collect()
+        end = time.monotonic() + 5  # released: the segment went back to the sender's pool
+        while sender.health()["pool_free_segments"] != 1 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert sender.health()["pool_free_segments"] == 1
+    assert SHM.leftovers(token) == []
+
+
+def test_map_cache_bytes_zero_maps_per_get(token):
+    with SHM.make(token) as sender, SHM.make(token, map_cache_bytes=0) as receiver:
+        for i in range(3):
+            assert sender.put(0, 1, key(i), make_payload(i)).ok
+            got = receiver.get(0, 1, key(i), deadline=deadline(5))
+            assert same(got, make_payload(i))
+            del got
+            gc.collect()
+        assert receiver.health()["mapped_segments"] == 0
+        assert sender.health()["pool_free_segments"] == 1
+
+
+def test_map_cache_evicts_idle_mappings_only_to_fit_its_budget(token):
+    budget = 2 << 20
+
+    def transfer(i: int, nbytes: int) -> dict:
+        assert sender.put(0, 1, key(i), make_payload(i, nbytes)).ok
+        got = receiver.get(0, 1, key(i), deadline=deadline(5))
+        assert same(got, make_payload(i, nbytes))
+        del got
+        gc.collect()
+        health = receiver.health()
+        assert health["mapped_bytes"] <= budget
+        return health
+
+    with SHM.make(token) as sender, SHM.make(token, map_cache_bytes=budget) as receiver:
+        first = transfer(0, 1 << 16)
+        assert first["mapped_segments"] == 1
+        health = transfer(1, 8 << 20)  # can never fit: mapped per get, evicts nothing
+        assert (health["mapped_segments"], health["mapped_bytes"]) == (1, first["mapped_bytes"])
+        health = transfer(2, 3 << 19)  # fits next to the first
+        assert health["mapped_segments"] == 2
+        health = transfer(3, 2 << 20)  # fits only alone: both idle ones go
+        assert health["mapped_segments"] == 1 and health["mapped_bytes"] > 1 << 19
+
+
+def test_get_sees_a_payload_published_while_it_polls(token):
+    with SHM.make(token) as sender, SHM.make(token) as receiver:
+        timer = threading.Timer(0.2, lambda: sender.put(0, 1, key(), make_payload(5)))
+        timer.start()
+        try:
+            got = receiver.get(0, 1, key(), deadline=deadline(10))
+        finally:
+            timer.join()
+        assert same(got, make_payload(5))

@@ -83,10 +83,22 @@ def _curve_pair():
     server_pub, server_sec = zmq.curve_keypair()
     good_pub, good_sec = zmq.curve_keypair()
     bad_pub, bad_sec = zmq.curve_keypair()
-    keys = {k: v.decode() for k, v in dict(server_pub=server_pub, server_sec=server_sec, good_pub=good_pub,
-                                           good_sec=good_sec, bad_pub=bad_pub, bad_sec=bad_sec).items()}
-    server = zmq_conn(curve_public_key=keys["server_pub"], curve_secret_key=keys["server_sec"],
-                      curve_allowed_clients=[keys["good_pub"]])
+    keys = {
+        k: v.decode()
+        for k, v in dict(
+            server_pub=server_pub,
+            server_sec=server_sec,
+            good_pub=good_pub,
+            good_sec=good_sec,
+            bad_pub=bad_pub,
+            bad_sec=bad_sec,
+        ).items()
+    }
+    server = zmq_conn(
+        curve_public_key=keys["server_pub"],
+        curve_secret_key=keys["server_sec"],
+        curve_allowed_clients=[keys["good_pub"]],
+    )
     return server, keys
 
 
@@ -96,16 +108,18 @@ def test_curve_admits_only_configured_clients():
         result = server.put(0, 1, key(), make_payload(1))
         assert result.metadata["server_key"] == keys["server_pub"]
         intruders = [
-            zmq_conn(curve_public_key=keys["bad_pub"], curve_secret_key=keys["bad_sec"],
-                     curve_allowed_clients=[]),
+            zmq_conn(
+                curve_public_key=keys["bad_pub"], curve_secret_key=keys["bad_sec"], curve_allowed_clients=[]
+            ),
             zmq_conn(),  # plain TCP, no CURVE at all
         ]
         for intruder in intruders:
             with intruder, pytest.raises(TransferTimeout):
                 intruder.get(0, 1, key(), result.metadata, deadline=deadline(0.5))
         assert server.health()["held_payloads"] == 1  # the intruders got nothing
-        with zmq_conn(curve_public_key=keys["good_pub"], curve_secret_key=keys["good_sec"],
-                      curve_allowed_clients=[]) as client:
+        with zmq_conn(
+            curve_public_key=keys["good_pub"], curve_secret_key=keys["good_sec"], curve_allowed_clients=[]
+        ) as client:
             got = client.get(0, 1, key(), result.metadata, deadline=deadline(5))
             assert same(got, make_payload(1))
 

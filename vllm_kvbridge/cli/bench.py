@@ -7,29 +7,39 @@ import argparse
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "bench", help="measure transports and pipelines",
-        description="Benchmarks that report ratios to ceilings measured in the same run.")
+        "bench",
+        help="measure transports and pipelines",
+        description="Benchmarks that report ratios to ceilings measured in the same run.",
+    )
     bench_sub = p.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     c = bench_sub.add_parser(
         "connectors",
         help="connector throughput vs memcpy and the transport's bare ceiling",
         description="Move KV-shaped payloads from a sender process to a receiver process through each "
-                    "connector; print put/get/end-to-end times, GB/s and ratios to memcpy and to the "
-                    "transport's own ceiling (bare pyzmq; one write + one read of a shm segment).",
+        "connector; print put/get/end-to-end times, GB/s and ratios to memcpy and to the "
+        "transport's own ceiling (bare pyzmq; one write + one read of a shm segment).",
     )
-    c.add_argument("--connectors", default="shm,zmq",
-                   help="comma-separated names or aliases (default: shm,zmq)")
-    c.add_argument("--sizes", default="1MB,64MB,512MB", help="comma-separated sizes, binary units "
-                   "(default: 1MB,64MB,512MB)")
-    c.add_argument("--repeat", type=int, default=5, help="timed transfers per point, after one warm-up "
-                   "(median reported; default 5)")
+    c.add_argument(
+        "--connectors", default="shm,zmq", help="comma-separated names or aliases (default: shm,zmq)"
+    )
+    c.add_argument(
+        "--sizes",
+        default="64KB,1MB,64MB,512MB",
+        help="comma-separated sizes, binary units (default: 64KB,1MB,64MB,512MB)",
+    )
+    c.add_argument(
+        "--repeat",
+        type=int,
+        default=5,
+        help="timed transfers per point, after one warm-up (median reported; default 5)",
+    )
     c.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
     c.set_defaults(func=_run_connectors)
     a = bench_sub.add_parser(
         "ar-overhead",
         help="AR decode throughput with kvbridge KV sending on vs off",
         description="Run the same batch on a plain vLLM engine and on the kvbridge worker sending every "
-                    "request's KV on finish; print tokens/s of both and the ratio.",
+        "request's KV on finish; print tokens/s of both and the ratio.",
     )
     from vllm_kvbridge.bench.ar_overhead import add_arguments
 

@@ -206,6 +206,49 @@ class PoolSegment:
             pass
 
 
+class ReceiverMapping:
+    """A receiver's read/write mapping of a claimed segment (the whole file).
+
+    Kept by the receiver across gets while the sender keeps the segment in its pool: a
+    pool segment comes back with the same pages every time it is reused, so mapping it
+    once (``MAP_POPULATE``: page tables filled up front) saves an mmap, a populate and an
+    munmap per get (~40 ms per GiB here). ``busy`` is True while a payload decoded from
+    it is alive. ``detached`` mappings are not (or no longer) cached: they are unmapped
+    as soon as nothing views them.
+    """
+
+    def __init__(self, fd: int, size: int, *, detached: bool) -> None:
+        self.fd = -1
+        self.size = size
+        self.busy = False
+        self.detached = detached
+        self.last_used = time.monotonic()
+        self.mm = mmap.mmap(
+            fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
+        if not detached:
+            self.fd = os.dup(fd)  # to see (fstat) when the sender unlinks the segment
+
+    def orphaned(self) -> bool:
+        """True once the sender dropped the segment (no name links to it, or it is RETIRED)."""
+        try:
+            return os.fstat(self.fd).st_nlink == 0 or read_generation(self.mm)[0] == RETIRED
+        except (OSError, ValueError):
+            return True
+
+    def close(self) -> None:
+        """Forget the mapping: unmap now if nothing views it, else when the last view goes."""
+        self.detached = True
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if not self.busy:
+            try:
+                self.mm.close()
+            except BufferError:  # a view is still being torn down; GC unmaps
+                pass
+
+
 def claim(namespace: str, key: str, shm_dir: str = SHM_DIR) -> int | None:
     """Atomically take the published segment ``key``; its fd, or ``None`` if not there.
 

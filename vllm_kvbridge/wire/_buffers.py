@@ -7,7 +7,19 @@ Contracts:
     flat memoryview; only non-contiguous or non-CPU inputs are copied (once).
   * :func:`check_shape` validates a wire shape against a byte count *before* anything
     is allocated; :func:`tensor_from_view` / :func:`array_from_view` then build a
-    zero-copy view (or one copy when asked).
+    zero-copy view (or one copy when asked). :func:`check_wire_shape` is the same check,
+    memoised, for shapes that come out of a typed msgspec decode.
+  * :class:`OutOfBand` is the set of out-of-band buffers of one decoded message (separate
+    frames, or slices of one packed buffer); it builds the typed views.
+  * :func:`dense_cpu` / :func:`copy_bytes`: the encode-side fast path (a dense CPU tensor
+    is copied straight from its ``data_ptr``, no intermediate views).
+
+Why the views are built the way they are: on CPU every torch op costs microseconds of
+dispatch, so a payload of many small tensors (a KV cache: 2 x layers tensors) is
+dominated by per-tensor overhead, not by bytes. A packed buffer is therefore wrapped
+with one ``torch.frombuffer`` and one typed view per dtype, and each tensor is a single
+``as_strided`` of that view (one op instead of three), with strides computed once per
+shape.
 
 Read-only buffers: torch has no read-only tensors, so a tensor decoded from a read-only
 buffer (``bytes``, a read-only mmap, a ZMQ frame) is writable in torch's eyes. Writing
@@ -19,6 +31,7 @@ a received frame would otherwise emit it and the contract above already document
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 from typing import Any
 
@@ -41,6 +54,21 @@ INT64_MAX = (1 << 63) - 1
 #: multiple of every itemsize, so typed views never straddle an alignment boundary).
 ALIGN = 64
 _EMPTY = memoryview(b"")
+#: Copies at least this big release the GIL (``ctypes.memmove``) so other threads keep
+#: running; smaller ones keep it, since handing the GIL over and waiting to get it back
+#: can cost a whole switch interval (5 ms) when another thread is busy.
+GIL_FREE_COPY = 1 << 20
+
+
+def _libc_memmove(dll: ctypes.CDLL) -> Any:
+    fn = dll.memmove
+    fn.restype = None  # the return value is dst; not converting it saves time per call
+    fn.argtypes = (ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t)
+    return fn
+
+
+# PyDLL functions run with the GIL held; ctypes.memmove (a CFUNCTYPE) releases it.
+_memmove_holding_gil = _libc_memmove(ctypes.PyDLL(None))
 
 with warnings.catch_warnings():
     # Consume torch's warn-once about non-writable buffers (see module docstring).
@@ -82,6 +110,39 @@ def writable_byte_view(obj: Any, what: str = "destination") -> memoryview:
     if mv.readonly:
         raise PayloadError(f"{what} is read-only")
     return mv
+
+
+def dense_cpu(t: torch.Tensor) -> bool:
+    """True when ``t``'s bytes are ``t.nbytes`` contiguous bytes at ``t.data_ptr()`` in host memory.
+
+    Only plain ``torch.Tensor`` objects qualify (subclasses may redefine any of these
+    attributes); everything else goes through :func:`prepare_tensor`.
+    """
+    return (
+        type(t) is torch.Tensor
+        and t.is_cpu
+        and t.layout == torch.strided
+        and not t.is_nested
+        and t.is_contiguous()
+        and not t.is_conj()
+        and not t.is_neg()
+    )
+
+
+def copy_bytes(dst: int, src: int, nbytes: int) -> None:
+    """``memmove(dst, src, nbytes)``; the caller has checked both ranges.
+
+    Large copies release the GIL, small ones keep it (see :data:`GIL_FREE_COPY`).
+    """
+    if nbytes >= GIL_FREE_COPY:
+        ctypes.memmove(dst, src, nbytes)
+    elif nbytes:
+        _memmove_holding_gil(dst, src, nbytes)
+
+
+def buffer_address(mv: memoryview) -> int:
+    """Address of the first byte of a non-empty flat byte memoryview."""
+    return np.frombuffer(mv, dtype=np.uint8).ctypes.data
 
 
 def prepare_tensor(t: torch.Tensor, what: str) -> tuple[torch.Tensor, str]:
@@ -169,6 +230,41 @@ def check_shape(shape: Any, dtype: str, nbytes: int, limits: Limits, what: str) 
     return tuple(shape)
 
 
+_SHAPE_CACHE: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+_SHAPE_CACHE_MAX = 4096
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a C-contiguous tensor of ``shape``."""
+    strides = []
+    step = 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= dim or 1
+    return tuple(reversed(strides))
+
+
+def check_wire_shape(
+    shape: list[int], dtype: str, nbytes: int, limits: Limits, what: str
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """:func:`check_shape` memoised, plus the contiguous strides: ``(shape, strides)``.
+
+    Only for values from a typed msgspec decode (``shape`` a list of ints, never bools,
+    ``dtype`` a str, ``nbytes`` an int), which is what makes the cache key exact: a
+    payload of many same-shaped tensors (a KV cache) validates each shape once. Failures
+    are not cached, so every bad shape raises the same error as :func:`check_shape`.
+    """
+    key = (dtype, nbytes, limits.max_ndim, *shape)
+    hit = _SHAPE_CACHE.get(key)
+    if hit is not None:
+        return hit
+    checked = check_shape(shape, dtype, nbytes, limits, what)
+    if len(_SHAPE_CACHE) >= _SHAPE_CACHE_MAX:
+        _SHAPE_CACHE.clear()
+    result = _SHAPE_CACHE[key] = (checked, contiguous_strides(checked))
+    return result
+
+
 def _check_bool_bytes(u8: np.ndarray | torch.Tensor, what: str) -> None:
     # torch/numpy assume bool bytes are 0 or 1; other values give inconsistent results.
     size = u8.numel() if isinstance(u8, torch.Tensor) else u8.size
@@ -177,15 +273,25 @@ def _check_bool_bytes(u8: np.ndarray | torch.Tensor, what: str) -> None:
 
 
 def tensor_from_view(
-    mv: memoryview, dtype: str, shape: tuple[int, ...], copy: bool, what: str
+    mv: memoryview,
+    dtype: str,
+    shape: tuple[int, ...],
+    copy: bool,
+    what: str,
+    strides: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """A tensor over ``mv`` (already validated by :func:`check_shape`); zero-copy unless ``copy``."""
+    """A tensor over ``mv`` (already validated by :func:`check_shape`); zero-copy unless ``copy``.
+
+    ``strides``: the contiguous strides of ``shape`` when the caller has them.
+    """
     torch_dtype = TORCH_DTYPES[dtype]
     if len(mv) == 0:
         return torch.empty(shape, dtype=torch_dtype)
     if dtype == "bool":
         _check_bool_bytes(np.frombuffer(mv, dtype=np.uint8), what)
-    t = torch.frombuffer(mv, dtype=torch_dtype).view(shape)
+    t = torch.frombuffer(mv, dtype=torch_dtype)
+    if len(shape) != 1:
+        t = t.as_strided(shape, strides if strides is not None else contiguous_strides(shape))
     return t.clone() if copy else t
 
 
@@ -199,6 +305,85 @@ def array_from_view(mv: memoryview, dtype: str, shape: tuple[int, ...], copy: bo
         _check_bool_bytes(np.frombuffer(mv, dtype=np.uint8), what)
     a = np.frombuffer(mv, dtype=np_dtype).reshape(shape)
     return a.copy() if copy else a
+
+
+class OutOfBand:
+    """The out-of-band buffers of one decoded message, and typed views of them.
+
+    Either separate frames (:meth:`from_frames`) or byte ranges of one packed buffer
+    (:meth:`from_packed`). ``sizes[i]`` is the byte length of buffer ``i``. The caller
+    validates shapes against ``sizes`` (and, for packed buffers, every range against the
+    buffer and alignment to :data:`ALIGN`) before asking for a view.
+
+    Packed buffers get one ``torch.frombuffer`` for the whole buffer and one typed view
+    per dtype; each tensor is then one ``as_strided`` of it (see the module docstring).
+    Every tensor shares the buffer's storage, which keeps the buffer alive exactly as a
+    per-tensor ``frombuffer`` would.
+    """
+
+    __slots__ = ("_frames", "_mv", "_starts", "_typed", "_u8", "sizes")
+
+    def __init__(
+        self, frames: list[memoryview] | None, mv: memoryview | None, starts: list[int], sizes: list[int]
+    ) -> None:
+        self._frames = frames
+        self._mv = mv
+        self._starts = starts
+        self.sizes = sizes
+        self._u8: torch.Tensor | None = None
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+
+    @classmethod
+    def from_frames(cls, frames: list[memoryview]) -> OutOfBand:
+        return cls(frames, None, [], [len(f) for f in frames])
+
+    @classmethod
+    def from_packed(cls, mv: memoryview, starts: list[int], sizes: list[int]) -> OutOfBand:
+        """Buffer ``i`` is ``mv[starts[i] : starts[i] + sizes[i]]``; starts are ALIGN-aligned."""
+        return cls(None, mv, starts, sizes)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def _typed_view(self, torch_dtype: torch.dtype, itemsize: int) -> torch.Tensor:
+        typed = self._typed.get(torch_dtype)
+        if typed is None:
+            if self._u8 is None:
+                self._u8 = torch.frombuffer(self._mv, dtype=torch.uint8)
+            usable = len(self._u8) - len(self._u8) % itemsize
+            typed = self._typed[torch_dtype] = self._u8[:usable].view(torch_dtype)
+        return typed
+
+    def tensor(
+        self,
+        i: int,
+        dtype: str,
+        shape: tuple[int, ...],
+        strides: tuple[int, ...],
+        copy: bool,
+        what: str,
+    ) -> torch.Tensor:
+        """Buffer ``i`` as a tensor of ``dtype``/``shape`` (checked by :func:`check_wire_shape`)."""
+        if self._frames is not None:
+            return tensor_from_view(self._frames[i], dtype, shape, copy, what, strides)
+        torch_dtype = TORCH_DTYPES[dtype]
+        nbytes = self.sizes[i]
+        if nbytes == 0:
+            return torch.empty(shape, dtype=torch_dtype)
+        start = self._starts[i]
+        if dtype == "bool":
+            _check_bool_bytes(np.frombuffer(self._mv, dtype=np.uint8, count=nbytes, offset=start), what)
+        itemsize = ITEMSIZE[dtype]
+        # start is ALIGN-aligned, so a multiple of every itemsize: the element offset is exact.
+        t = self._typed_view(torch_dtype, itemsize).as_strided(shape, strides, start // itemsize)
+        return t.clone() if copy else t
+
+    def array(self, i: int, dtype: str, shape: tuple[int, ...], copy: bool, what: str) -> np.ndarray:
+        """Buffer ``i`` as a numpy array of ``dtype``/``shape`` (checked by :func:`check_shape`)."""
+        if self._frames is not None:
+            return array_from_view(self._frames[i], dtype, shape, copy, what)
+        start = self._starts[i]
+        return array_from_view(self._mv[start : start + self.sizes[i]], dtype, shape, copy, what)
 
 
 def tensor_from_device_bytes(

@@ -51,7 +51,6 @@ buffers before any tensor is built.
 
 from __future__ import annotations
 
-import ctypes
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -64,19 +63,23 @@ from vllm_kvbridge.errors import PayloadError
 from vllm_kvbridge.wire import kv_format
 from vllm_kvbridge.wire._buffers import (
     ALIGN,
+    GIL_FREE_COPY,
     INT64_MAX,
     INT64_MIN,
+    OutOfBand,
     align_up,
     array_bytes,
-    array_from_view,
+    buffer_address,
     byte_view,
-    check_shape,
+    check_wire_shape,
+    copy_bytes,
+    dense_cpu,
     prepare_array,
     prepare_tensor,
     tensor_bytes,
-    tensor_from_view,
     writable_byte_view,
 )
+from vllm_kvbridge.wire.dtypes import TORCH_DTYPE_NAMES
 from vllm_kvbridge.wire.kv_format import KVCacheTransferData
 from vllm_kvbridge.wire.limits import DEFAULT_LIMITS, Limits
 
@@ -93,8 +96,7 @@ _PREFIX = struct.Struct("<4sHHIIQ")
 PREFIX_SIZE = _PREFIX.size  # 24
 _U32_MAX = (1 << 32) - 1
 _ZEROS = bytes(ALIGN)
-#: Buffers at least this big are copied without holding the GIL.
-_GIL_FREE_COPY = 1 << 20
+_Tensor = torch.Tensor
 
 _encoder = msgspec.msgpack.Encoder()
 _TUPLE_EXT = msgspec.msgpack.Ext(EXT_TUPLE, b"")
@@ -132,41 +134,72 @@ class Encoded:
     ``buffers`` are flat ``'B'`` memoryviews over the tensors' own memory (CPU tensors are
     not copied; the views keep them alive). Mutating a source tensor before the payload is
     sent changes what is sent.
+
+    Internally the buffers are kept as their *sources*: a dense CPU tensor itself (copied
+    by :meth:`pack_into` straight from its ``data_ptr``) or a memoryview. The memoryviews
+    of ``buffers`` are built on first access, because building them costs more than the
+    copy for small tensors and :meth:`pack_into` does not need them.
     """
 
-    __slots__ = ("buffers", "skeleton")
+    __slots__ = ("_buffers", "_layout", "_sizes", "_sources", "skeleton")
 
     def __init__(self, skeleton: bytes, buffers: list[memoryview]) -> None:
         self.skeleton = skeleton
-        self.buffers = buffers
+        self._buffers: list[memoryview] | None = buffers
+        self._sources: list[Any] = buffers
+        self._sizes = [b.nbytes for b in buffers]
+        self._layout: tuple[list[int], list[int], int] | None = None
+
+    @classmethod
+    def _from_sources(cls, skeleton: bytes, sources: list[Any], sizes: list[int]) -> Encoded:
+        """``sizes``: the byte size of every source when it was encoded (what the skeleton says)."""
+        enc = cls.__new__(cls)
+        enc.skeleton = skeleton
+        enc._buffers = None
+        enc._sources = sources
+        enc._sizes = sizes
+        enc._layout = None
+        return enc
+
+    @property
+    def buffers(self) -> list[memoryview]:
+        """One flat ``'B'`` memoryview per tensor/array, in buffer-index order."""
+        if self._buffers is None:
+            self._buffers = [s if type(s) is memoryview else tensor_bytes(s.detach()) for s in self._sources]
+        return self._buffers
 
     @property
     def nbytes(self) -> int:
         """``len(skeleton)`` plus the size of every buffer."""
-        return len(self.skeleton) + sum(b.nbytes for b in self.buffers)
+        return len(self.skeleton) + sum(self._table()[1])
 
     def frames(self) -> list[Any]:
         """``[skeleton, *buffers]``, the input of :func:`decode_frames`."""
         return [self.skeleton, *self.buffers]
 
-    def _table(self) -> tuple[list[int], int]:
-        offsets = []
-        pos = PREFIX_SIZE + 16 * len(self.buffers) + len(self.skeleton)
-        for b in self.buffers:
-            pos = align_up(pos)
-            offsets.append(pos)
-            pos += b.nbytes
-        return offsets, pos
+    def _table(self) -> tuple[list[int], list[int], int]:
+        """``(offsets, sizes, total)`` of the packed layout (computed once)."""
+        if self._layout is None:
+            sizes = self._sizes
+            offsets = []
+            pos = align_up(PREFIX_SIZE + 16 * len(sizes) + len(self.skeleton))
+            for size in sizes:
+                offsets.append(pos)
+                pos += size + (-size % ALIGN)  # every offset is aligned, so align the size
+            total = offsets[-1] + sizes[-1] if sizes else PREFIX_SIZE + len(self.skeleton)
+            self._layout = (offsets, sizes, total)
+        return self._layout
 
     def packed_size(self) -> int:
         """Bytes :meth:`pack_into` writes."""
-        return self._table()[1]
+        return self._table()[2]
 
-    def _head(self, offsets: list[int], total: int) -> bytes:
-        n = len(self.buffers)
+    def _head(self) -> bytes:
+        offsets, sizes, total = self._table()
+        n = len(sizes)
         table = np.empty(2 * n, dtype="<u8")
         table[0::2] = offsets
-        table[1::2] = [b.nbytes for b in self.buffers]
+        table[1::2] = sizes
         prefix = _PREFIX.pack(PACKED_MAGIC, VERSION, 0, n, len(self.skeleton), total)
         return prefix + table.tobytes() + self.skeleton
 
@@ -174,66 +207,95 @@ class Encoded:
         """Write the packed layout into ``dst[offset:]``, one copy per buffer; returns its size.
 
         ``dst``: any writable buffer (bytearray, memoryview, mmap, numpy uint8 array).
-        Alignment is relative to ``offset``.
+        Alignment is relative to ``offset``. Copies of 1 MiB and more release the GIL.
+        Raises :class:`PayloadError` if ``dst`` is too small or read-only, or if a source
+        tensor was resized since :func:`encode`.
         """
-        offsets, total = self._table()
+        offsets, sizes, total = self._table()
         mv = writable_byte_view(dst)
         if type(offset) is not int or offset < 0 or offset + total > len(mv):
             raise PayloadError(f"destination too small: need {total} bytes at offset {offset}, has {len(mv)}")
         region = mv[offset : offset + total]
-        head = self._head(offsets, total)
+        head = self._head()
         pos = len(head)
         region[:pos] = head
-        base = 0
-        for start, b in zip(offsets, self.buffers):
+        base = buffer_address(region) if sizes else 0
+        for index, (start, size, src) in enumerate(zip(offsets, sizes, self._sources)):
             if start > pos:
                 region[pos:start] = _ZEROS[: start - pos]
-            pos = start + b.nbytes
-            if b.nbytes < _GIL_FREE_COPY:
-                region[start:pos] = b
+            pos = start + size
+            if type(src) is memoryview:
+                if size < GIL_FREE_COPY:
+                    region[start:pos] = src
+                else:
+                    copy_bytes(base + start, buffer_address(src), size)
             else:
-                # Large copies via memmove, which releases the GIL (a memoryview slice copy
-                # holds it), so other threads (the model thread) keep running meanwhile.
-                # Bounds: region has ``total`` bytes and the table keeps every buffer inside.
-                base = base or np.frombuffer(region, dtype=np.uint8).ctypes.data
-                ctypes.memmove(base + start, np.frombuffer(b, dtype=np.uint8).ctypes.data, b.nbytes)
+                # A dense CPU tensor (encode checked it): copy from its current data_ptr,
+                # after checking it still holds the bytes the table promises (bounds: the
+                # region holds `total` bytes and the table keeps every buffer inside).
+                # In-place ops (resize_, as_strided_, set_, .data=) can only change what
+                # these three attributes report.
+                if src.nbytes != size or not src.is_cpu or not src.is_contiguous():
+                    raise PayloadError(f"buffer {index}: its tensor was changed in place after encode")
+                copy_bytes(base + start, src.data_ptr(), size)
         return total
 
     def to_bytes(self) -> bytes:
         """The packed layout as ``bytes`` (one copy of each buffer)."""
-        offsets, total = self._table()
-        pieces: list[Any] = [self._head(offsets, total)]
-        pos = len(pieces[0])
-        for start, b in zip(offsets, self.buffers):
+        offsets, sizes, _ = self._table()
+        head = self._head()
+        pieces: list[Any] = [head]
+        pos = len(head)
+        for start, size, b in zip(offsets, sizes, self.buffers):
             pieces.append(_ZEROS[: start - pos])
             pieces.append(b)
-            pos = start + b.nbytes
+            pos = start + size
         return b"".join(pieces)
 
 
 class _EncodeWalk:
-    __slots__ = ("buffers", "items", "limits", "total")
+    __slots__ = ("items", "limits", "sizes", "sources", "total")
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
-        self.buffers: list[memoryview] = []
+        self.sources: list[Any] = []  # dense CPU tensors or memoryviews (see Encoded)
+        self.sizes: list[int] = []
         self.items = 0
         self.total = 0
 
-    def add_buffer(self, view: memoryview) -> int:
-        if len(self.buffers) >= self.limits.max_buffers:
+    def add_buffer(self, source: Any) -> int:
+        if len(self.sources) >= self.limits.max_buffers:
             raise _Fail(f"more than max_buffers={self.limits.max_buffers} tensors/arrays")
-        self.total += view.nbytes
+        nbytes = source.nbytes
+        self.total += nbytes
         if self.total > self.limits.max_total_bytes:
             raise _Fail(f"tensor/array bytes exceed max_total_bytes={self.limits.max_total_bytes}")
-        self.buffers.append(view)
-        return len(self.buffers) - 1
+        self.sources.append(source)
+        self.sizes.append(nbytes)
+        return len(self.sources) - 1
+
+    def tensor(self, obj: torch.Tensor) -> Any:
+        if obj.dim() > self.limits.max_ndim:
+            raise _Fail(f"tensor ndim {obj.dim()} exceeds max_ndim={self.limits.max_ndim}")
+        name = TORCH_DTYPE_NAMES.get(obj.dtype)
+        if name is not None and dense_cpu(obj):
+            source: Any = obj  # no copy, no view: pack_into reads its data_ptr
+        else:
+            try:
+                obj, name = prepare_tensor(obj, "tensor")
+            except PayloadError as exc:
+                raise _Fail(str(exc)) from None
+            source = tensor_bytes(obj)
+        index = self.add_buffer(source)
+        return msgspec.msgpack.Ext(EXT_TENSOR, _encoder.encode((index, name, tuple(obj.shape))))
 
     def walk(self, obj: Any, depth: int) -> Any:
         self.items += 1
         if self.items > self.limits.max_items:
             raise _Fail(f"payload has more than max_items={self.limits.max_items} items")
         t = type(obj)
+        if t is _Tensor:
+            return self.tensor(obj)
         if t is str or t is bytes:
             _check_str(obj, self.limits)
             return obj
@@ -246,14 +308,7 @@ class _EncodeWalk:
         if t is dict or t is list or t is tuple or isinstance(obj, dict | list | tuple):
             return self.container(obj, depth + 1)
         if isinstance(obj, torch.Tensor):
-            if len(obj.shape) > self.limits.max_ndim:
-                raise _Fail(f"tensor ndim {obj.dim()} exceeds max_ndim={self.limits.max_ndim}")
-            try:
-                cpu, name = prepare_tensor(obj, "tensor")
-            except PayloadError as exc:
-                raise _Fail(str(exc)) from None
-            index = self.add_buffer(tensor_bytes(cpu))
-            return msgspec.msgpack.Ext(EXT_TENSOR, _encoder.encode((index, name, tuple(cpu.shape))))
+            return self.tensor(obj)
         if t is np.ndarray:
             if obj.ndim > self.limits.max_ndim:
                 raise _Fail(f"array ndim {obj.ndim} exceeds max_ndim={self.limits.max_ndim}")
@@ -265,11 +320,11 @@ class _EncodeWalk:
             return msgspec.msgpack.Ext(EXT_NDARRAY, _encoder.encode((index, name, arr.shape)))
         if isinstance(obj, KVCacheTransferData):
             try:
-                raw, views = obj._codec_encode(self.limits, len(self.buffers))
+                raw, sources = obj._codec_encode(self.limits, len(self.sources))
             except PayloadError as exc:
                 raise _Fail(str(exc)) from None
-            for view in views:
-                self.add_buffer(view)
+            for source in sources:
+                self.add_buffer(source)
             return msgspec.msgpack.Ext(EXT_KV, raw)
         raise _Fail(f"unsupported type {t.__module__}.{t.__qualname__}")
 
@@ -316,7 +371,7 @@ def encode(obj: Any, *, limits: Limits | None = None) -> Encoded:
         raise PayloadError(f"payload cannot be encoded: {exc}") from None
     if len(skeleton) > min(limits.max_skeleton_bytes, _U32_MAX):
         raise PayloadError(f"skeleton of {len(skeleton)} bytes exceeds max_skeleton_bytes")
-    return Encoded(skeleton, walker.buffers)
+    return Encoded._from_sources(skeleton, walker.sources, walker.sizes)
 
 
 # -- decoding ----------------------------------------------------------------------------
@@ -367,7 +422,7 @@ _skeleton_decoder = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
 class _DecodeWalk:
     __slots__ = ("copy", "frames", "items", "limits", "used")
 
-    def __init__(self, frames: list[memoryview], limits: Limits, copy: bool) -> None:
+    def __init__(self, frames: OutOfBand, limits: Limits, copy: bool) -> None:
         self.frames = frames
         self.limits = limits
         self.copy = copy
@@ -379,6 +434,8 @@ class _DecodeWalk:
         if self.items > self.limits.max_items:
             raise _Fail(f"payload has more than max_items={self.limits.max_items} items")
         t = type(node)
+        if t is _ArrayRef:
+            return self.array(node)
         if t is str or t is bytes:
             _check_str(node, self.limits)
             return node
@@ -412,8 +469,6 @@ class _DecodeWalk:
                     exc.path.append(f"[{i - is_tuple}]")
                     raise
             return tuple(node[1:]) if is_tuple else node
-        if t is _ArrayRef:
-            return self.array(node)
         if t is _KVRef:
             try:
                 return kv_format.codec_decode(node.raw, self.frames, self.used, self.limits, self.copy)
@@ -427,22 +482,23 @@ class _DecodeWalk:
     def array(self, ref: _ArrayRef) -> Any:
         what = "tensor" if ref.code == EXT_TENSOR else "array"
         index = ref.index
-        if not 0 <= index < len(self.frames):
-            raise _Fail(f"{what} buffer index {index} out of range ({len(self.frames)} buffers)")
+        frames = self.frames
+        if not 0 <= index < len(frames):
+            raise _Fail(f"{what} buffer index {index} out of range ({len(frames)} buffers)")
         if self.used[index]:
             raise _Fail(f"{what} buffer {index} is referenced twice")
         self.used[index] = 1
-        mv = self.frames[index]
         try:
-            shape = check_shape(ref.shape, ref.dtype, len(mv), self.limits, what)
+            # ref comes from a typed decode (int, str, list[int]): the memoised check applies.
+            shape, strides = check_wire_shape(ref.shape, ref.dtype, frames.sizes[index], self.limits, what)
             if ref.code == EXT_TENSOR:
-                return tensor_from_view(mv, ref.dtype, shape, self.copy, what)
-            return array_from_view(mv, ref.dtype, shape, self.copy, what)
+                return frames.tensor(index, ref.dtype, shape, strides, self.copy, what)
+            return frames.array(index, ref.dtype, shape, self.copy, what)
         except PayloadError as exc:
             raise _Fail(str(exc)) from None
 
 
-def _decode(skeleton: memoryview, buffers: list[memoryview], limits: Limits, copy: bool) -> Any:
+def _decode(skeleton: memoryview, buffers: OutOfBand, limits: Limits, copy: bool) -> Any:
     if len(skeleton) > limits.max_skeleton_bytes:
         raise PayloadError(f"skeleton of {len(skeleton)} bytes exceeds max_skeleton_bytes")
     try:
@@ -486,8 +542,8 @@ def decode_frames(frames: Sequence[Any], *, limits: Limits | None = None, copy: 
     if n - 1 > limits.max_buffers:
         raise PayloadError(f"{n - 1} buffers exceed max_buffers={limits.max_buffers}")
     skeleton = byte_view(frames[0], "skeleton frame")
-    buffers = [byte_view(frames[i], f"frame {i}") for i in range(1, n)]
-    total = sum(len(b) for b in buffers)
+    buffers = OutOfBand.from_frames([byte_view(frames[i], f"frame {i}") for i in range(1, n)])
+    total = sum(buffers.sizes)
     if total > limits.max_total_bytes:
         raise PayloadError(f"buffers hold {total} bytes, over max_total_bytes={limits.max_total_bytes}")
     return _decode(skeleton, buffers, limits, copy)
@@ -522,11 +578,37 @@ def decode_packed(buffer: Any, *, limits: Limits | None = None, copy: bool = Fal
     pos = table_end + skeleton_len
     if pos > total:
         raise PayloadError(f"frame table and skeleton ({pos} bytes) overrun total_len {total}")
-    table = struct.unpack_from(f"<{2 * n}Q", mv, PREFIX_SIZE) if n else ()
-    buffers = []
+    table = np.frombuffer(mv, dtype="<u8", count=2 * n, offset=PREFIX_SIZE)
+    starts: list[int] = table[0::2].tolist()
+    sizes: list[int] = table[1::2].tolist()
+    if not _table_ok(starts, sizes, pos, total, limits):
+        _check_table(starts, sizes, pos, total, limits)  # raises, naming the first bad entry
+    buffers = OutOfBand.from_packed(mv, starts, sizes)
+    return _decode(mv[table_end : table_end + skeleton_len], buffers, limits, copy)
+
+
+def _table_ok(starts: list[int], sizes: list[int], pos: int, total: int, limits: Limits) -> bool:
+    """True when :func:`_check_table` would pass (a fast test of the same rules).
+
+    One Python pass of integer arithmetic, no f-strings or per-entry branches beyond the
+    comparisons; ``_check_table`` runs only to name the problem when this says no.
+    """
+    if sum(sizes) > limits.max_total_bytes:
+        return False
+    for start, size in zip(starts, sizes):
+        if start & (ALIGN - 1) or start < pos or size > total - start:
+            return False
+        pos = start + size
+    return True
+
+
+def _check_table(starts: list[int], sizes: list[int], pos: int, total: int, limits: Limits) -> None:
+    """Validate the frame table entry by entry; raise PayloadError naming the first bad one.
+
+    The scalar form of :func:`_table_ok`: it decides whenever the fast test says no.
+    """
     nbytes_sum = 0
-    for i in range(n):
-        start, size = table[2 * i], table[2 * i + 1]
+    for i, (start, size) in enumerate(zip(starts, sizes)):
         if start % ALIGN:
             raise PayloadError(f"buffer {i}: offset {start} is not {ALIGN}-byte aligned")
         if start < pos:
@@ -537,5 +619,3 @@ def decode_packed(buffer: Any, *, limits: Limits | None = None, copy: bool = Fal
         if nbytes_sum > limits.max_total_bytes:
             raise PayloadError(f"buffers exceed max_total_bytes={limits.max_total_bytes}")
         pos = start + size
-        buffers.append(mv[start:pos])
-    return _decode(mv[table_end : table_end + skeleton_len], buffers, limits, copy)

@@ -45,28 +45,32 @@ index of the out-of-band buffer that holds the tensor's bytes.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import msgspec
-import numpy as np
 import torch
 
 from vllm_kvbridge.errors import PayloadError
 from vllm_kvbridge.wire._buffers import (
     ALIGN,
     INT64_MAX,
+    OutOfBand,
     align_up,
+    buffer_address,
     byte_view,
     check_shape,
+    check_wire_shape,
+    contiguous_strides,
+    copy_bytes,
+    dense_cpu,
     prepare_tensor,
     tensor_bytes,
     tensor_from_device_bytes,
-    tensor_from_view,
     tensors_bitwise_equal,
     writable_byte_view,
 )
@@ -114,6 +118,7 @@ class KVHeader(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _header_encoder = msgspec.msgpack.Encoder()
+_SEQ, _STR, _INT = {list, tuple}, {str}, {int}
 _header_decoder = msgspec.msgpack.Decoder(KVHeader)
 
 
@@ -170,16 +175,75 @@ def _check_int(value: Any, name: str, *, minimum: int = 0, optional: bool = Fals
         raise PayloadError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
-def validate_header(h: KVHeader, limits: Limits) -> None:
-    """Everything in a header that does not depend on where the bytes live."""
+def validate_header(h: KVHeader, limits: Limits) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Everything in a header that does not depend on where the bytes live.
+
+    Returns the validated ``(shape, strides)`` of every descriptor, in order.
+    """
     _validate_fields(h, limits)
-    _validate_descs(h, limits)
+    return _validate_descs(h, limits)
 
 
-def _validate_descs(h: KVHeader, limits: Limits) -> None:
-    """The tensor descriptors: ranges, dtypes, shapes vs nbytes, duplicates, K/V agreement."""
-    if len(h.tensors) > limits.max_buffers:
-        raise PayloadError(f"{len(h.tensors)} tensors exceed max_buffers={limits.max_buffers}")
+def _validate_descs(h: KVHeader, limits: Limits) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The tensor descriptors: ranges, dtypes, shapes vs nbytes, duplicates, K/V agreement.
+
+    Returns ``(shape, strides)`` per descriptor. The common case (everything valid) is
+    checked with whole-list operations (min/max/set/sum run in C) and one memoised shape
+    check per descriptor; when anything fails, :func:`_diagnose_descs` re-checks one
+    descriptor at a time to raise the error naming the first bad one.
+    """
+    descs = h.tensors
+    n = len(descs)
+    if n > limits.max_buffers:
+        raise PayloadError(f"{n} tensors exceed max_buffers={limits.max_buffers}")
+    if not n:
+        return []
+    layers = [d.layer for d in descs]
+    kinds = [d.kind for d in descs]
+    nbytes = [d.nbytes for d in descs]
+    offsets = [d.offset for d in descs]
+    shapes = [d.shape for d in descs]
+    dtypes = [d.dtype for d in descs]
+    # Exact types first (a typed decode guarantees them; a hand-built header may not):
+    # plain ints only (a bool would compare equal to 0/1), which also makes the memoised
+    # shape check below exact.
+    ok = (
+        set(map(type, shapes)) <= _SEQ
+        and set(map(type, dtypes)) == _STR
+        and set(map(type, chain(layers, kinds, nbytes, offsets, chain.from_iterable(shapes)))) <= _INT
+        and min(layers) >= 0
+        and max(layers) < h.num_layers
+        and min(kinds) >= KEY
+        and max(kinds) <= VALUE
+        and min(nbytes) >= 0
+        and max(nbytes) <= INT64_MAX
+        and min(offsets) >= 0
+        and max(offsets) <= INT64_MAX
+        and sum(nbytes) <= limits.max_total_bytes
+        and len(set(zip(layers, kinds))) == n
+    )
+    checked: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    if ok:
+        try:
+            checked = [check_wire_shape(d.shape, d.dtype, d.nbytes, limits, "") for d in descs]
+        except PayloadError:
+            ok = False
+    if ok:
+        key_shapes = {layer: c[0] for layer, kind, c in zip(layers, kinds, checked) if kind == KEY}
+        ok = all(
+            key_shapes.get(layer, c[0]) == c[0]
+            for layer, kind, c in zip(layers, kinds, checked)
+            if kind == VALUE
+        )
+    if not ok:
+        return _diagnose_descs(h, limits)
+    return checked
+
+
+def _diagnose_descs(h: KVHeader, limits: Limits) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The scalar form of the checks: descriptor by descriptor, raising PayloadError naming
+    the first problem. Used when the batched check says no (it may be stricter, e.g. about
+    a hand-built header; then this one decides)."""
     seen: dict[tuple[int, int], tuple[int, ...]] = {}
     total = 0
     for i, d in enumerate(h.tensors):
@@ -201,6 +265,7 @@ def _validate_descs(h: KVHeader, limits: Limits) -> None:
         other = seen.get((layer, VALUE))
         if kind == KEY and other is not None and other != shape:
             raise PayloadError(f"layer {layer}: key shape {list(shape)} and value shape {list(other)} differ")
+    return [(shape, contiguous_strides(shape)) for shape in (tuple(d.shape) for d in h.tensors)]
 
 
 def _validate_fields(h: KVHeader, limits: Limits) -> None:
@@ -236,6 +301,15 @@ def _validate_fields(h: KVHeader, limits: Limits) -> None:
 
 
 def _check_packed_offsets(h: KVHeader, data_len: int) -> None:
+    """Every tensor aligned, inside the data region, and no two overlapping."""
+    end = 0
+    for d in h.tensors:  # the writer's order: increasing offsets, checked in one pass
+        offset = d.offset
+        if offset & (ALIGN - 1) or offset < end or d.nbytes > data_len - offset:
+            break
+        end = offset + d.nbytes
+    else:
+        return
     end = 0
     for d in sorted(h.tensors, key=lambda d: (d.offset, d.nbytes)):
         what = f"{KINDS[d.kind]}[{d.layer}]"
@@ -264,8 +338,11 @@ def _parse_prefix(
     length: int,
     limits: Limits,
     expected_request_id: str | None,
-) -> tuple[KVHeader, int]:
-    """Validate the fixed prefix and header of a packed buffer of ``length`` bytes."""
+) -> tuple[KVHeader, int, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """Validate the fixed prefix and header of a packed buffer of ``length`` bytes.
+
+    Returns ``(header, data_offset, [(shape, strides) per descriptor])``.
+    """
     if length < FIXED_SIZE:
         raise PayloadError(f"packed KV buffer truncated: {length} bytes < {FIXED_SIZE}-byte prefix")
     magic, version, flags, header_len, reserved, data_offset, data_len = _FIXED.unpack(
@@ -284,13 +361,13 @@ def _parse_prefix(
     if data_offset > length or data_len > length - data_offset:
         raise PayloadError(f"packed KV buffer truncated: needs {data_offset + data_len} bytes, has {length}")
     header = _decode_header(read(FIXED_SIZE, FIXED_SIZE + header_len))
-    validate_header(header, limits)
+    checked = validate_header(header, limits)
     if expected_request_id is not None and header.request_id != expected_request_id:
         raise PayloadError(
             f"request id mismatch: buffer holds {header.request_id!r}, expected {expected_request_id!r}"
         )
     _check_packed_offsets(header, data_len)
-    return header, data_offset
+    return header, data_offset, checked
 
 
 # -- the transfer object -----------------------------------------------------------------
@@ -419,7 +496,7 @@ class KVCacheTransferData:
             name = TORCH_DTYPE_NAMES.get(t.dtype)
             if name is None:
                 raise PayloadError(f"{KINDS[kind]}[{layer}]: dtype {t.dtype} is not in the wire allow-list")
-            if t.layout != torch.strided or t.device.type == "meta":
+            if t.layout != torch.strided or t.is_meta:
                 raise PayloadError(f"{KINDS[kind]}[{layer}]: only dense tensors with data are supported")
             shape = list(t.shape)
             if len(shape) > limits.max_ndim:
@@ -492,7 +569,7 @@ class KVCacheTransferData:
         region = mv[offset : offset + total]
         region[: len(prefix)] = prefix
         region[len(prefix) : data_offset] = _ZEROS[: data_offset - len(prefix)]
-        base = np.frombuffer(region, dtype=np.uint8).ctypes.data if total else 0
+        base = buffer_address(region) if total else 0
         end = 0
         for d, t in zip(header.tensors, tensors):
             start = data_offset + d.offset
@@ -566,12 +643,19 @@ class KVCacheTransferData:
             )
         limits = limits or DEFAULT_LIMITS
         mv = byte_view(buffer, "packed KV buffer")
-        header, data_offset = _parse_prefix(lambda a, b: mv[a:b], len(mv), limits, expected_request_id)
-        built = []
-        for d in header.tensors:
-            start = data_offset + d.offset
-            what = f"{KINDS[d.kind]}[{d.layer}]"
-            built.append(tensor_from_view(mv[start : start + d.nbytes], d.dtype, tuple(d.shape), copy, what))
+        header, data_offset, checked = _parse_prefix(
+            lambda a, b: mv[a:b], len(mv), limits, expected_request_id
+        )
+        descs = header.tensors
+        region = OutOfBand.from_packed(mv, [data_offset + d.offset for d in descs], [d.nbytes for d in descs])
+        built = [
+            # `what` names the tensor in the only error left at this point (bool bytes), so
+            # it is only formatted for bool tensors.
+            region.tensor(
+                i, d.dtype, shape, strides, copy, d.dtype == "bool" and f"{KINDS[d.kind]}[{d.layer}]"
+            )
+            for i, (d, (shape, strides)) in enumerate(zip(descs, checked))
+        ]
         return cls._from_header(header, built)
 
     @classmethod
@@ -602,7 +686,7 @@ class KVCacheTransferData:
         def read(a: int, b: int) -> bytes:
             return tensor[a:b].cpu().numpy().tobytes()
 
-        header, data_offset = _parse_prefix(read, tensor.numel(), limits, expected_request_id)
+        header, data_offset, _ = _parse_prefix(read, tensor.numel(), limits, expected_request_id)
         built = []
         for d in header.tensors:
             start = data_offset + d.offset
@@ -639,57 +723,62 @@ class KVCacheTransferData:
         return obj
 
     # -- payload-codec support (offsets are out-of-band buffer indices) --------------
-    def _codec_encode(self, limits: Limits, first_index: int) -> tuple[bytes, list[memoryview]]:
+    def _codec_encode(self, limits: Limits, first_index: int) -> tuple[bytes, list[Any]]:
+        """``(header bytes, buffer sources)``: each source is the tensor itself when it is a
+        dense CPU tensor (see :class:`~vllm_kvbridge.wire.codec.Encoded`), else a memoryview
+        of a dense host copy."""
         header, tensors = self._header(limits)
-        views = []
+        sources: list[Any] = []
         for i, (d, t) in enumerate(zip(header.tensors, tensors)):
             d.offset = first_index + i
-            cpu, _ = prepare_tensor(t, f"{KINDS[d.kind]}[{d.layer}]")
-            views.append(tensor_bytes(cpu))
-        return _header_encoder.encode(header), views
+            if dense_cpu(t):
+                sources.append(t)
+            else:
+                cpu, _ = prepare_tensor(t, f"{KINDS[d.kind]}[{d.layer}]")
+                sources.append(tensor_bytes(cpu))
+        return _header_encoder.encode(header), sources
 
 
 def _copy_tensor_into(region: memoryview, base: int, start: int, t: torch.Tensor) -> None:
     """Copy ``t``'s bytes to ``region[start:]`` (``base``: address of ``region[0]``).
 
-    Dense CPU tensors: one ``memmove`` (bounds were checked by the caller; ctypes releases
-    the GIL during the copy). Anything else (strided, conj/neg views, other devices): one
-    torch ``copy_`` straight into the destination.
+    Dense CPU tensors: one ``memmove`` (bounds were checked by the caller; copies of 1 MiB
+    and more release the GIL). Anything else (strided, conj/neg views, other devices):
+    one torch ``copy_`` straight into the destination.
     """
-    n = t.numel()
-    if n == 0:
+    nbytes = t.nbytes
+    if nbytes == 0:
         return
-    t = t.detach()
-    nbytes = n * t.element_size()
-    if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+    if dense_cpu(t):
         if start + nbytes > len(region):  # the layout guarantees this; never write out of bounds
             raise PayloadError(f"internal error: tensor of {nbytes} bytes at {start} overruns {len(region)}")
-        ctypes.memmove(base + start, t.data_ptr(), nbytes)
+        copy_bytes(base + start, t.data_ptr(), nbytes)
     else:
-        torch.frombuffer(region, dtype=t.dtype, count=n, offset=start).view(t.shape).copy_(t)
+        t = t.detach()
+        torch.frombuffer(region, dtype=t.dtype, count=t.numel(), offset=start).view(t.shape).copy_(t)
 
 
 def codec_decode(
     raw: bytes | memoryview,
-    frames: list[memoryview],
+    frames: OutOfBand,
     used: bytearray,
     limits: Limits,
     copy: bool,
 ) -> KVCacheTransferData:
     """Build a KVCacheTransferData from its codec form (header + out-of-band buffers)."""
     header = _decode_header(raw)
-    validate_header(header, limits)
+    checked = validate_header(header, limits)
     built = []
-    for d in header.tensors:
+    sizes = frames.sizes
+    for d, (shape, strides) in zip(header.tensors, checked):
         what = f"{KINDS[d.kind]}[{d.layer}]"
         index = d.offset
-        if index >= len(frames):
-            raise PayloadError(f"{what}: buffer index {index} out of range ({len(frames)} buffers)")
+        if index >= len(sizes):
+            raise PayloadError(f"{what}: buffer index {index} out of range ({len(sizes)} buffers)")
         if used[index]:
             raise PayloadError(f"{what}: buffer {index} is referenced twice")
         used[index] = 1
-        mv = frames[index]
-        if len(mv) != d.nbytes:
-            raise PayloadError(f"{what}: descriptor says {d.nbytes} bytes, buffer {index} has {len(mv)}")
-        built.append(tensor_from_view(mv, d.dtype, tuple(d.shape), copy, what))
+        if sizes[index] != d.nbytes:
+            raise PayloadError(f"{what}: descriptor says {d.nbytes} bytes, buffer {index} has {sizes[index]}")
+        built.append(frames.tensor(index, d.dtype, shape, strides, copy, what))
     return KVCacheTransferData._from_header(header, built)
