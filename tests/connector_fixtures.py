@@ -47,8 +47,12 @@ CONNECTOR_SPECS = [
     ConnectorSpec("SharedMemoryConnector", lambda token: {"namespace": token}, _shm_leftovers),
     ConnectorSpec("ZmqConnector", lambda token: {"host": "127.0.0.1", "port": 0}),
     # A real mooncake_master per test; its address reaches spawned children through the env.
-    ConnectorSpec("MooncakeStoreConnector", env_config, lambda token: keys_in_env_master(f"{token}/"),
-                  fixtures=("mooncake_master",)),
+    ConnectorSpec(
+        "MooncakeStoreConnector",
+        env_config,
+        lambda token: keys_in_env_master(f"{token}/"),
+        fixtures=("mooncake_master",),
+    ),
 ]
 SPECS_BY_NAME = {spec.name: spec for spec in CONNECTOR_SPECS}
 

@@ -20,8 +20,14 @@ def test_gather_from_real_engine_matches_transformers(tiny_model_dir) -> None:
     from vllm.inputs import TokensPrompt
 
     prompt = [(7 * i + 3) % 500 + 4 for i in range(200)]  # crosses a 128-token block boundary
-    llm = LLM(model=str(tiny_model_dir), dtype="float32", enforce_eager=True, max_model_len=512,
-              worker_extension_cls="kv_fixtures.KVProbeExtension", seed=0)
+    llm = LLM(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        worker_extension_cls="kv_fixtures.KVProbeExtension",
+        seed=0,
+    )
     try:
         info = llm.collective_rpc("kvb_layout")[0]
         # vLLM 0.32 CPU: one tensor per layer [num_blocks, kv_heads, block_size, 2*head_size]

@@ -21,8 +21,15 @@ from typing import Any
 def _engine(model: str, extra: dict[str, Any], args: argparse.Namespace) -> Any:
     from vllm import LLM
 
-    return LLM(model=model, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
-               seed=0, block_size=args.block_size, **extra)
+    return LLM(
+        model=model,
+        dtype=args.dtype,
+        enforce_eager=True,
+        max_model_len=args.max_model_len,
+        seed=0,
+        block_size=args.block_size,
+        **extra,
+    )
 
 
 def _batch(args: argparse.Namespace, tag: str) -> tuple[list[Any], list[Any]]:
@@ -33,8 +40,14 @@ def _batch(args: argparse.Namespace, tag: str) -> tuple[list[Any], list[Any]]:
     for i in range(args.requests):
         ids = [5 + (j * 37 + i * 101) % 490 for j in range(args.prompt_len)]
         prompts.append(TokensPrompt(prompt_token_ids=ids))
-        params.append(SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
-                                     extra_args={"kvbridge": {"request_id": f"{tag}{i}"}}))
+        params.append(
+            SamplingParams(
+                max_tokens=args.max_tokens,
+                temperature=0.0,
+                ignore_eos=True,
+                extra_args={"kvbridge": {"request_id": f"{tag}{i}"}},
+            )
+        )
     return prompts, params
 
 
@@ -68,9 +81,12 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     ns = f"bench{os.getpid()}"
     edge = {"connector": "SharedMemoryConnector", "connector_config": {"namespace": ns}}
     settings = {"stage_id": 0, "kv_transfer": {"need_send_cache": True, "to_stage": 1, **edge}}
-    receiver = KVTransferManager(KVTransferConfig.from_dict(
-        {"need_recv_cache": True, "from_stage": 0, "stage_id": 1, "recv_timeout": 120, **edge}),
-        num_kv_heads=args.num_kv_heads)
+    receiver = KVTransferManager(
+        KVTransferConfig.from_dict(
+            {"need_recv_cache": True, "from_stage": 0, "stage_id": 1, "recv_timeout": 120, **edge}
+        ),
+        num_kv_heads=args.num_kv_heads,
+    )
     received: list[int] = []
 
     def drain() -> None:
@@ -90,9 +106,14 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     finally:
         bridged.llm_engine.engine_core.shutdown()
         receiver.shutdown()
-    timed = received[args.requests:]
-    return {"plain_tok_s": base, "kvbridge_tok_s": kv, "ratio": kv / base,
-            "kv_requests_received": float(len(timed)), "kv_bytes": float(sum(timed))}
+    timed = received[args.requests :]
+    return {
+        "plain_tok_s": base,
+        "kvbridge_tok_s": kv,
+        "ratio": kv / base,
+        "kv_requests_received": float(len(timed)),
+        "kv_bytes": float(sum(timed)),
+    }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -108,9 +129,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def format_result(r: dict[str, float]) -> str:
-    return (f"decode throughput: plain {r['plain_tok_s']:.1f} tok/s, kvbridge KV on finish "
-            f"{r['kvbridge_tok_s']:.1f} tok/s, ratio {r['ratio']:.3f} "
-            f"({int(r['kv_requests_received'])} KV caches, {r['kv_bytes'] / 1e6:.1f} MB received)")
+    return (
+        f"decode throughput: plain {r['plain_tok_s']:.1f} tok/s, kvbridge KV on finish "
+        f"{r['kvbridge_tok_s']:.1f} tok/s, ratio {r['ratio']:.3f} "
+        f"({int(r['kv_requests_received'])} KV caches, {r['kv_bytes'] / 1e6:.1f} MB received)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,12 +99,23 @@ OBJECT_HAS_LEASE = -706
 TRANSFER_FAIL = -800
 RPC_FAIL = -900
 _ERROR_NAMES = {
-    -1: "INTERNAL_ERROR", -10: "BUFFER_OVERFLOW", -101: "SEGMENT_NOT_FOUND", NO_AVAILABLE_HANDLE:
-    "NO_AVAILABLE_HANDLE (store full)", INVALID_PARAMS: "INVALID_PARAMS", -601: "ILLEGAL_CLIENT",
-    REPLICA_IS_NOT_READY: "REPLICA_IS_NOT_READY", OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND",
-    OBJECT_ALREADY_EXISTS: "OBJECT_ALREADY_EXISTS", OBJECT_HAS_LEASE: "OBJECT_HAS_LEASE",
-    -707: "LEASE_EXPIRED", -712: "REPLICA_IS_GONE", -714: "REPLICA_BUSY", TRANSFER_FAIL: "TRANSFER_FAIL",
-    RPC_FAIL: "RPC_FAIL (master unreachable)", -901: "RPC_TIMEOUT", -1010: "UNAVAILABLE_IN_CURRENT_STATUS",
+    -1: "INTERNAL_ERROR",
+    -10: "BUFFER_OVERFLOW",
+    -101: "SEGMENT_NOT_FOUND",
+    NO_AVAILABLE_HANDLE: "NO_AVAILABLE_HANDLE (store full)",
+    INVALID_PARAMS: "INVALID_PARAMS",
+    -601: "ILLEGAL_CLIENT",
+    REPLICA_IS_NOT_READY: "REPLICA_IS_NOT_READY",
+    OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND",
+    OBJECT_ALREADY_EXISTS: "OBJECT_ALREADY_EXISTS",
+    OBJECT_HAS_LEASE: "OBJECT_HAS_LEASE",
+    -707: "LEASE_EXPIRED",
+    -712: "REPLICA_IS_GONE",
+    -714: "REPLICA_BUSY",
+    TRANSFER_FAIL: "TRANSFER_FAIL",
+    RPC_FAIL: "RPC_FAIL (master unreachable)",
+    -901: "RPC_TIMEOUT",
+    -1010: "UNAVAILABLE_IN_CURRENT_STATUS",
 }
 #: Worth retrying: the master or a peer is briefly unavailable, or a replica is mid-write.
 TRANSIENT = frozenset({REPLICA_IS_NOT_READY, -714, TRANSFER_FAIL, RPC_FAIL, -901, -1010})
@@ -113,8 +124,18 @@ _MASTER_UNREACHABLE = 2
 
 _NAMESPACE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _SIZE = re.compile(r"\s*(\d+)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
-          "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1000,
+    "M": 1000**2,
+    "G": 1000**3,
+    "T": 1000**4,
+    "KI": 1 << 10,
+    "MI": 1 << 20,
+    "GI": 1 << 30,
+    "TI": 1 << 40,
+}
 _MAX_KEY = 512
 _MIN_SLAB = 1 << 20
 #: Run by ``setup_check: subprocess`` in a child: a client without a segment sets up and leaves.
@@ -145,8 +166,9 @@ def parse_size(value: Any, name: str) -> int:
         if match:
             unit = (match.group(2) or "").upper().rstrip("B")
             return int(match.group(1)) * _UNITS[unit]
-    raise ConfigError(f"connector option {name!r} must be a non-negative size (bytes or e.g. '1GiB'), "
-                      f"got {value!r}")
+    raise ConfigError(
+        f"connector option {name!r} must be a non-negative size (bytes or e.g. '1GiB'), got {value!r}"
+    )
 
 
 def _number(config: Mapping[str, Any], name: str, default: float, kind: type = float) -> Any:
@@ -254,8 +276,9 @@ class MooncakeStoreConnector(Connector):
         self.local_hostname = str(cfg.get("local_hostname", "127.0.0.1"))
         self.metadata_server = str(cfg.get("metadata_server", "http://127.0.0.1:8080/metadata"))
         self.master_server_address = str(cfg.get("master_server_address", "127.0.0.1:50051"))
-        self.global_segment_size = parse_size(cfg.get("global_segment_size", 512 << 20),
-                                              "global_segment_size")
+        self.global_segment_size = parse_size(
+            cfg.get("global_segment_size", 512 << 20), "global_segment_size"
+        )
         self.local_buffer_size = parse_size(cfg.get("local_buffer_size", 16 << 20), "local_buffer_size")
         self.protocol = str(cfg.get("protocol", "tcp")).lower()
         if self.protocol not in ("tcp", "rdma"):
@@ -263,8 +286,9 @@ class MooncakeStoreConnector(Connector):
         self.device_name = str(cfg.get("device_name", "") or "")
         self.namespace = str(cfg.get("namespace", "kvbridge"))
         if not _NAMESPACE.fullmatch(self.namespace):
-            raise ConfigError(f"connector option 'namespace' must match [A-Za-z0-9_-]{{1,64}}, "
-                              f"got {self.namespace!r}")
+            raise ConfigError(
+                f"connector option 'namespace' must match [A-Za-z0-9_-]{{1,64}}, got {self.namespace!r}"
+            )
         self.pin = str(cfg.get("pin", "hard")).lower()
         if self.pin not in ("none", "soft", "hard"):
             raise ConfigError(f"connector option 'pin' must be 'none', 'soft' or 'hard', got {self.pin!r}")
@@ -278,8 +302,9 @@ class MooncakeStoreConnector(Connector):
         self.connect_timeout_s = _number(cfg, "connect_timeout_s", 10.0)
         self.setup_check = str(cfg.get("setup_check", "port"))
         if self.setup_check not in ("port", "subprocess"):
-            raise ConfigError(f"connector option 'setup_check' must be 'port' or 'subprocess', "
-                              f"got {self.setup_check!r}")
+            raise ConfigError(
+                f"connector option 'setup_check' must be 'port' or 'subprocess', got {self.setup_check!r}"
+            )
         self.buffer_pool_bytes = parse_size(cfg.get("buffer_pool_bytes", 512 << 20), "buffer_pool_bytes")
         self._limits = cfg.get("limits")
         master_host, master_port = _host_port(self.master_server_address, "master_server_address")
@@ -287,11 +312,13 @@ class MooncakeStoreConnector(Connector):
         try:
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
         except ImportError as exc:
-            raise ImportError(f"{self.name} needs Mooncake's Python binding: pip install "
-                              f"'vllm-kvbridge[mooncake]' ({exc})") from exc
+            raise ImportError(
+                f"{self.name} needs Mooncake's Python binding: pip install 'vllm-kvbridge[mooncake]' ({exc})"
+            ) from exc
         store = MooncakeDistributedStore()
         self.zero_copy = bool(cfg.get("zero_copy", True)) and all(
-            hasattr(store, n) for n in ("put_from", "get_into", "register_buffer", "unregister_buffer"))
+            hasattr(store, n) for n in ("put_from", "get_into", "register_buffer", "unregister_buffer")
+        )
 
         self._replicate = ReplicateConfig()
         if self.pin == "soft":
@@ -321,31 +348,55 @@ class MooncakeStoreConnector(Connector):
         _probe(master_host, master_port, probe_timeout, "Mooncake master")
         url = urlsplit(self.metadata_server)
         if url.scheme in ("http", "https") and url.hostname:
-            _probe(url.hostname, url.port or (443 if url.scheme == "https" else 80), probe_timeout,
-                   "Mooncake HTTP metadata server")
-        where = (f"master {self.master_server_address}, metadata server {self.metadata_server}, "
-                 f"local hostname {self.local_hostname}, protocol {self.protocol}")
+            _probe(
+                url.hostname,
+                url.port or (443 if url.scheme == "https" else 80),
+                probe_timeout,
+                "Mooncake HTTP metadata server",
+            )
+        where = (
+            f"master {self.master_server_address}, metadata server {self.metadata_server}, "
+            f"local hostname {self.local_hostname}, protocol {self.protocol}"
+        )
         if self.setup_check == "subprocess":
             self._setup_in_child(where)
-        rc = store.setup(self.local_hostname, self.metadata_server, self.global_segment_size,
-                         self.local_buffer_size, self.protocol, self.device_name, self.master_server_address)
+        rc = store.setup(
+            self.local_hostname,
+            self.metadata_server,
+            self.global_segment_size,
+            self.local_buffer_size,
+            self.protocol,
+            self.device_name,
+            self.master_server_address,
+        )
         if rc != OK:
             raise TransferError(f"Mooncake setup failed with rc={rc} ({where})")
         self._store = store
 
     def _setup_in_child(self, where: str) -> None:
-        args = [self.local_hostname.rpartition(":")[0] if ":" in self.local_hostname else self.local_hostname,
-                self.metadata_server, self.protocol, self.device_name, self.master_server_address]
+        args = [
+            self.local_hostname.rpartition(":")[0] if ":" in self.local_hostname else self.local_hostname,
+            self.metadata_server,
+            self.protocol,
+            self.device_name,
+            self.master_server_address,
+        ]
         try:
-            child = subprocess.run([sys.executable, "-c", _SETUP_CHECK, *args], capture_output=True,
-                                   timeout=self.connect_timeout_s, stdin=subprocess.DEVNULL)
+            child = subprocess.run(
+                [sys.executable, "-c", _SETUP_CHECK, *args],
+                capture_output=True,
+                timeout=self.connect_timeout_s,
+                stdin=subprocess.DEVNULL,
+            )
         except subprocess.TimeoutExpired:
-            raise TransferError(f"Mooncake setup did not finish within connect_timeout_s="
-                                f"{self.connect_timeout_s} ({where})") from None
+            raise TransferError(
+                f"Mooncake setup did not finish within connect_timeout_s={self.connect_timeout_s} ({where})"
+            ) from None
         if child.returncode != 0:
             tail = child.stderr.decode(errors="replace").strip().splitlines()[-3:]
-            raise TransferError(f"Mooncake setup check failed (exit {child.returncode}, {where}): "
-                                + " | ".join(tail))
+            raise TransferError(
+                f"Mooncake setup check failed (exit {child.returncode}, {where}): " + " | ".join(tail)
+            )
 
     # -- keys ---------------------------------------------------------------------------
     def store_key(self, key: str, namespace: str | None = None) -> str:
@@ -403,8 +454,9 @@ class MooncakeStoreConnector(Connector):
         enc = encode(payload)
         need = enc.packed_size()
         if need > self.max_payload_bytes:
-            return self._put_failed(f"payload of {need} bytes exceeds "
-                                    f"max_payload_bytes={self.max_payload_bytes}")
+            return self._put_failed(
+                f"payload of {need} bytes exceeds max_payload_bytes={self.max_payload_bytes}"
+            )
         with self._lock:
             self._check_open()
             if store_key in self._published or store_key in self._inflight_puts:
@@ -428,11 +480,15 @@ class MooncakeStoreConnector(Connector):
             if code == OBJECT_ALREADY_EXISTS:
                 return self._put_failed(f"key {key!r} already exists in the Mooncake store")
             if code == NO_AVAILABLE_HANDLE:
-                return self._put_failed(f"Mooncake store full: no segment has room for {need} bytes "
-                                        f"(grow global_segment_size or consume/clean up keys)")
+                return self._put_failed(
+                    f"Mooncake store full: no segment has room for {need} bytes "
+                    f"(grow global_segment_size or consume/clean up keys)"
+                )
             if code in TRANSIENT:
-                return self._put_failed(f"Mooncake put of {key!r} failed ({error_name(code)}) after retries; "
-                                        f"master {self.master_server_address}")
+                return self._put_failed(
+                    f"Mooncake put of {key!r} failed ({error_name(code)}) after retries; "
+                    f"master {self.master_server_address}"
+                )
             return self._put_failed(f"Mooncake put of {key!r} failed: {error_name(code)}")
         with self._lock:
             closed = self._closed
@@ -443,9 +499,16 @@ class MooncakeStoreConnector(Connector):
             self._remove(store_key)
             return self._put_failed(f"{self.name} closed during put")
         self.stats.add(puts=1, put_bytes=need, put_seconds=time.perf_counter() - start)
-        return PutResult(ok=True, nbytes=need, metadata={
-            "namespace": self.namespace, "key": store_key, "nbytes": need,
-            "master": self.master_server_address})
+        return PutResult(
+            ok=True,
+            nbytes=need,
+            metadata={
+                "namespace": self.namespace,
+                "key": store_key,
+                "nbytes": need,
+                "master": self.master_server_address,
+            },
+        )
 
     def _put_packed(self, store_key: str, enc: Any, need: int) -> int:
         if self._pool is None:  # bytes fallback: Mooncake copies through its local buffer
@@ -510,8 +573,9 @@ class MooncakeStoreConnector(Connector):
             if code > 0:
                 if code > self.max_payload_bytes:
                     self._remove(store_key)
-                    raise TransferRefused(f"{store_key!r} is {code} bytes, over "
-                                          f"max_payload_bytes={self.max_payload_bytes}")
+                    raise TransferRefused(
+                        f"{store_key!r} is {code} bytes, over max_payload_bytes={self.max_payload_bytes}"
+                    )
                 buffer, code = self._read(store_key, code)
                 if buffer is not None:
                     self._consumed(store_key)
@@ -525,16 +589,20 @@ class MooncakeStoreConnector(Connector):
                 if deadline is None:
                     return None
                 if now >= deadline:
-                    raise TransferTimeout(f"{store_key!r} did not appear in the Mooncake store "
-                                          f"(master {self.master_server_address}) before the deadline")
+                    raise TransferTimeout(
+                        f"{store_key!r} did not appear in the Mooncake store "
+                        f"(master {self.master_server_address}) before the deadline"
+                    )
             elif code in TRANSIENT:
                 if unreachable_since is None:
                     unreachable_since = now
                 waited = now - unreachable_since
                 if waited >= self.master_retry_s or (deadline is not None and now >= deadline):
                     why = "the master is unreachable" if self._master_down() else "transient errors"
-                    raise TransferError(f"Mooncake get of {store_key!r} failed ({error_name(code)}): {why} "
-                                        f"for {waited:.1f} s; master {self.master_server_address}")
+                    raise TransferError(
+                        f"Mooncake get of {store_key!r} failed ({error_name(code)}): {why} "
+                        f"for {waited:.1f} s; master {self.master_server_address}"
+                    )
                 delay = max(delay, self.retry_backoff_s)
             else:
                 raise TransferError(f"Mooncake get of {store_key!r} failed: {error_name(code)}")
@@ -604,8 +672,9 @@ class MooncakeStoreConnector(Connector):
 
     def _start_reaper_locked(self) -> None:
         if self._reaper is None and not self._closed:
-            self._reaper = threading.Thread(target=self._reap_loop, name="kvbridge-mooncake-reaper",
-                                            daemon=True)
+            self._reaper = threading.Thread(
+                target=self._reap_loop, name="kvbridge-mooncake-reaper", daemon=True
+            )
             self._reaper.start()
 
     def _reap_loop(self) -> None:

@@ -129,8 +129,11 @@ class ZmqConnector(Connector):
         if (self._public is None) != (self._secret is None):
             raise ConfigError("CURVE needs both curve_public_key and curve_secret_key")
         allowed = cfg.get("curve_allowed_clients")
-        self._allowed = None if allowed is None else {k.encode("ascii") if isinstance(k, str) else bytes(k)
-                                                      for k in allowed}
+        self._allowed = (
+            None
+            if allowed is None
+            else {k.encode("ascii") if isinstance(k, str) else bytes(k) for k in allowed}
+        )
         if self._allowed is not None and self._public is None:
             raise ConfigError("curve_allowed_clients needs the server keypair (curve_public_key/secret_key)")
         if self._public is not None and self._allowed is None:
@@ -168,16 +171,19 @@ class ZmqConnector(Connector):
         sizes = [memoryview(f).nbytes for f in frames]
         total = sum(sizes)
         if total > self.max_payload_bytes:
-            return self._put_failed(f"payload of {total} bytes exceeds "
-                                    f"max_payload_bytes={self.max_payload_bytes}")
+            return self._put_failed(
+                f"payload of {total} bytes exceeds max_payload_bytes={self.max_payload_bytes}"
+            )
         endpoint = self._ensure_server()
         with self._lock:
             self._check_open()
             if key in self._store:
                 return self._put_failed(f"key {key!r} is already held for sending")
             if self._inflight + total > self.max_inflight_bytes:
-                return self._put_failed(f"{self._inflight} bytes in flight + {total} exceeds "
-                                        f"max_inflight_bytes={self.max_inflight_bytes}")
+                return self._put_failed(
+                    f"{self._inflight} bytes in flight + {total} exceeds "
+                    f"max_inflight_bytes={self.max_inflight_bytes}"
+                )
             sizes_raw = b"".join(_U64.pack(n) for n in sizes)
             self._store[key] = _Entry(frames, sizes_raw, total, time.monotonic() + self.ttl_s)
             self._inflight += total
@@ -208,8 +214,9 @@ class ZmqConnector(Connector):
 
                 self._auth = ThreadAuthenticator(self._ctx)
                 self._auth.start()
-                self._auth.configure_curve_callback(domain="*",
-                                                    credentials_provider=_AllowList(self._allowed))
+                self._auth.configure_curve_callback(
+                    domain="*", credentials_provider=_AllowList(self._allowed)
+                )
                 router.curve_server = True
                 router.curve_publickey = self._public
                 router.curve_secretkey = self._secret
@@ -229,8 +236,9 @@ class ZmqConnector(Connector):
             self._wake_send.connect(wake_addr)
             self._router = router
             self.endpoint = f"tcp://{self.advertise_host}:{port}"
-            self._server = threading.Thread(target=self._serve, args=(router, wake_recv),
-                                            name="kvbridge-zmq-server", daemon=True)
+            self._server = threading.Thread(
+                target=self._serve, args=(router, wake_recv), name="kvbridge-zmq-server", daemon=True
+            )
             self._server.start()
             return self.endpoint
 
@@ -316,14 +324,18 @@ class ZmqConnector(Connector):
         self._check_key(key)
         endpoint = (metadata or {}).get("endpoint") or self.default_endpoint
         if not endpoint:
-            raise TransferError(f"cannot get {key!r}: no endpoint in the put metadata "
-                                f"(metadata={metadata!r}) and no 'endpoint' in the {self.name} config")
+            raise TransferError(
+                f"cannot get {key!r}: no endpoint in the put metadata "
+                f"(metadata={metadata!r}) and no 'endpoint' in the {self.name} config"
+            )
         server_key = self._server_key
         if server_key is None and self._public is not None:
             server_key = _z85(metadata or {}, "server_key")
             if server_key is None:
-                raise TransferError(f"cannot get {key!r}: CURVE is configured but neither curve_server_key "
-                                    "nor metadata['server_key'] gives the server's public key")
+                raise TransferError(
+                    f"cannot get {key!r}: CURVE is configured but neither curve_server_key "
+                    "nor metadata['server_key'] gives the server's public key"
+                )
         start = time.perf_counter()
         try:
             frames = self._pull(str(endpoint), server_key, key, deadline)
@@ -340,8 +352,9 @@ class ZmqConnector(Connector):
         self.stats.add(gets=1, get_bytes=nbytes, get_seconds=time.perf_counter() - start)
         return payload
 
-    def _pull(self, endpoint: str, server_key: bytes | None, key: str,
-              deadline: float | None) -> list[zmq.Frame] | None:
+    def _pull(
+        self, endpoint: str, server_key: bytes | None, key: str, deadline: float | None
+    ) -> list[zmq.Frame] | None:
         with self._lock:
             late = self._late.pop((endpoint, key), None)
         if late is not None:
@@ -360,8 +373,10 @@ class ZmqConnector(Connector):
                     raise TransferTimeout(f"no answer from {endpoint} for {key!r} before the deadline")
                 if status == _TOOBIG:
                     size = _U64.unpack(frames[0].bytes)[0] if frames and len(frames[0]) == 8 else -1
-                    raise TransferRefused(f"{key!r} at {endpoint} is {size} bytes, over "
-                                          f"max_payload_bytes={self.max_payload_bytes}")
+                    raise TransferRefused(
+                        f"{key!r} at {endpoint} is {size} bytes, over "
+                        f"max_payload_bytes={self.max_payload_bytes}"
+                    )
                 if status != _MISSING:
                     raise TransferError(f"{endpoint} answered {status!r} for {key!r}")
                 if deadline is None:
@@ -378,8 +393,9 @@ class ZmqConnector(Connector):
         finally:
             self._checkin(endpoint, server_key, sock, healthy)
 
-    def _request(self, sock: zmq.Socket, endpoint: str, key: str,
-                 wait_until: float) -> tuple[bytes | None, list[zmq.Frame]]:
+    def _request(
+        self, sock: zmq.Socket, endpoint: str, key: str, wait_until: float
+    ) -> tuple[bytes | None, list[zmq.Frame]]:
         """One request/answer; ``(None, [])`` when no answer came by ``wait_until``."""
         with self._lock:
             self._nonce += 1
@@ -425,8 +441,9 @@ class ZmqConnector(Connector):
         sizes_raw = frames[0].bytes
         body = frames[1:]
         if len(sizes_raw) != 8 * len(body):
-            raise TransferCorrupt(f"reply for {key!r} advertises {len(sizes_raw) // 8} frames, "
-                                  f"carries {len(body)}")
+            raise TransferCorrupt(
+                f"reply for {key!r} advertises {len(sizes_raw) // 8} frames, carries {len(body)}"
+            )
         sizes = [_U64.unpack_from(sizes_raw, 8 * i)[0] for i in range(len(body))]
         total = sum(sizes)
         if total > self.max_payload_bytes:
@@ -483,8 +500,11 @@ class ZmqConnector(Connector):
 
     def health(self) -> dict[str, Any]:
         with self._lock:
-            extra = {"endpoint": self.endpoint, "held_payloads": len(self._store),
-                     "inflight_bytes": self._inflight}
+            extra = {
+                "endpoint": self.endpoint,
+                "held_payloads": len(self._store),
+                "inflight_bytes": self._inflight,
+            }
         return {**super().health(), **extra}
 
     def _close(self) -> None:
