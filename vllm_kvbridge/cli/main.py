@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES: list[str] = [
     "vllm_kvbridge.cli.check_config",
     "vllm_kvbridge.cli.run",
     "vllm_kvbridge.cli.bench",
+    "vllm_kvbridge.cli.serve",
 ]
 
 

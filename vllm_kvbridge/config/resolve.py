@@ -86,10 +86,16 @@ class ResolvedStage(msgspec.Struct):
     diffusion: dict[str, Any] | None
     start_timeout: float
     debug_dump_dir: str | None = None
+    #: Base URL of an external OpenAI-compatible server running this stage (else None).
+    url: str | None = None
 
     @property
     def is_llm(self) -> bool:
         return self.kind in LLM_KINDS
+
+    @property
+    def is_external(self) -> bool:
+        return self.url is not None
 
 
 class ResolvedPipeline(msgspec.Struct):
@@ -199,6 +205,11 @@ def _check_stage(i: int, s: StageSpec) -> None:
     for key in _RESERVED_ENGINE_ARGS:
         if key in s.engine_args:
             raise ConfigError(f"{p}.engine_args.{key}: set it as a stage field, not an engine argument")
+    if s.url is not None:
+        if s.kind not in LLM_KINDS:
+            raise ConfigError(f"{p}.url: only LLM stages can be external servers (this stage is {s.kind!r})")
+        if not re.fullmatch(r"https?://[^\s/]+(/[^\s]*)?", s.url):
+            raise ConfigError(f"{p}.url: {s.url!r} is not an http(s) URL like 'http://127.0.0.1:8001'")
     if s.kind == "diffusion":
         if s.tensor_parallel_size != 1:
             raise ConfigError(
@@ -347,6 +358,11 @@ def resolve_spec(spec: PipelineSpec, source: str | None = None) -> ResolvedPipel
                 raise ConfigError(f"{p}.output_connectors.{key}: keys are 'to_stage_<id>'")
             if int(m.group(2)) not in [e.to_stage for e in outputs[s.stage_id]]:
                 raise ConfigError(f"{p}.output_connectors.{key}: no edge {s.stage_id} -> {m.group(2)}")
+        if s.url is not None and inputs[s.stage_id]:
+            raise ConfigError(
+                f"{p}.url: an external stage takes the text prompt; it cannot receive KV or payloads "
+                f"(stage {s.stage_id} has an incoming edge)"
+            )
         if s.kv_transfer.need_send_cache and not outputs[s.stage_id]:
             raise ConfigError(f"{p}.kv_transfer.need_send_cache: stage {s.stage_id} has no outgoing edge")
         if s.kv_transfer.need_recv_cache and not inputs[s.stage_id]:
@@ -412,6 +428,7 @@ def _resolve_stage(
         diffusion=diffusion,
         start_timeout=s.start_timeout,
         debug_dump_dir=debug_dump_dir,
+        url=s.url.rstrip("/") if s.url else None,
     )
 
 

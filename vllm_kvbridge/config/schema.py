@@ -106,7 +106,14 @@ class DiffusionSpec(_Spec):
 
 
 class StageSpec(_Spec):
-    """One stage: an engine in its own process (or group of TP ranks)."""
+    """One stage: an engine in its own process (or group of TP ranks).
+
+    ``url`` (LLM stages only) makes the stage an *external* OpenAI-compatible server, e.g.
+    a stock ``vllm serve`` started with the kvbridge worker (``vllm-kvbridge serve
+    --stage-config FILE --print-vllm-serve STAGE_ID`` prints its command line): the
+    orchestrator sends requests to ``{url}/v1/completions`` instead of starting an engine.
+    ``model`` is then the served model name (default: the first one ``/v1/models`` lists).
+    """
 
     stage_id: int
     kind: StageKind
@@ -123,6 +130,7 @@ class StageSpec(_Spec):
     payload: PayloadSpec = msgspec.field(default_factory=PayloadSpec)
     diffusion: DiffusionSpec | None = None
     start_timeout: float = 300.0
+    url: str | None = None
 
 
 class EdgeSpec(_Spec):

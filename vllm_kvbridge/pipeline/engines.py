@@ -47,6 +47,10 @@ class StageEngine(ABC):
 def build_engine(stage: ResolvedStage) -> StageEngine:
     if stage.kind == "diffusion":
         return DiffusionStageEngine(stage)
+    if stage.url is not None:
+        from vllm_kvbridge.pipeline.http_engine import HTTPStageEngine
+
+        return HTTPStageEngine(stage)
     from vllm_kvbridge.pipeline.llm_engine import LLMStageEngine
 
     return LLMStageEngine(stage)
@@ -129,6 +133,11 @@ class DiffusionStageEngine(StageEngine):
                     aborted = msg.request_id in self._aborted
                     self._aborted.discard(msg.request_id)
                 if aborted:
+                    # The producer reports a request done only once its KV send completed, so
+                    # the KV is there: consume it now so its segment/keys are freed at once
+                    # instead of waiting for the connector's TTL.
+                    if req.from_stage >= 0 and self.runner.need_kv:
+                        self._safe(lambda r=req: self.runner.receive_kv(r))
                     continue
                 if nxt is not None:
                     self._safe(lambda n=nxt: self.runner.prefetch(n))

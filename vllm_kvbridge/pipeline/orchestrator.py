@@ -140,12 +140,21 @@ def _last_error_line(tail: str) -> str:
     return ""
 
 
-def _with_run_namespaces(stage: ResolvedStage, run_id: str) -> ResolvedStage:
-    """Give shared-memory edges a namespace unique to this run, so the orchestrator can
-    sweep exactly this run's segments after a crash (and two runs never collide)."""
+#: Connectors whose names (segments, store keys) live in a namespace shared by every run on
+#: the host / store: each run gets its own unless the config names one.
+_RUN_NAMESPACED = ("SharedMemoryConnector", "MooncakeStoreConnector")
+
+
+def _with_run_namespaces(
+    stage: ResolvedStage, run_id: str, external: frozenset[int] = frozenset()
+) -> ResolvedStage:
+    """Give shared-memory and Mooncake-store edges a namespace unique to this run, so the
+    orchestrator can sweep exactly this run's segments after a crash and two runs (on one
+    host, or sharing one Mooncake master) never collide on a request id. Edges touching an
+    ``external`` stage (a server started from the config before this run) keep theirs."""
 
     def fix(c: ResolvedConnector, a: int, b: int) -> ResolvedConnector:
-        if c.name != "SharedMemoryConnector" or "namespace" in c.config:
+        if c.name not in _RUN_NAMESPACED or "namespace" in c.config or {a, b} & external:
             return c
         return msgspec.structs.replace(c, config={**c.config, "namespace": f"{run_id}-{a}-{b}"})
 
@@ -177,8 +186,9 @@ class Pipeline:
         env: Mapping[str, str] | None = None,
     ) -> None:
         self.run_id = f"r{uuid.uuid4().hex[:10]}"
+        external = frozenset(s.stage_id for s in plan.stages if s.url is not None)
         self.plan = msgspec.structs.replace(
-            plan, stages=[_with_run_namespaces(s, self.run_id) for s in plan.stages]
+            plan, stages=[_with_run_namespaces(s, self.run_id, external) for s in plan.stages]
         )
         self._own_log_dir = log_dir is None
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"kvbridge-{self.run_id}-"))
@@ -193,6 +203,9 @@ class Pipeline:
         self._deadlines: dict[str, float] = {}
         self._where: dict[str, set[int]] = {}  # request id -> stages working on it
         self._counter = 0
+        self._stage_params: dict[str, dict[int, dict[str, Any]]] = {}
+        self._polled: set[str] = set()  # ids started with submit(), returned by poll()
+        self._finished_polled: list[RequestResult] = []
         self._started = False
         self._closed = False
         self.failure: StageError | None = None
@@ -204,7 +217,7 @@ class Pipeline:
         plan = resolve(path)
         if model is not None:
             plan = plan.with_model(str(model))
-        missing = [s.stage_id for s in plan.stages if s.is_llm and not s.model]
+        missing = [s.stage_id for s in plan.stages if s.is_llm and not s.model and s.url is None]
         if missing:
             raise PipelineError(
                 f"no model for LLM stage(s) {missing}: set 'model' in the config or pass model="
@@ -399,6 +412,7 @@ class Pipeline:
             return
         r.error, r.finished = error, True
         self._deadlines.pop(rid, None)
+        self._stage_params.pop(rid, None)
         stages = self._where.pop(rid, set())
         if error is not None and self._sock is not None and not self._closed:
             # Stages still working on it (e.g. a consumer waiting for chunks) drop it.
@@ -504,7 +518,8 @@ class Pipeline:
 
     def _downstream_submit(self, stage_id: int, rid: str, upstream: list[m.Upstream]) -> m.Submit:
         params = self._stages[stage_id].stage.default_sampling_params
-        return m.Submit(rid, prompt=None, sampling_params=dict(params), upstream=upstream)
+        extra = self._stage_params.get(rid, {}).get(stage_id, {})
+        return m.Submit(rid, prompt=None, sampling_params={**params, **extra}, upstream=upstream)
 
     def _submit_chain(self, stage_id: int, msg: m.Submit) -> None:
         """Submit to ``stage_id``, and at once to the stages behind async-chunk edges: they
@@ -515,6 +530,103 @@ class Pipeline:
             if e.payload_mode == "async_chunk":
                 up = m.Upstream(stage_id, msg.request_id, {}, {})
                 self._submit_chain(e.to_stage, self._downstream_submit(e.to_stage, msg.request_id, [up]))
+
+    # -- concurrent submission (driven by one thread; see pipeline/service.py) -----------
+    def submit(
+        self,
+        prompt: str,
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        request_id: str | None = None,
+        stage_params: Mapping[int, Mapping[str, Any]] | None = None,
+    ) -> str:
+        """Start one request without waiting for it; returns its id.
+
+        ``sampling_params`` override the first stage's defaults, ``stage_params`` (stage id ->
+        params) those of any stage (e.g. a diffusion stage's ``seed`` / ``num_steps``).
+
+        The request progresses while :meth:`poll` runs; :meth:`poll` returns it once it
+        finished (successfully or with ``error``). Not thread-safe: ``submit``, ``poll``
+        and ``abort`` must be called from one thread (:class:`PipelineService` does).
+        Raises :class:`StageError` when the pipeline already failed, :class:`PipelineError`
+        when it is closed, ``ValueError`` for a duplicate id.
+        """
+        self.start()
+        if self.failure is not None:
+            raise self.failure
+        if self._closed:
+            raise PipelineError("pipeline is closed")
+        if request_id is None:
+            self._counter += 1
+            request_id = f"req-{self._counter}"
+        if request_id in self._results:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        first = self.plan.entry_stage
+        self._results[request_id] = RequestResult(request_id, prompt)
+        self._deadlines[request_id] = time.monotonic() + self.plan.request_timeout
+        self._polled.add(request_id)
+        if stage_params:
+            self._stage_params[request_id] = {int(k): dict(v) for k, v in stage_params.items()}
+        params = {
+            **first.default_sampling_params,
+            **self._stage_params.get(request_id, {}).get(first.stage_id, {}),
+            **(sampling_params or {}),
+        }
+        self._submit_chain(first.stage_id, m.Submit(request_id, prompt=prompt, sampling_params=params))
+        return request_id
+
+    def poll(self, timeout_s: float = POLL_S) -> list[RequestResult]:
+        """Make progress for up to ``timeout_s``; return (and forget) the requests started
+        with :meth:`submit` that finished. Raises :class:`StageError` when a stage died
+        (the pipeline is then closed; every in-flight request is finished with the error)."""
+        if self._closed and self.failure is None:
+            raise PipelineError("pipeline is closed")
+        try:
+            if self.failure is None:
+                self._pump(timeout_s)
+                self._expire()
+        finally:
+            done = [rid for rid in self._polled if self._results[rid].finished]
+            self._finished_polled.extend(self._results.pop(rid) for rid in done)
+            self._polled.difference_update(done)
+        return self.take_finished()
+
+    def take_finished(self) -> list[RequestResult]:
+        """Results :meth:`poll` collected before it raised (a stage died mid-poll)."""
+        out, self._finished_polled = self._finished_polled, []
+        return out
+
+    def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        """Finish ``request_id`` with error ``reason`` and tell every stage working on it
+        to drop it (its KV, payload keys and blocks are released there). False when the
+        request is unknown or already finished."""
+        r = self._results.get(request_id)
+        if r is None or r.finished:
+            return False
+        self._finish(request_id, reason)
+        return True
+
+    def in_flight(self) -> list[str]:
+        """Ids of requests not finished yet."""
+        return [rid for rid, r in self._results.items() if not r.finished]
+
+    def stage_health(self) -> list[dict[str, Any]]:
+        """Per stage: id, kind, ``status`` (``starting`` | ``ready`` | ``failed`` | ``stopped``),
+        pid and, for a failed stage, its error."""
+        out = []
+        for stage in self.plan.stages:
+            h = self._stages.get(stage.stage_id)
+            entry: dict[str, Any] = {"stage_id": stage.stage_id, "kind": stage.kind}
+            if h is None:
+                entry["status"] = "not_started"
+            elif h.failure is not None:
+                entry.update(status="failed", pid=h.proc.pid, error=h.failure.error)
+            elif h.proc.poll() is not None:
+                entry.update(status="stopped", pid=h.proc.pid, error=f"exited with status {h.proc.poll()}")
+            else:
+                entry.update(status="ready" if h.ready_at else "starting", pid=h.proc.pid)
+            out.append(entry)
+        return out
 
     # -- introspection ------------------------------------------------------------------
     def stage_pids(self) -> dict[int, int]:

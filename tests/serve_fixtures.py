@@ -1,0 +1,117 @@
+"""Helpers of the serve tests: start ``vllm-kvbridge serve`` (or ``vllm serve``) as a real
+subprocess on a free loopback port, wait for it, stop it, and look for leftovers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+TESTS_DIR = Path(__file__).resolve().parent
+ROOT = TESTS_DIR.parent
+SERVER_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    log_path: Path
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-6000:]
+        except OSError:
+            return ""
+
+
+def start_process(argv: list[str], log_path: Path, url: str, health: str, timeout_s: float) -> Server:
+    """Start ``argv`` in its own session; wait until ``GET url+health`` answers 200."""
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **SERVER_ENV},
+            start_new_session=True,
+        )
+    server = Server(proc, url, log_path)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{argv[:4]} exited with {proc.returncode}:\n{server.log()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + health, timeout=2).status_code == 200:
+                return server
+        time.sleep(0.5)
+    stop(server)
+    raise RuntimeError(f"{argv[:4]} not healthy after {timeout_s} s:\n{server.log()}")
+
+
+def start_serve(
+    config: str | Path, tmp: Path, model: str | Path, *extra: str, timeout_s: float = 300
+) -> Server:
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "vllm_kvbridge.cli.main", "serve",
+        "--stage-config", str(config), "--port", str(port), "--model", str(model),
+        "--output-dir", str(tmp / "images"), "--drain-timeout", "5", *extra,
+    ]  # fmt: skip
+    return start_process(argv, tmp / "serve.log", f"http://127.0.0.1:{port}", "/health", timeout_s)
+
+
+def stop(server: Server, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int | None:
+    """Signal the server; SIGKILL its whole group if it has not exited in ``timeout_s``."""
+    if server.proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server.proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.proc.wait(timeout=timeout_s)
+    code = server.proc.poll()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(timeout=10)
+    return code
+
+
+def group_alive(pgid: int) -> list[int]:
+    """Pids still in process group ``pgid``."""
+    out = subprocess.run(["ps", "-eo", "pid=,pgid=,stat="], capture_output=True, text=True).stdout
+    alive = []
+    for line in out.splitlines():
+        pid, pg, stat = line.split(None, 2)
+        if int(pg) == pgid and not stat.startswith("Z"):
+            alive.append(int(pid))
+    return alive
+
+
+def shm_names(run_id: str) -> list[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"kvbridge.{run_id}"))
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.2):  # type: ignore[no-untyped-def]
+    """Poll ``predicate`` until it returns a truthy value (returned) or the time is up (last value)."""
+    deadline = time.monotonic() + timeout_s
+    value = predicate()
+    while not value and time.monotonic() < deadline:
+        time.sleep(interval_s)
+        value = predicate()
+    return value

@@ -1,0 +1,225 @@
+"""AR -> DiT through a real ``mooncake_master`` (``stage_configs/ar_to_dit_mooncake.yaml``).
+
+Real stage processes (one vLLM engine + the diffusion runner) and a real master with its
+HTTP metadata server on loopback: once with a master the test starts (addresses reach the
+config through ``${KVB_MOONCAKE_*}``), once through ``vllm-kvbridge run
+--start-mooncake-master``. Both check that the store holds no key afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from pipeline_fixtures import ROOT, descendants, hf_reference, load_dump, processes_using
+
+from vllm_kvbridge.cli.main import main as cli_main
+from vllm_kvbridge.cli.run import use_mooncake_master, uses_mooncake
+from vllm_kvbridge.config.resolve import resolve
+from vllm_kvbridge.connectors.keys import encode_request_id
+from vllm_kvbridge.connectors.mooncake_master import MooncakeMaster
+from vllm_kvbridge.models.tiny_dit import TinyKVDiT
+from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.pipeline import Pipeline
+from vllm_kvbridge.runner.diffusion_runner import denoise
+
+CONFIG = ROOT / "stage_configs/ar_to_dit_mooncake.yaml"
+DIT_KWARGS = {"image_size": 32, "patch_size": 4, "hidden": 64, "depth": 2, "kv_heads": 2, "kv_head_dim": 32}
+
+
+def _expected_image(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    return denoise(TinyKVDiT(**DIT_KWARGS, seed=0).eval(), kv, num_steps=8, seed=0)[0]
+
+
+def _dumped_kv(path: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    dumped = load_dump(path)
+    layers = len([k for k in dumped if k.endswith(".k")])
+    return [(dumped[f"layer{i}.k"], dumped[f"layer{i}.v"]) for i in range(layers)]
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.mooncake
+@pytest.mark.forked
+@pytest.mark.timeout(300)
+def test_ar_to_dit_through_a_mooncake_master(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = ensure_tiny_model()
+    with MooncakeMaster(log_dir=tmp_path / "master") as master:
+        for name, value in master.env().items():
+            monkeypatch.setenv(name, value)
+        dump = tmp_path / "dump"
+        prompts = ["A cute cat", "The quick brown fox jumps over the lazy dog. " * 3]
+        pipe = Pipeline.from_config(CONFIG, model=str(model))
+        pipe.plan = msgspec.structs.replace(
+            pipe.plan,
+            stages=[msgspec.structs.replace(s, debug_dump_dir=str(dump)) for s in pipe.plan.stages],
+        )
+        ends = {e.role: e.connector.config for s in pipe.plan.stages for e in (*s.inputs, *s.outputs)}
+        assert ends["sender"]["master_server_address"] == master.master_address  # from ${KVB_MOONCAKE_*}
+        assert ends["receiver"]["metadata_server"] == master.metadata_server
+        assert ends["sender"]["namespace"] == f"{pipe.run_id}-0-1"  # runs sharing a master never collide
+        with pipe:
+            pids = pipe.stage_pids()
+            results = pipe.generate(prompts)
+        # every KV object went through the store and none stayed there
+        assert master.metric("master_put_start_requests_total") >= len(prompts)
+        assert master.keys() == []
+        assert master.running()  # the stages' exit did not take the master down
+
+    for r in results:
+        assert r.error is None and r.image.shape == (3, 32, 32)
+        assert bool(torch.isfinite(torch.from_numpy(r.image)).all())
+        kv_edges = [t for t in r.transfers if t.what == "kv"]
+        assert kv_edges and kv_edges[0].nbytes > 0
+        # the KV the DiT consumed is transformers' KV of the same tokens
+        out = r.stages[0].output
+        tokens = list(out["prompt_token_ids"]) + list(out["token_ids"])
+        kv = _dumped_kv(dump / f"stage1_{encode_request_id(r.request_id)}_kv.safetensors")
+        seq = kv[0][0].shape[0]
+        assert len(tokens) - 1 <= seq <= len(tokens)
+        ref, _ = hf_reference(model, tokens[:seq])
+        assert len(kv) == len(ref)
+        for i, ((k, v), (rk, rv)) in enumerate(zip(kv, ref)):
+            assert (k - rk).abs().max().item() <= 1e-4, f"layer {i} K"
+            assert (v - rv).abs().max().item() <= 1e-4, f"layer {i} V"
+        assert torch.allclose(torch.from_numpy(r.image), _expected_image(kv), atol=1e-5)
+    assert not torch.equal(torch.from_numpy(results[0].image), torch.from_numpy(results[1].image))
+    for pid in pids.values():
+        assert not descendants(pid)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.mooncake
+@pytest.mark.forked
+@pytest.mark.timeout(300)
+def test_run_starts_and_stops_its_own_mooncake_master() -> None:
+    model = ensure_tiny_model()
+    out_dir = Path(tempfile.mkdtemp(prefix="kvb-run-mc-"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVB_MOONCAKE_")}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_kvbridge.cli.main",
+            "run",
+            "--stage-config",
+            str(CONFIG),
+            "--start-mooncake-master",
+            "--prompt",
+            "A cute cat",
+            "--model",
+            str(model),
+            "--output-dir",
+            str(out_dir),
+            "--debug-dump-dir",
+            str(out_dir / "dump"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    started = re.search(
+        r"mooncake_master: 127\.0\.0\.1:\d+, metadata http://127\.0\.0\.1:\d+/metadata \(pid (\d+)",
+        proc.stdout,
+    )
+    assert started, proc.stdout
+    assert "mooncake_master: stopped, 0 keys left in the store" in proc.stdout
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(started.group(1)), 0)
+    assert (out_dir / "logs" / "mooncake_master.log").stat().st_size > 0
+    req = json.loads((out_dir / "result.json").read_text())["requests"][0]
+    assert req["error"] is None and req["image_shape"] == [3, 32, 32]
+    assert req["transfers"][0]["what"] == "kv" and req["transfers"][0]["bytes"] > 0
+    kv = _dumped_kv(out_dir / "dump" / f"stage1_{encode_request_id('req-1')}_kv.safetensors")
+    import numpy as np
+
+    from vllm_kvbridge.cli.run import encode_png
+
+    assert Path(req["outputs"][0]).read_bytes() == encode_png(np.asarray(_expected_image(kv)))
+    assert processes_using(out_dir) == []  # stages and master are gone
+
+
+def test_start_mooncake_master_rewrites_only_mooncake_edges() -> None:
+    plan = resolve(CONFIG, env={})
+    assert uses_mooncake(plan) and not uses_mooncake(resolve(ROOT / "stage_configs/ar_to_dit_shm.yaml"))
+    ends = [e.connector for s in plan.stages for e in (*s.inputs, *s.outputs)]
+    assert {c.config["master_server_address"] for c in ends} == {"127.0.0.1:50051"}  # the defaults
+    moved = use_mooncake_master(plan, "127.0.0.1:1234", "http://127.0.0.1:5678/metadata")
+    for before, after in zip(ends, [e.connector for s in moved.stages for e in (*s.inputs, *s.outputs)]):
+        assert after.config["master_server_address"] == "127.0.0.1:1234"
+        assert after.config["metadata_server"] == "http://127.0.0.1:5678/metadata"
+        # everything else (local_hostname per end, segment sizes) is kept
+        assert {
+            k: v for k, v in after.config.items() if k not in ("master_server_address", "metadata_server")
+        } == {k: v for k, v in before.config.items() if k not in ("master_server_address", "metadata_server")}
+    assert plan.stages[0].outputs[0].connector.config["master_server_address"] == "127.0.0.1:50051"  # a copy
+
+
+def test_config_env_overrides_addresses_per_end() -> None:
+    env = {
+        "KVB_MOONCAKE_MASTER": "10.0.0.1:50051",
+        "KVB_MOONCAKE_METADATA": "http://10.0.0.1:8080/metadata",
+        "KVB_MOONCAKE_HOST_0": "10.0.0.2",
+        "KVB_MOONCAKE_HOST_1": "10.0.0.3",
+        "KVB_MOONCAKE_PROTOCOL": "rdma",
+        "KVB_MOONCAKE_DEVICE_0": "mlx5_0",
+    }
+    plan = resolve(CONFIG, env=env)
+    send, recv = plan.stages[0].outputs[0].connector.config, plan.stages[1].inputs[0].connector.config
+    assert send["local_hostname"] == "10.0.0.2" and recv["local_hostname"] == "10.0.0.3"
+    assert send["master_server_address"] == recv["master_server_address"] == "10.0.0.1:50051"
+    assert send["protocol"] == recv["protocol"] == "rdma" and send["device_name"] == "mlx5_0"
+    assert send["global_segment_size"] == "256MiB" and recv["global_segment_size"] == 0
+
+
+def test_start_mooncake_master_without_a_mooncake_edge_is_a_config_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = cli_main(
+        [
+            "run",
+            "--stage-config",
+            str(ROOT / "stage_configs/ar_to_dit_shm.yaml"),
+            "--start-mooncake-master",
+            "--prompt",
+            "x",
+        ]
+    )
+    assert code == 2
+    assert "--start-mooncake-master: the config uses no MooncakeStoreConnector" in capsys.readouterr().err
+
+
+def test_start_mooncake_master_fails_cleanly_without_the_binary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vllm_kvbridge.connectors import mooncake_master as mm
+
+    monkeypatch.setattr(mm.sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    code = cli_main(
+        [
+            "run",
+            "--stage-config",
+            str(CONFIG),
+            "--start-mooncake-master",
+            "--prompt",
+            "x",
+            "--output-dir",
+            str(tmp_path / "out"),
+        ]
+    )
+    assert code == 3
+    assert "mooncake_master is neither next to" in capsys.readouterr().err

@@ -1,0 +1,170 @@
+"""``vllm-kvbridge serve``: serve a pipeline over HTTP (see :mod:`vllm_kvbridge.server.app`).
+
+    vllm-kvbridge serve --stage-config FILE [--host 127.0.0.1] [--port 8000] [--model DIR]
+                        [--served-model-name NAME] [--output-dir DIR] [--drain-timeout S]
+
+Starts every stage (blocking until all are ready; the port opens only then), then serves
+until SIGTERM/SIGINT: uvicorn stops accepting connections, lets in-flight requests finish
+for up to ``--drain-timeout`` seconds, aborts the rest, then the pipeline is closed (every
+stage process stopped, every shared-memory segment of the run removed). Exit status: 0
+after a clean shutdown, 2 for a bad config, 3 when a stage failed to start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from vllm_kvbridge.errors import ConfigError
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a pipeline over an OpenAI-compatible HTTP API",
+        description="Serve a multi-stage pipeline over HTTP (OpenAI-compatible endpoints).",
+    )
+    p.add_argument("--stage-config", required=True, help="stage config YAML (see stage_configs/)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", help="model for LLM stages that name none (default: the tiny offline model)")
+    p.add_argument("--served-model-name", help="model name clients use (default: the pipeline's name)")
+    p.add_argument(
+        "--output-dir", help="where images returned as URLs are written (enables response_format=url)"
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests get on shutdown (%(default)s)",
+    )
+    p.add_argument("--log-level", default="warning")
+    p.add_argument(
+        "--print-vllm-serve",
+        type=int,
+        metavar="STAGE_ID",
+        help="print the `vllm serve` command that runs this LLM stage as an external server "
+        "(with the kvbridge worker) and exit; use it for a stage whose config has `url`",
+    )
+    p.set_defaults(func=_serve)
+
+
+def _load_tokenizer(model: str | None) -> Any:
+    if not model:
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model)
+    except Exception as exc:  # the length check is then left to the engine
+        print(
+            f"[serve] no tokenizer for {model!r} ({exc}); prompt lengths are not pre-checked", file=sys.stderr
+        )
+        return None
+
+
+def _print_vllm_serve(args: argparse.Namespace) -> int:
+    import shlex
+    from urllib.parse import urlparse
+
+    from vllm_kvbridge.config.resolve import resolve
+    from vllm_kvbridge.pipeline.http_engine import vllm_serve_argv
+
+    try:
+        plan = resolve(args.stage_config).with_model(args.model)
+        stage = plan.stage(args.print_vllm_serve)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyError:
+        print(f"error: no stage {args.print_vllm_serve} in {args.stage_config}", file=sys.stderr)
+        return 2
+    if not stage.is_llm or not stage.model:
+        print(
+            f"error: stage {stage.stage_id} is not an LLM stage with a model (pass --model)", file=sys.stderr
+        )
+        return 2
+    url = urlparse(stage.url or f"http://{args.host}:8001")
+    argv = vllm_serve_argv(stage, stage.model, host=url.hostname or args.host, port=url.port or 8001)
+    print(shlex.join(argv))
+    return 0
+
+
+class _Stop(BaseException):
+    pass
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from vllm_kvbridge.pipeline import Pipeline, StageError
+    from vllm_kvbridge.pipeline.service import PipelineService
+    from vllm_kvbridge.server.app import ServerState, build_app
+
+    def stop(signum: int, frame: object) -> None:
+        raise _Stop()
+
+    if args.print_vllm_serve is not None:
+        return _print_vllm_serve(args)
+    # Until uvicorn installs its own handlers, SIGTERM stops the stages being started.
+    old = signal.signal(signal.SIGTERM, stop)
+    model = args.model
+    try:
+        try:
+            pipe = Pipeline.from_config(
+                args.stage_config, model=model, progress=lambda s: print(s, flush=True)
+            )
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        except Exception as exc:
+            if model is None and "no model for LLM stage" in str(exc):
+                from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+
+                model = str(ensure_tiny_model())
+                pipe = Pipeline.from_config(
+                    args.stage_config, model=model, progress=lambda s: print(s, flush=True)
+                )
+            else:
+                raise
+        service = PipelineService(pipe)
+        try:
+            service.start()
+        except StageError as exc:
+            print(f"error: {exc}\n{exc.log_tail}", file=sys.stderr)
+            return 3
+    except (_Stop, KeyboardInterrupt):
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    entry = pipe.plan.entry_stage
+    output_dir = Path(args.output_dir) if args.output_dir else None
+    if output_dir is not None:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    state = ServerState(
+        service,
+        served_model_name=args.served_model_name or pipe.plan.name,
+        tokenizer=_load_tokenizer(entry.model),
+        output_dir=output_dir,
+        drain_s=args.drain_timeout,
+    )
+    app = build_app(state)
+    print(f"[serve] {pipe.plan.name} on http://{args.host}:{args.port} (run {pipe.run_id})", flush=True)
+    # uvicorn handles SIGTERM (graceful shutdown), then re-raises it once it has restored the
+    # handler found here: make that a no-op so the pipeline is closed below and we exit 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=max(1, int(args.drain_timeout)),
+        )
+    finally:
+        service.close()
+    print("[serve] stopped", flush=True)
+    return 0

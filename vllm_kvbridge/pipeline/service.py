@@ -1,0 +1,192 @@
+"""A thread-safe, concurrent front of :class:`~vllm_kvbridge.pipeline.orchestrator.Pipeline`.
+
+:class:`Pipeline` is single-threaded (one ZMQ socket, one event loop). A server needs many
+callers submitting and aborting at once, so :class:`PipelineService` owns the pipeline on
+one *pump thread*: callers post commands (submit, abort) to a queue, the pump thread
+applies them between :meth:`Pipeline.poll` rounds and resolves one
+:class:`concurrent.futures.Future` per request (``asyncio.wrap_future`` makes it awaitable).
+
+Contract:
+
+* :meth:`submit` returns ``(request_id, future)`` at once; the future resolves to the
+  :class:`RequestResult` (its ``error`` set when the request failed in a stage, timed out or
+  was aborted), or raises :class:`StageError` / :class:`PipelineError` when the pipeline is
+  down. Nothing waits forever: every request has the pipeline's ``request_timeout``.
+* :meth:`abort` finishes a request (``error`` = the reason) and tells every stage working on
+  it to drop it; an unknown or finished id is ignored.
+* A dead stage fails every in-flight request with its :class:`StageError`; later submits
+  fail the same way (:attr:`failure` says which stage). :meth:`health` reports each stage.
+* :meth:`close` (idempotent) aborts what is in flight, stops the pump thread and closes the
+  pipeline (stage processes stopped, shared-memory segments removed).
+* ``on_result`` (optional) is called on the pump thread with every finished result
+  (metrics); it must be quick and must not raise.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from typing import Any
+
+from vllm_kvbridge.pipeline.orchestrator import (
+    POLL_S,
+    Pipeline,
+    PipelineError,
+    RequestResult,
+    StageError,
+)
+
+#: How long the pump thread waits on the stages' socket per round (seconds); commands
+#: posted meanwhile wait at most this long.
+PUMP_S = 0.01
+
+
+class PipelineService:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        *,
+        on_result: Callable[[RequestResult], None] | None = None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.on_result: Callable[[RequestResult], None] = on_result or (lambda r: None)
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._futures: dict[str, Future[RequestResult]] = {}
+        self._lock = threading.Lock()
+        self._counter = 0
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._closed = False
+        self._failure: BaseException | None = None
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why the pipeline cannot serve (a dead stage), or None. Set as soon as the
+        orchestrator noticed, before it finished stopping the other stages."""
+        return self._failure or self.pipeline.failure
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start every stage (blocking until ready, or raising :class:`StageError`) and
+        the pump thread."""
+        self.pipeline.start()
+        self._thread = threading.Thread(target=self._pump, name="kvbridge-pipeline-pump", daemon=True)
+        self._thread.start()
+
+    def close(self, *, drain_s: float = 0.0) -> None:
+        """Wait up to ``drain_s`` for in-flight requests, abort the rest, close everything."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        deadline = time.monotonic() + drain_s
+        while self.in_flight() and time.monotonic() < deadline and self._alive():
+            time.sleep(POLL_S)
+        for rid in list(self._futures):
+            self.abort(rid, "server shutting down")
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.pipeline.close()
+        self._fail_all(PipelineError("pipeline is closed"))
+
+    def _alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- requests -----------------------------------------------------------------------
+    def submit(
+        self,
+        prompt: str,
+        sampling_params: Mapping[str, Any] | None = None,
+        *,
+        stage_params: Mapping[int, Mapping[str, Any]] | None = None,
+        prefix: str = "req",
+    ) -> tuple[str, Future[RequestResult]]:
+        """Queue a request; returns its id and a future of its :class:`RequestResult`."""
+        fut: Future[RequestResult] = Future()
+        with self._lock:
+            self._counter += 1
+            rid = f"{prefix}-{self._counter}"
+            if self._closed or self.failure is not None:
+                fut.set_exception(self.failure or PipelineError("pipeline is closed"))
+                return rid, fut
+            self._futures[rid] = fut
+        self._commands.put(("submit", (rid, prompt, dict(sampling_params or {}), stage_params)))
+        return rid, fut
+
+    def abort(self, request_id: str, reason: str = "aborted by the client") -> None:
+        self._commands.put(("abort", (request_id, reason)))
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._futures)
+
+    def health(self) -> dict[str, Any]:
+        """``{"ok": bool, "stages": [...], "error": str | None}`` (see ``Pipeline.stage_health``)."""
+        stages = self.pipeline.stage_health()
+        ok = self.failure is None and not self._closed and all(s["status"] == "ready" for s in stages)
+        return {"ok": ok, "stages": stages, "error": None if self.failure is None else str(self.failure)}
+
+    # -- the pump thread ----------------------------------------------------------------
+    def _pump(self) -> None:
+        pipe = self.pipeline
+        try:
+            while not self._stop.is_set():
+                self._apply_commands()
+                try:
+                    finished = pipe.poll(PUMP_S)
+                except StageError as exc:
+                    self._failure = exc
+                    self._resolve(pipe.take_finished())
+                    self._fail_all(exc)
+                    return
+                self._resolve(finished)
+            self._apply_commands()  # aborts posted by close()
+            self._resolve(pipe.poll(0))
+        except BaseException as exc:  # an orchestrator bug: fail loudly, never hang callers
+            self._failure = self._failure or exc
+            self._fail_all(exc)
+
+    def _apply_commands(self) -> None:
+        pipe = self.pipeline
+        while True:
+            try:
+                kind, args = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                rid, prompt, params, stage_params = args
+                try:
+                    pipe.submit(prompt, params, request_id=rid, stage_params=stage_params)
+                except (PipelineError, ValueError) as exc:
+                    self._fail_one(rid, exc)
+            elif kind == "abort":
+                rid, reason = args
+                pipe.abort(rid, reason)
+
+    def _resolve(self, results: list[RequestResult]) -> None:
+        for r in results:
+            with self._lock:
+                fut = self._futures.pop(r.request_id, None)
+            try:
+                self.on_result(r)
+            except Exception:  # metrics must never break serving
+                pass
+            if fut is not None and not fut.done():
+                fut.set_result(r)
+
+    def _fail_one(self, rid: str, exc: BaseException) -> None:
+        with self._lock:
+            fut = self._futures.pop(rid, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            futures, self._futures = self._futures, {}
+        for fut in futures.values():
+            if not fut.done():
+                fut.set_exception(exc)

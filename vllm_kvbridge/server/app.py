@@ -1,0 +1,484 @@
+"""The FastAPI app of ``vllm-kvbridge serve`` (OpenAI-compatible where an endpoint fits).
+
+Endpoints: ``POST /v1/images/generations`` (pipelines ending in a diffusion stage),
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (pipelines ending in an LLM
+stage; ``stream: true`` answers as server-sent events), ``GET /v1/models``, ``GET /health``
+(per stage; 503 when a stage is down), ``GET /metrics`` (Prometheus), ``GET /debug/state``
+(in-flight requests and this run's shared-memory names), ``GET /images/{name}`` (images
+returned as URLs).
+
+Error contract (OpenAI's ``{"error": {"message", "type", "param", "code"}}`` body):
+400 bad JSON / schema / too-long prompt / wrong endpoint for this pipeline, 404 unknown
+model, 503 a stage is down or the server is shutting down, 504 the request outlived
+``runtime.request_timeout``, 500 a stage failed the request. A request never waits
+longer than the pipeline's ``request_timeout``. A client that disconnects has its
+request aborted in every stage (status 499 in the metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+
+from vllm_kvbridge.pipeline.orchestrator import PipelineError, RequestResult
+from vllm_kvbridge.pipeline.service import PipelineService
+from vllm_kvbridge.server.metrics import ServerMetrics
+from vllm_kvbridge.server.protocol import ChatCompletionRequest, CompletionRequest, ImageRequest
+
+#: How often a waiting handler checks whether its client is still connected (seconds).
+DISCONNECT_POLL_S = 0.1
+_IMAGE_NAME = re.compile(r"[A-Za-z0-9_.-]+\.png")
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, message: str, kind: str = "invalid_request_error", reason: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.reason = status, message, kind, reason
+
+
+class ClientGone(Exception):
+    """The client disconnected; its request was aborted."""
+
+
+def _error_body(status: int, message: str, kind: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+class ServerState:
+    """What the handlers share: the pipeline service, the model's tokenizer and limits."""
+
+    def __init__(
+        self,
+        service: PipelineService,
+        *,
+        served_model_name: str,
+        tokenizer: Any = None,
+        output_dir: str | Path | None = None,
+        drain_s: float = 10.0,
+    ) -> None:
+        self.service = service
+        self.plan = service.pipeline.plan
+        self.served_model_name = served_model_name
+        self.tokenizer = tokenizer
+        self.drain_s = drain_s
+        self.output_dir = Path(output_dir) if output_dir else None
+        entry = self.plan.entry_stage
+        self.max_model_len = int(entry.engine_args.get("max_model_len") or 0) or None
+        self.default_max_tokens = int(entry.default_sampling_params.get("max_tokens") or 16)
+        self.produces_image = self.plan.final_stage.kind == "diffusion"
+        self.metrics = ServerMetrics(lambda: float(service.in_flight()), service.pipeline.stage_health)
+        service.on_result = self.metrics.observe_result
+        self.created = int(time.time())
+
+    # -- validation --------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist (this server serves `{self.served_model_name}`)",
+                "NotFoundError",
+                "model_not_found",
+            )
+
+    def check_length(self, prompt: str, max_tokens: int | None) -> None:
+        if self.tokenizer is None or self.max_model_len is None:
+            return
+        n = len(self.tokenizer(prompt).input_ids)
+        want = max_tokens or self.default_max_tokens
+        if n + want > self.max_model_len:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {n + want} tokens ({n} in the prompt, {want} for the completion). "
+                "Please reduce the length of the prompt or max_tokens.",
+                reason="bad_request",
+            )
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> str:
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        tok = self.tokenizer
+        if tok is not None and getattr(tok, "chat_template", None):
+            return str(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        # No chat template (e.g. the tiny offline model): a plain transcript.
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+    # -- running a request --------------------------------------------------------------
+    async def run(
+        self,
+        request: Request,
+        prompt: str,
+        params: dict[str, Any],
+        stage_params: dict[int, dict[str, Any]] | None = None,
+        prefix: str = "req",
+    ) -> RequestResult:
+        svc = self.service
+        if svc.failure is not None:
+            raise ApiError(503, f"pipeline unavailable: {svc.failure}", "service_unavailable", "stage_down")
+        rid, fut = svc.submit(prompt, params, stage_params=stage_params, prefix=prefix)
+        waiter = asyncio.wrap_future(fut)
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    break
+                if await request.is_disconnected():
+                    svc.abort(rid, "client disconnected")
+                    self.metrics.failures.labels("client_disconnect").inc()
+                    raise ClientGone()
+        except asyncio.CancelledError:  # server shutdown cancelled the handler
+            svc.abort(rid, "server shutting down")
+            raise
+        try:
+            result = waiter.result()
+        except PipelineError as exc:
+            raise ApiError(503, f"pipeline unavailable: {exc}", "service_unavailable", "stage_down") from None
+        if result.error:
+            err = result.error
+            if err.startswith("timed out"):
+                raise ApiError(504, f"request {rid} {err}", "timeout", "timeout")
+            if "shutting down" in err:
+                raise ApiError(503, f"request {rid}: {err}", "service_unavailable", "shutdown")
+            if svc.failure is not None:
+                raise ApiError(
+                    503, f"pipeline unavailable: {svc.failure}", "service_unavailable", "stage_down"
+                )
+            raise ApiError(500, f"request {rid} failed: {err}", "internal_server_error", "stage_error")
+        return result
+
+
+class _CountRequests:
+    """Pure ASGI middleware counting responses by route and status (Starlette's
+    ``BaseHTTPMiddleware`` would hide client disconnects from the handlers)."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [499]  # no response started: the client left first
+
+        async def watch(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            route = scope.get("route")
+            self.metrics.http_requests.labels(getattr(route, "path", "other"), str(status[0])).inc()
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The app; the caller owns ``state.service`` (started before, closed on shutdown)."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        # uvicorn let in-flight requests finish (or cancelled them); close the rest.
+        await asyncio.to_thread(state.service.close, drain_s=0.0)
+
+    app = FastAPI(title="vllm-kvbridge", lifespan=lifespan)
+    app.state.kvbridge = state
+    m = state.metrics
+
+    app.add_middleware(_CountRequests, metrics=m)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        m.failures.labels(exc.reason or ("bad_request" if exc.status < 500 else "error")).inc()
+        return JSONResponse(_error_body(exc.status, exc.message, exc.kind), status_code=exc.status)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = []
+        param = None
+        for e in exc.errors():
+            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+            param = param or (".".join(loc) or None)
+            if e.get("type") == "json_invalid":
+                parts.append(f"invalid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}")
+            else:
+                parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
+        m.failures.labels("bad_request").inc()
+        return JSONResponse(
+            _error_body(400, "; ".join(parts) or "invalid request", "BadRequestError", param), status_code=400
+        )
+
+    # -- introspection -----------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        h = state.service.health()
+        down = [s for s in h["stages"] if s["status"] != "ready"]
+        body = {
+            "status": "ok" if h["ok"] else "unhealthy",
+            "pipeline": state.plan.name,
+            "stages": h["stages"],
+            "error": h["error"],
+        }
+        if down:
+            body["down"] = [
+                f"stage {s['stage_id']} ({s['kind']}): {s.get('error', s['status'])}" for s in down
+            ]
+        return JSONResponse(body, status_code=200 if h["ok"] else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.served_model_name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "vllm-kvbridge",
+                    "max_model_len": state.max_model_len,
+                    "kvbridge": {
+                        "pipeline": state.plan.name,
+                        "output": "image" if state.produces_image else "text",
+                        "stages": [{"stage_id": s.stage_id, "kind": s.kind} for s in state.plan.stages],
+                    },
+                }
+            ],
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(m.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/debug/state")
+    async def debug_state() -> dict[str, Any]:
+        from vllm_kvbridge.connectors.shm_segments import PREFIX, SHM_DIR
+
+        run = state.service.pipeline.run_id
+        names = sorted(n for n in os.listdir(SHM_DIR) if n.startswith(f"{PREFIX}.{run}"))
+        return {
+            "run_id": run,
+            "in_flight": state.service.in_flight(),
+            "shm_segments": names,
+            # published and not yet consumed payloads/KV caches (pool segments are reused)
+            "shm_published": [n for n in names if ".k." in n],
+        }
+
+    @app.get("/images/{name}")
+    async def image_file(name: str) -> Response:
+        if state.output_dir is None or not _IMAGE_NAME.fullmatch(name):
+            raise ApiError(404, f"no image {name!r}", "NotFoundError")
+        path = state.output_dir / name
+        if not path.is_file():
+            raise ApiError(404, f"no image {name!r}", "NotFoundError")
+        return FileResponse(path, media_type="image/png")
+
+    # -- generation ----------------------------------------------------------------------
+    @app.post("/v1/images/generations")
+    async def images(body: ImageRequest, request: Request) -> dict[str, Any]:
+        from vllm_kvbridge.cli.run import encode_png
+
+        t0 = time.perf_counter()
+        state.check_model(body.model)
+        if not state.produces_image:
+            raise ApiError(400, "this pipeline produces text: use /v1/completions or /v1/chat/completions")
+        if body.response_format == "url" and state.output_dir is None:
+            raise ApiError(400, "response_format 'url' needs the server's --output-dir")
+        final = state.plan.final_stage
+        d = final.diffusion or {}
+        size = (d.get("kwargs") or {}).get("image_size")
+        if body.size is not None and size is not None and body.size != f"{size}x{size}":
+            raise ApiError(
+                400, f"size {body.size!r} is not supported by this pipeline (only '{size}x{size}')"
+            )
+        params: dict[str, Any] = {}
+        if body.max_tokens is not None:
+            params["max_tokens"] = body.max_tokens
+        state.check_length(body.prompt, params.get("max_tokens"))
+        base_seed = body.seed if body.seed is not None else int(d.get("seed", 0))
+        jobs = []
+        for i in range(body.n):
+            sp: dict[str, Any] = {"seed": base_seed + i}
+            if body.num_steps is not None:
+                sp["num_steps"] = body.num_steps
+            jobs.append(state.run(request, body.prompt, dict(params), {final.stage_id: sp}, prefix="img"))
+        results = await asyncio.gather(*jobs)
+        data = []
+        for r in results:
+            png = encode_png(r.image)
+            if body.response_format == "b64_json":
+                data.append(
+                    {"b64_json": base64.b64encode(png).decode("ascii"), "revised_prompt": body.prompt}
+                )
+            else:
+                assert state.output_dir is not None
+                name = f"{r.request_id}-{uuid.uuid4().hex[:8]}.png"
+                (state.output_dir / name).write_bytes(png)
+                data.append(
+                    {"url": str(request.url_for("image_file", name=name)), "revised_prompt": body.prompt}
+                )
+        m.latency.labels("/v1/images/generations").observe(time.perf_counter() - t0)
+        return {"created": int(time.time()), "data": data}
+
+    def _text_endpoint_checks(model: str | None) -> None:
+        state.check_model(model)
+        if state.produces_image:
+            raise ApiError(400, "this pipeline produces images: use /v1/images/generations")
+
+    def _usage(r: RequestResult) -> dict[str, int]:
+        entry = r.stages[0].output if r.stages else {}
+        prompt_tokens = len(entry.get("prompt_token_ids") or [])
+        completion_tokens = len(r.token_ids or [])
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+
+    def _finish_reason(r: RequestResult, params: dict[str, Any]) -> str:
+        final = state.plan.final_stage
+        limit = int(
+            (params if len(state.plan.stages) == 1 else {}).get("max_tokens")
+            or final.default_sampling_params.get("max_tokens")
+            or 16
+        )
+        return "length" if len(r.token_ids or []) >= limit else "stop"
+
+    def _pieces(r: RequestResult) -> list[str]:
+        """The completion text split at token boundaries (for the SSE chunks)."""
+        ids, tok, text = r.token_ids or [], state.tokenizer, r.text or ""
+        if tok is None or not ids:
+            return [text] if text else []
+        pieces, prev = [], ""
+        for i in range(1, len(ids) + 1):
+            cur = tok.decode(ids[:i], skip_special_tokens=True)
+            if cur.startswith(prev) and len(cur) > len(prev):
+                pieces.append(cur[len(prev) :])
+                prev = cur
+        if prev != text:  # the tokenizer disagreed with the engine's detokenizer: send it whole
+            return [text] if text else []
+        return pieces
+
+    def _stream(
+        request: Request, prompt: str, params: dict[str, Any], chat: bool, cid: str
+    ) -> StreamingResponse:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: str | None, finish: str | None, role: bool = False) -> str:
+            if chat:
+                d: dict[str, Any] = {"role": "assistant"} if role else {}
+                if delta is not None:
+                    d["content"] = delta
+                choice: dict[str, Any] = {"index": 0, "delta": d, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+            body = {
+                "id": cid,
+                "object": obj,
+                "created": int(time.time()),
+                "model": state.served_model_name,
+                "choices": [choice],
+            }
+            return f"data: {json.dumps(body)}\n\n"
+
+        async def events() -> AsyncIterator[str]:
+            t0 = time.perf_counter()
+            try:
+                r = await state.run(request, prompt, params, prefix="cmpl")
+            except ApiError as exc:
+                m.failures.labels(exc.reason or "error").inc()
+                yield f"data: {json.dumps(_error_body(exc.status, exc.message, exc.kind))}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            except ClientGone:
+                return
+            if chat:
+                yield chunk(None, None, role=True)
+            for piece in _pieces(r):
+                yield chunk(piece, None)
+            yield chunk(None if chat else "", _finish_reason(r, params))
+            yield "data: [DONE]\n\n"
+            m.latency.labels("/v1/chat/completions" if chat else "/v1/completions").observe(
+                time.perf_counter() - t0
+            )
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        t0 = time.perf_counter()
+        _text_endpoint_checks(body.model)
+        params = body.sampling_params()
+        state.check_length(body.text, params.get("max_tokens"))
+        cid = f"cmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            if state.service.failure is not None:
+                raise ApiError(503, f"pipeline unavailable: {state.service.failure}", "service_unavailable")
+            return _stream(request, body.text, params, False, cid)
+        r = await state.run(request, body.text, params, prefix="cmpl")
+        m.latency.labels("/v1/completions").observe(time.perf_counter() - t0)
+        return {
+            "id": cid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": state.served_model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": r.text or "",
+                    "logprobs": None,
+                    "finish_reason": _finish_reason(r, params),
+                }
+            ],
+            "usage": _usage(r),
+        }
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        t0 = time.perf_counter()
+        _text_endpoint_checks(body.model)
+        params = body.sampling_params()
+        prompt = state.chat_prompt(body)
+        state.check_length(prompt, params.get("max_tokens"))
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            if state.service.failure is not None:
+                raise ApiError(503, f"pipeline unavailable: {state.service.failure}", "service_unavailable")
+            return _stream(request, prompt, params, True, cid)
+        r = await state.run(request, prompt, params, prefix="chat")
+        m.latency.labels("/v1/chat/completions").observe(time.perf_counter() - t0)
+        return {
+            "id": cid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": state.served_model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": r.text or ""},
+                    "finish_reason": _finish_reason(r, params),
+                }
+            ],
+            "usage": _usage(r),
+        }
+
+    return app

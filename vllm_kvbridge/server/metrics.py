@@ -1,0 +1,86 @@
+"""Prometheus metrics of ``vllm-kvbridge serve`` (served at ``GET /metrics``).
+
+One private :class:`prometheus_client.CollectorRegistry` per server, so two servers in one
+process (tests) never share counters. Names start with ``kvbridge_``:
+
+* ``kvbridge_http_requests_total{endpoint,status}``: HTTP requests by final status code;
+* ``kvbridge_request_failures_total{reason}``: ``bad_request``, ``stage_down``, ``stage_error``,
+  ``timeout``, ``client_disconnect``, ``shutdown``;
+* ``kvbridge_requests_in_flight``: pipeline requests not finished yet;
+* ``kvbridge_request_latency_seconds{endpoint}``: end-to-end latency of successful requests;
+* ``kvbridge_stage_latency_seconds{stage,kind}``: per-stage wall time (orchestrator view);
+* ``kvbridge_edge_bytes_total`` / ``kvbridge_edge_transfer_seconds_total{from_stage,to_stage,what}``:
+  bytes and seconds moved per edge (the receiving side's measurement when it reported one);
+* ``kvbridge_stage_up{stage,kind}``: 1 while the stage is ready.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from vllm_kvbridge.pipeline.orchestrator import RequestResult
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class ServerMetrics:
+    def __init__(
+        self, in_flight: Callable[[], float], stage_health: Callable[[], list[dict[str, Any]]]
+    ) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.http_requests = Counter(
+            "kvbridge_http_requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.failures = Counter(
+            "kvbridge_request_failures", "Failed or aborted requests by reason", ["reason"], registry=r
+        )
+        self.in_flight = Gauge("kvbridge_requests_in_flight", "Pipeline requests in flight", registry=r)
+        self.in_flight.set_function(in_flight)
+        self.latency = Histogram(
+            "kvbridge_request_latency_seconds",
+            "End-to-end latency of successful requests",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.stage_latency = Histogram(
+            "kvbridge_stage_latency_seconds",
+            "Per-stage wall time seen by the orchestrator",
+            ["stage", "kind"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.edge_bytes = Counter(
+            "kvbridge_edge_bytes", "Bytes moved per edge", ["from_stage", "to_stage", "what"], registry=r
+        )
+        self.edge_seconds = Counter(
+            "kvbridge_edge_transfer_seconds",
+            "Transfer seconds per edge",
+            ["from_stage", "to_stage", "what"],
+            registry=r,
+        )
+        self.stage_up = Gauge(
+            "kvbridge_stage_up", "1 while the stage is ready", ["stage", "kind"], registry=r
+        )
+        self._stage_health = stage_health
+
+    def observe_result(self, r: RequestResult) -> None:
+        """Per-stage latency and per-edge transfer figures of one finished request."""
+        for rec in r.stages:
+            if rec.done:
+                self.stage_latency.labels(str(rec.stage_id), rec.kind).observe(rec.wall_s)
+        for (a, b, what), (nbytes, seconds) in r.edge_totals().items():
+            self.edge_bytes.labels(str(a), str(b), what).inc(nbytes)
+            self.edge_seconds.labels(str(a), str(b), what).inc(seconds)
+
+    def render(self) -> bytes:
+        for s in self._stage_health():
+            self.stage_up.labels(str(s["stage_id"]), s["kind"]).set(1.0 if s["status"] == "ready" else 0.0)
+        return generate_latest(self.registry)
