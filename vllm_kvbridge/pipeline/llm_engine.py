@@ -33,15 +33,20 @@ def _merge_kv_info(per_rank: list[dict[str, Any]], rid: str) -> dict[str, Any]:
     """Sender info of one request over all ranks, in the KV manager's ``keys``/``ranks`` form."""
     keys: dict[str, Any] = {}
     ranks: dict[str, Any] = {}
+    heads: int | None = None
     for info in per_rank:
         got = (info.get("kv") or {}).get(rid) or {}
         keys.update(got.get("keys") or {})
         ranks.update(got.get("ranks") or {})
+        heads = got.get("num_kv_heads", heads)
     out: dict[str, Any] = {}
     if keys:
         out["keys"] = keys
     if ranks:
         out["ranks"] = ranks
+    if heads is not None:
+        # Lets a receiver with TP > 1 on both ends route heads without configuring them.
+        out["num_kv_heads"] = heads
     return out
 
 
