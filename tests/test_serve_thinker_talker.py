@@ -1,11 +1,15 @@
 """``vllm-kvbridge serve`` in front of thinker -> talker (async chunk): text endpoints.
 
 One real server for the module (two vLLM engines); completions, chat completions,
-streaming (SSE), text-endpoint errors, and a graceful SIGTERM with requests in flight.
+streaming (SSE, incremental: the talker reports its text while it generates), a client
+leaving mid-stream, text-endpoint errors, and a graceful SIGTERM with requests in flight.
+The talker generates up to ``TALKER_TOKENS`` tokens (the shipped config says 8) so that a
+stream is still running for a while after its first piece arrived.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -14,6 +18,7 @@ import time
 import httpx
 import openai
 import pytest
+import yaml
 from serve_fixtures import ROOT, Server, group_alive, shm_names, start_serve, stop, wait_for
 
 from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
@@ -21,12 +26,17 @@ from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 CONFIG = ROOT / "stage_configs/thinker_talker_async_chunk.yaml"
 MODEL_NAME = "thinker_talker_async_chunk"
+TALKER_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("serve-thinker-talker")
-    srv = start_serve(CONFIG, tmp, ensure_tiny_model())
+    spec = yaml.safe_load(CONFIG.read_text())
+    spec["stages"][1]["default_sampling_params"]["max_tokens"] = TALKER_TOKENS
+    config = tmp / "thinker_talker.yaml"
+    config.write_text(yaml.safe_dump(spec))
+    srv = start_serve(config, tmp, ensure_tiny_model())
     try:
         yield srv
     finally:
@@ -42,7 +52,11 @@ def test_completions_chat_and_streaming(server: Server) -> None:
     res = client.completions.create(model=MODEL_NAME, prompt="Hello, my name is", max_tokens=6)
     text = res.choices[0].text
     assert isinstance(text, str) and text
-    assert res.usage is not None and res.usage.prompt_tokens > 0 and 0 < res.usage.completion_tokens <= 8
+    assert (
+        res.usage is not None
+        and res.usage.prompt_tokens > 0
+        and 0 < res.usage.completion_tokens <= TALKER_TOKENS
+    )
     assert res.choices[0].finish_reason in ("stop", "length")
     # greedy sampling in both stages: the same prompt gives the same text
     again = client.completions.create(model=MODEL_NAME, prompt="Hello, my name is", max_tokens=6)
@@ -68,6 +82,96 @@ def test_completions_chat_and_streaming(server: Server) -> None:
 
     metrics = httpx.get(server.url + "/metrics").text
     assert 'kvbridge_edge_bytes_total{from_stage="0",to_stage="1",what="payload"}' in metrics
+
+
+def _sse(server: Server, path: str, body: dict, on_event=None) -> list[tuple[float, object]]:  # type: ignore[no-untyped-def, type-arg]
+    """POST a streaming request; (arrival time, parsed event) per ``data:`` line, ``[DONE]`` as
+    the string. ``on_event(event)`` runs as each event arrives; returning True closes the
+    connection there (the client leaves)."""
+    events: list[tuple[float, object]] = []
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            data = line[len("data: ") :]
+            event: object = data if data == "[DONE]" else json.loads(data)
+            events.append((time.monotonic(), event))
+            if on_event is not None and on_event(event):
+                break
+    return events
+
+
+def test_streaming_is_incremental(server: Server) -> None:
+    client = _client(server)
+    prompt = "The quick brown fox jumps over"
+    full = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=32)
+    text = full.choices[0].text
+    assert full.usage is not None and full.usage.completion_tokens >= 8, full  # long enough to stream
+
+    debug = httpx.Client(base_url=server.url, timeout=30)
+    in_flight_at_first: list[int] = []
+
+    def first_piece(event: object) -> bool:
+        if not in_flight_at_first and isinstance(event, dict) and event["choices"][0]["text"]:
+            in_flight_at_first.append(debug.get("/debug/state").json()["in_flight"])
+        return False
+
+    events = _sse(
+        server, "/v1/completions", {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 32}, first_piece
+    )
+    debug.close()
+    assert events[-1][1] == "[DONE]"
+    chunks = [e for _, e in events[:-1]]
+    assert all(isinstance(c, dict) and c["object"] == "text_completion" for c in chunks)
+    pieces = [c["choices"][0]["text"] for c in chunks if c["choices"][0]["text"]]  # type: ignore[index]
+    # several pieces, concatenating to the non-streaming answer (greedy: the same text)
+    assert len(pieces) > 1 and "".join(pieces) == text, (pieces, text)
+    # the first piece arrived while the request was still generating, not after it finished
+    assert in_flight_at_first == [1]
+    first = next(t for t, c in events if isinstance(c, dict) and c["choices"][0]["text"])
+    assert first < events[-2][0]
+    finish = [c["choices"][0]["finish_reason"] for c in chunks]  # type: ignore[index]
+    assert finish[:-1] == [None] * (len(finish) - 1) and finish[-1] == full.choices[0].finish_reason
+
+    # chat, through the openai client: role first, content pieces, finish_reason last
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=32)  # type: ignore[arg-type]
+    stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=32, stream=True)  # type: ignore[arg-type]
+    got = list(stream)
+    assert got[0].choices[0].delta.role == "assistant"
+    content = [c.choices[0].delta.content for c in got if c.choices[0].delta.content]
+    assert len(content) > 1 and "".join(content) == chat.choices[0].message.content
+    assert got[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in got[:-1])
+
+
+def test_client_leaving_mid_stream_aborts_the_request(server: Server) -> None:
+    def disconnects() -> float:
+        metrics = httpx.get(server.url + "/metrics").text
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("kvbridge_request_failures_total{") and 'reason="client_disconnect"' in line
+        )
+
+    before = disconnects()
+    # leave as soon as the first piece of text arrived
+    events = _sse(
+        server,
+        "/v1/completions",
+        {"model": MODEL_NAME, "prompt": "A long walk along the river", "max_tokens": 32},
+        lambda e: isinstance(e, dict) and bool(e["choices"][0]["text"]),
+    )
+    assert events[-1][1] != "[DONE]"
+    left = time.monotonic()
+    # counted: the request was still running when the server saw the client leave
+    assert wait_for(lambda: disconnects() == before + 1, 10), (before, disconnects(), time.monotonic() - left)
+    assert wait_for(lambda: httpx.get(server.url + "/debug/state").json()["in_flight"] == 0, 10)
+    # the stages dropped it and still serve
+    res = _client(server).completions.create(model=MODEL_NAME, prompt="Still there?", max_tokens=4)
+    assert res.choices[0].text
 
 
 def test_text_endpoint_errors(server: Server) -> None:
@@ -107,7 +211,10 @@ def test_sigterm_finishes_or_aborts_in_flight_requests(server: Server) -> None:
     for t in threads:
         t.start()
     started.wait()
-    time.sleep(0.3)  # the requests are in flight
+    # SIGTERM once the server has every request (a connection still in the listen backlog
+    # when uvicorn closes its socket is refused, which is not what this test is about)
+    in_flight = lambda: httpx.get(server.url + "/debug/state").json()["in_flight"] == 6  # noqa: E731
+    assert wait_for(in_flight, 30, 0.02), statuses
     os.kill(server.proc.pid, signal.SIGTERM)
     for t in threads:
         t.join(timeout=60)

@@ -2,7 +2,8 @@
 
 A :class:`StageEngine` is driven by the stage process's single-threaded serve loop
 (which owns the control socket): ``submit`` queues a request, ``step`` makes progress and
-returns the messages to send (``StageDone`` / ``RequestFailed``), ``busy`` says whether
+returns the messages to send (``StageDone`` / ``RequestFailed``, and ``StageProgress`` for
+requests submitted with ``stream`` by engines that can report partial output), ``busy`` says whether
 ``step`` has work (the loop then polls its socket without sleeping), ``abort`` drops
 requests, ``close`` releases everything. ``step`` must not block for long: slow work
 (KV receives, denoising) runs on the engine's own worker thread.
@@ -32,7 +33,7 @@ class StageEngine(ABC):
     def submit(self, msg: m.Submit) -> None: ...
 
     @abstractmethod
-    def step(self) -> list[m.StageDone | m.RequestFailed]: ...
+    def step(self) -> list[m.StageDone | m.StageProgress | m.RequestFailed]: ...
 
     @abstractmethod
     def busy(self) -> bool: ...

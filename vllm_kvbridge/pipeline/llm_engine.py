@@ -11,6 +11,10 @@ the orchestrator's request id (``extra_args["kvbridge"]["request_id"]``).
 A stage with an incoming payload edge (a talker) receives the producer's payload on a
 :class:`~vllm_kvbridge.runner.payload_stream.PayloadReceiver` and submits its
 ``hidden_states`` to vLLM as prompt embeddings (``enable_prompt_embeds``).
+
+A request submitted with ``stream`` gets a :class:`~vllm_kvbridge.pipeline.messages.StageProgress`
+after every engine step that produced new text or tokens (vLLM's outputs are cumulative:
+the delta is what was not sent yet); other requests cost nothing extra.
 """
 
 from __future__ import annotations
@@ -88,6 +92,8 @@ class LLMStageEngine(StageEngine):
         self._started: dict[str, float] = {}
         self._awaiting: dict[str, Any] = {}  # finished in vLLM, sends still in flight
         self._aborted: set[str] = set()
+        #: streaming request id -> (characters, tokens) already reported in StageProgress
+        self._streamed: dict[str, tuple[int, int]] = {}
 
     def info(self) -> dict[str, Any]:
         return {"kind": self.stage.kind, "model": self.stage.model, "pid_engine": None}
@@ -105,6 +111,8 @@ class LLMStageEngine(StageEngine):
     def submit(self, msg: m.Submit) -> None:
         params = self._params(msg)
         self._started[msg.request_id] = time.time()
+        if msg.stream:
+            self._streamed[msg.request_id] = (0, 0)
         payload_ups = [u for u in msg.upstream if u.from_stage in self._receivers]
         if payload_ups:
             up = payload_ups[0]
@@ -127,13 +135,14 @@ class LLMStageEngine(StageEngine):
                 for receiver in self._receivers.values():
                     receiver.cancel(rid)
             self._awaiting.pop(rid, None)
+            self._streamed.pop(rid, None)
         self.engine.abort_request(list(request_ids))
 
     def busy(self) -> bool:
         return bool(self._inputs or self._awaiting) or self.engine.has_unfinished_requests()
 
     # -- progress --------------------------------------------------------------------------
-    def _start_from_payload(self, out: list[m.StageDone | m.RequestFailed]) -> None:
+    def _start_from_payload(self, out: list[m.StageDone | m.StageProgress | m.RequestFailed]) -> None:
         for rid, (fut, params, t0) in list(self._inputs.items()):
             if not fut.done():
                 continue
@@ -150,6 +159,7 @@ class LLMStageEngine(StageEngine):
                     time.perf_counter() - t0,
                 )
             except Exception as exc:
+                self._streamed.pop(rid, None)
                 out.append(m.RequestFailed(rid, self.stage.stage_id, f"{type(exc).__name__}: {exc}"))
 
     def _dump(self, rid: str, payload: dict[str, Any]) -> None:
@@ -170,19 +180,37 @@ class LLMStageEngine(StageEngine):
             str(self.dump_dir / f"stage{self.stage.stage_id}_{encode_request_id(rid)}_payload.safetensors"),
         )
 
-    def step(self) -> list[m.StageDone | m.RequestFailed]:
-        out: list[m.StageDone | m.RequestFailed] = []
+    def step(self) -> list[m.StageDone | m.StageProgress | m.RequestFailed]:
+        out: list[m.StageDone | m.StageProgress | m.RequestFailed] = []
         if self._inputs:
             self._start_from_payload(out)
         if self.engine.has_unfinished_requests():
             for o in self.engine.step():
-                if o.finished and o.request_id not in self._aborted:
+                if o.request_id in self._aborted:
+                    continue
+                if o.request_id in self._streamed:
+                    self._progress(o, out)
+                if o.finished:
                     self._awaiting[o.request_id] = (o, time.time())
         if self._awaiting:
             self._report_finished(out)
         return out
 
-    def _report_finished(self, out: list[m.StageDone | m.RequestFailed]) -> None:
+    def _progress(self, o: Any, out: list[m.StageDone | m.StageProgress | m.RequestFailed]) -> None:
+        """Append a StageProgress with what ``o`` (a cumulative output) adds to what was sent."""
+        comp = o.outputs[0]
+        sent_chars, sent_tokens = self._streamed[o.request_id]
+        text, ids = comp.text, comp.token_ids
+        if o.finished:
+            del self._streamed[o.request_id]
+        else:
+            self._streamed[o.request_id] = (len(text), len(ids))
+        if len(text) > sent_chars or len(ids) > sent_tokens:
+            out.append(
+                m.StageProgress(o.request_id, self.stage.stage_id, text[sent_chars:], list(ids[sent_tokens:]))
+            )
+
+    def _report_finished(self, out: list[m.StageDone | m.StageProgress | m.RequestFailed]) -> None:
         ids = list(self._awaiting)
         if self.moves_data and self.stage.outputs:
             per_rank = self.llm.collective_rpc("kvbridge_transfer_status", args=(ids,))

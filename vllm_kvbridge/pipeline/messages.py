@@ -9,10 +9,14 @@ Flow of one request through ``A -> B``::
     orchestrator -> A : Submit(request_id, prompt)
     A -> orchestrator : StageDone(request_id, output, sender_info)       # KV/payload put
     orchestrator -> B : Submit(request_id, upstream=[Upstream(A, sender_info)])
+    B -> orchestrator : StageProgress(request_id, text_delta, ...)       # streaming only
     B -> orchestrator : StageDone(request_id, output)                    # final output
 
 A stage reports ``Ready`` once its engine is up, ``RequestFailed`` for one failed request
-(the stage keeps running) and ``StageFailed`` before it exits on a fatal error.
+(the stage keeps running) and ``StageFailed`` before it exits on a fatal error. A
+``Submit`` with ``stream`` set (the orchestrator sets it on the last stage of a request
+whose caller streams) makes an LLM stage report ``StageProgress`` as it generates, in
+order and before its ``StageDone``; requests that do not stream get no progress messages.
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ class Submit(_Msg, tag="submit"):
     prompt: str | None = None
     sampling_params: dict[str, Any] = {}
     upstream: list[Upstream] = []
+    #: Report partial output (:class:`StageProgress`) while generating. Stages that cannot
+    #: (diffusion, external servers) ignore it and report only ``StageDone``.
+    stream: bool = False
 
 
 class Abort(_Msg, tag="abort"):
@@ -91,6 +98,20 @@ class StageDone(_Msg, tag="done"):
     transfers: list[TransferStat] = []
 
 
+class StageProgress(_Msg, tag="progress"):
+    """New output of a streaming request since the previous progress message.
+
+    Deltas concatenate to the ``text`` / ``token_ids`` of the request's ``StageDone``
+    (vLLM holds back text a stop string could still remove, so a delta is never taken
+    back); the last tokens may arrive only with ``StageDone``.
+    """
+
+    request_id: str
+    stage_id: int
+    text_delta: str = ""
+    token_ids_delta: list[int] = []
+
+
 class RequestFailed(_Msg, tag="request_failed"):
     request_id: str
     stage_id: int
@@ -104,7 +125,7 @@ class StageFailed(_Msg, tag="stage_failed"):
 
 
 ToStage = Submit | Abort | Shutdown
-FromStage = Ready | StageDone | RequestFailed | StageFailed
+FromStage = Ready | StageDone | StageProgress | RequestFailed | StageFailed
 
 _ENCODER = msgspec.msgpack.Encoder()
 _TO_STAGE = msgspec.msgpack.Decoder(ToStage)

@@ -5,7 +5,10 @@ its own session, hands it its :class:`ResolvedStage` as JSON on stdin, and talks
 over one ZMQ ROUTER socket (msgspec messages, see :mod:`vllm_kvbridge.pipeline.messages`).
 A request enters the first stage; when a stage reports it done, the sender info it
 reported is forwarded with the request to the next stage; the last stage's output is
-the request's result. Any number of requests are in flight at once.
+the request's result. Any number of requests are in flight at once. A request submitted
+with ``on_progress`` streams: its last stage is asked to report partial output
+(``Submit.stream``) and every :class:`~vllm_kvbridge.pipeline.messages.StageProgress` it
+sends is handed to the callback, in order, before the request finishes.
 
 Failure and shutdown contract:
 
@@ -205,6 +208,7 @@ class Pipeline:
         self._counter = 0
         self._stage_params: dict[str, dict[int, dict[str, Any]]] = {}
         self._polled: set[str] = set()  # ids started with submit(), returned by poll()
+        self._on_progress: dict[str, Callable[[m.StageProgress], None]] = {}  # streaming requests
         self._finished_polled: list[RequestResult] = []
         self._started = False
         self._closed = False
@@ -403,6 +407,8 @@ class Pipeline:
         h = self._stages[stage_id]
         self._results[msg.request_id].stages.append(StageRecord(stage_id, h.stage.kind, time.time()))
         self._where.setdefault(msg.request_id, set()).add(stage_id)
+        if stage_id == self._order[-1] and msg.request_id in self._on_progress:
+            msg = msgspec.structs.replace(msg, stream=True)
         assert self._sock is not None
         self._sock.send_multipart([f"stage-{stage_id}".encode(), m.encode(msg)])
 
@@ -413,6 +419,7 @@ class Pipeline:
         r.error, r.finished = error, True
         self._deadlines.pop(rid, None)
         self._stage_params.pop(rid, None)
+        self._on_progress.pop(rid, None)
         stages = self._where.pop(rid, set())
         if error is not None and self._sock is not None and not self._closed:
             # Stages still working on it (e.g. a consumer waiting for chunks) drop it.
@@ -489,6 +496,11 @@ class Pipeline:
         elif isinstance(msg, m.RequestFailed):
             self._progress(f"[{h.label}] {msg.request_id} failed: {msg.error}")
             self._finish(msg.request_id, f"stage {msg.stage_id} ({h.stage.kind}): {msg.error}")
+        elif isinstance(msg, m.StageProgress):
+            callback = self._on_progress.get(msg.request_id)
+            # None: a request that finished already (aborted, timed out) or does not stream.
+            if callback is not None:
+                callback(msg)
         elif isinstance(msg, m.StageDone):
             self._on_done(h, msg)
 
@@ -539,11 +551,18 @@ class Pipeline:
         *,
         request_id: str | None = None,
         stage_params: Mapping[int, Mapping[str, Any]] | None = None,
+        on_progress: Callable[[m.StageProgress], None] | None = None,
     ) -> str:
         """Start one request without waiting for it; returns its id.
 
         ``sampling_params`` override the first stage's defaults, ``stage_params`` (stage id ->
         params) those of any stage (e.g. a diffusion stage's ``seed`` / ``num_steps``).
+        ``on_progress`` streams the request: it is called (from :meth:`poll`, in order) with
+        every :class:`~vllm_kvbridge.pipeline.messages.StageProgress` of the last stage until
+        the request finishes; its deltas concatenate to a prefix of the result's
+        ``text`` / ``token_ids`` (an LLM last stage reports all of it; a diffusion or
+        external last stage reports none). It must be quick; an exception it raises
+        propagates out of :meth:`poll`.
 
         The request progresses while :meth:`poll` runs; :meth:`poll` returns it once it
         finished (successfully or with ``error``). Not thread-safe: ``submit``, ``poll``
@@ -565,6 +584,8 @@ class Pipeline:
         self._results[request_id] = RequestResult(request_id, prompt)
         self._deadlines[request_id] = time.monotonic() + self.plan.request_timeout
         self._polled.add(request_id)
+        if on_progress is not None:
+            self._on_progress[request_id] = on_progress
         if stage_params:
             self._stage_params[request_id] = {int(k): dict(v) for k, v in stage_params.items()}
         params = {

@@ -18,6 +18,12 @@ Contract:
   fail the same way (:attr:`failure` says which stage). :meth:`health` reports each stage.
 * :meth:`close` (idempotent) aborts what is in flight, stops the pump thread and closes the
   pipeline (stage processes stopped, shared-memory segments removed).
+* ``submit(..., on_progress=callback)`` streams the request: ``callback`` is called on the
+  pump thread with each :class:`~vllm_kvbridge.pipeline.messages.StageProgress` of the
+  last stage, in order, before the future resolves (see :meth:`Pipeline.submit`). It must
+  be quick (hand the delta to another thread or loop, e.g.
+  ``loop.call_soon_threadsafe``); an exception it raises is swallowed, so a caller that
+  went away cannot break the pump.
 * ``on_result`` (optional) is called on the pump thread with every finished result
   (metrics); it must be quick and must not raise.
 """
@@ -31,6 +37,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
+from vllm_kvbridge.pipeline.messages import StageProgress
 from vllm_kvbridge.pipeline.orchestrator import (
     POLL_S,
     Pipeline,
@@ -104,8 +111,10 @@ class PipelineService:
         *,
         stage_params: Mapping[int, Mapping[str, Any]] | None = None,
         prefix: str = "req",
+        on_progress: Callable[[StageProgress], None] | None = None,
     ) -> tuple[str, Future[RequestResult]]:
-        """Queue a request; returns its id and a future of its :class:`RequestResult`."""
+        """Queue a request; returns its id and a future of its :class:`RequestResult`.
+        With ``on_progress`` the request streams (see the module docstring)."""
         fut: Future[RequestResult] = Future()
         with self._lock:
             self._counter += 1
@@ -114,7 +123,8 @@ class PipelineService:
                 fut.set_exception(self.failure or PipelineError("pipeline is closed"))
                 return rid, fut
             self._futures[rid] = fut
-        self._commands.put(("submit", (rid, prompt, dict(sampling_params or {}), stage_params)))
+        progress = None if on_progress is None else _never_raising(on_progress)
+        self._commands.put(("submit", (rid, prompt, dict(sampling_params or {}), stage_params, progress)))
         return rid, fut
 
     def abort(self, request_id: str, reason: str = "aborted by the client") -> None:
@@ -158,9 +168,11 @@ class PipelineService:
             except queue.Empty:
                 return
             if kind == "submit":
-                rid, prompt, params, stage_params = args
+                rid, prompt, params, stage_params, progress = args
                 try:
-                    pipe.submit(prompt, params, request_id=rid, stage_params=stage_params)
+                    pipe.submit(
+                        prompt, params, request_id=rid, stage_params=stage_params, on_progress=progress
+                    )
                 except (PipelineError, ValueError) as exc:
                     self._fail_one(rid, exc)
             elif kind == "abort":
@@ -190,3 +202,13 @@ class PipelineService:
         for fut in futures.values():
             if not fut.done():
                 fut.set_exception(exc)
+
+
+def _never_raising(callback: Callable[[StageProgress], None]) -> Callable[[StageProgress], None]:
+    def call(progress: StageProgress) -> None:
+        try:
+            callback(progress)
+        except Exception:  # e.g. the caller's event loop closed: the result still resolves
+            pass
+
+    return call

@@ -2,7 +2,8 @@
 
 Endpoints: ``POST /v1/images/generations`` (pipelines ending in a diffusion stage),
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (pipelines ending in an LLM
-stage; ``stream: true`` answers as server-sent events), ``GET /v1/models``, ``GET /health``
+stage; ``stream: true`` answers as server-sent events, one chunk per piece of text the
+last stage reports while it generates), ``GET /v1/models``, ``GET /health``
 (per stage; 503 when a stage is down), ``GET /metrics`` (Prometheus), ``GET /debug/state``
 (in-flight requests and this run's shared-memory names), ``GET /images/{name}`` (images
 returned as URLs).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import re
@@ -32,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
+from vllm_kvbridge.pipeline.messages import StageProgress
 from vllm_kvbridge.pipeline.orchestrator import PipelineError, RequestResult
 from vllm_kvbridge.pipeline.service import PipelineService
 from vllm_kvbridge.server.metrics import ServerMetrics
@@ -40,6 +43,8 @@ from vllm_kvbridge.server.protocol import ChatCompletionRequest, CompletionReque
 #: How often a waiting handler checks whether its client is still connected (seconds).
 DISCONNECT_POLL_S = 0.1
 _IMAGE_NAME = re.compile(r"[A-Za-z0-9_.-]+\.png")
+#: ASGI scope key of the per-request flags :class:`_CountRequests` sets (``client_gone``).
+_SCOPE_KEY = "kvbridge"
 
 
 class ApiError(Exception):
@@ -126,8 +131,7 @@ class ServerState:
         prefix: str = "req",
     ) -> RequestResult:
         svc = self.service
-        if svc.failure is not None:
-            raise ApiError(503, f"pipeline unavailable: {svc.failure}", "service_unavailable", "stage_down")
+        self._check_up()
         rid, fut = svc.submit(prompt, params, stage_params=stage_params, prefix=prefix)
         waiter = asyncio.wrap_future(fut)
         try:
@@ -142,6 +146,71 @@ class ServerState:
         except asyncio.CancelledError:  # server shutdown cancelled the handler
             svc.abort(rid, "server shutting down")
             raise
+        return self._checked(rid, waiter)
+
+    async def stream(
+        self, request: Request, prompt: str, params: dict[str, Any], prefix: str = "req"
+    ) -> AsyncIterator[StageProgress | RequestResult]:
+        """Like :meth:`run`, streaming: yields each :class:`StageProgress` of the last stage
+        as it arrives, then the :class:`RequestResult` (raises :class:`ApiError` like
+        :meth:`run`). A client that disconnects (noticed within ``DISCONNECT_POLL_S``) or a
+        consumer that closes the generator early has the request aborted in every stage."""
+        svc = self.service
+        self._check_up()
+        loop = asyncio.get_running_loop()
+        # Progress (from the pump thread) and the finished future, in arrival order: the
+        # orchestrator reports every progress message before it resolves the future.
+        items: asyncio.Queue[StageProgress | asyncio.Future[RequestResult]] = asyncio.Queue()
+
+        def on_progress(p: StageProgress) -> None:
+            loop.call_soon_threadsafe(items.put_nowait, p)
+
+        rid, fut = svc.submit(prompt, params, prefix=prefix, on_progress=on_progress)
+        waiter = asyncio.wrap_future(fut)
+        waiter.add_done_callback(items.put_nowait)
+        finished = False
+        try:
+            checked = loop.time()
+            while True:
+                try:
+                    item = await asyncio.wait_for(items.get(), DISCONNECT_POLL_S)
+                except TimeoutError:
+                    item = None
+                if isinstance(item, StageProgress):
+                    yield item
+                elif item is not None:
+                    break
+                if loop.time() - checked >= DISCONNECT_POLL_S:
+                    checked = loop.time()
+                    if await request.is_disconnected():
+                        svc.abort(rid, "client disconnected")
+                        self.metrics.failures.labels("client_disconnect").inc()
+                        finished = True
+                        raise ClientGone()
+            finished = True
+        except asyncio.CancelledError:  # the client left, or server shutdown cancelled the handler
+            finished = True
+            if request.scope.get(_SCOPE_KEY, {}).get("client_gone"):
+                svc.abort(rid, "client disconnected")
+                self.metrics.failures.labels("client_disconnect").inc()
+            else:
+                svc.abort(rid, "server shutting down")
+            raise
+        finally:
+            if not finished:  # the consumer stopped reading (its client is gone)
+                svc.abort(rid, "client disconnected")
+                self.metrics.failures.labels("client_disconnect").inc()
+        yield self._checked(rid, waiter)
+
+    def _check_up(self) -> None:
+        if self.service.failure is not None:
+            raise ApiError(
+                503, f"pipeline unavailable: {self.service.failure}", "service_unavailable", "stage_down"
+            )
+
+    def _checked(self, rid: str, waiter: asyncio.Future[RequestResult]) -> RequestResult:
+        """The finished request's result, or the :class:`ApiError` its failure maps to."""
+        svc = self.service
         try:
             result = waiter.result()
         except PipelineError as exc:
@@ -172,14 +241,23 @@ class _CountRequests:
             await self.app(scope, receive, send)
             return
         status = [499]  # no response started: the client left first
+        # Starlette cancels a streaming response whose client left (it reads the disconnect
+        # itself): the flag tells that cancellation from a server shutdown's.
+        flags = scope.setdefault(_SCOPE_KEY, {})
 
         async def watch(message: Any) -> None:
             if message["type"] == "http.response.start":
                 status[0] = int(message["status"])
             await send(message)
 
+        async def listen() -> Any:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                flags["client_gone"] = True
+            return message
+
         try:
-            await self.app(scope, receive, watch)
+            await self.app(scope, listen, watch)
         finally:
             route = scope.get("route")
             self.metrics.http_requests.labels(getattr(route, "path", "other"), str(status[0])).inc()
@@ -363,21 +441,6 @@ def build_app(state: ServerState) -> FastAPI:
         )
         return "length" if len(r.token_ids or []) >= limit else "stop"
 
-    def _pieces(r: RequestResult) -> list[str]:
-        """The completion text split at token boundaries (for the SSE chunks)."""
-        ids, tok, text = r.token_ids or [], state.tokenizer, r.text or ""
-        if tok is None or not ids:
-            return [text] if text else []
-        pieces, prev = [], ""
-        for i in range(1, len(ids) + 1):
-            cur = tok.decode(ids[:i], skip_special_tokens=True)
-            if cur.startswith(prev) and len(cur) > len(prev):
-                pieces.append(cur[len(prev) :])
-                prev = cur
-        if prev != text:  # the tokenizer disagreed with the engine's detokenizer: send it whole
-            return [text] if text else []
-        return pieces
-
     def _stream(
         request: Request, prompt: str, params: dict[str, Any], chat: bool, cid: str
     ) -> StreamingResponse:
@@ -402,8 +465,24 @@ def build_app(state: ServerState) -> FastAPI:
 
         async def events() -> AsyncIterator[str]:
             t0 = time.perf_counter()
+            sent = ""  # the text sent so far
+            role = chat  # a chat stream starts with the assistant's role
+
+            def text_chunk(delta: str) -> str:
+                nonlocal role
+                head, role = (chunk(None, None, role=True) if role else ""), False
+                return head + chunk(delta, None)
+
+            result: RequestResult | None = None
             try:
-                r = await state.run(request, prompt, params, prefix="cmpl")
+                async with contextlib.aclosing(state.stream(request, prompt, params, prefix="cmpl")) as it:
+                    async for item in it:
+                        if isinstance(item, StageProgress):
+                            if item.text_delta:
+                                sent += item.text_delta
+                                yield text_chunk(item.text_delta)
+                        else:
+                            result = item
             except ApiError as exc:
                 m.failures.labels(exc.reason or "error").inc()
                 yield f"data: {json.dumps(_error_body(exc.status, exc.message, exc.kind))}\n\n"
@@ -411,11 +490,13 @@ def build_app(state: ServerState) -> FastAPI:
                 return
             except ClientGone:
                 return
-            if chat:
-                yield chunk(None, None, role=True)
-            for piece in _pieces(r):
-                yield chunk(piece, None)
-            yield chunk(None if chat else "", _finish_reason(r, params))
+            assert result is not None
+            text = result.text or ""
+            # Whatever progress did not carry (a last stage that does not stream) comes now.
+            rest = text[len(sent) :] if text.startswith(sent) else ""
+            if rest or role:
+                yield text_chunk(rest) if rest else chunk(None, None, role=True)
+            yield chunk(None if chat else "", _finish_reason(result, params))
             yield "data: [DONE]\n\n"
             m.latency.labels("/v1/chat/completions" if chat else "/v1/completions").observe(
                 time.perf_counter() - t0
