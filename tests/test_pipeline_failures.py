@@ -54,7 +54,7 @@ def _run(config: Path, out: Path, timeout: float) -> tuple[subprocess.CompletedP
 @pytest.mark.timeout(120)
 def test_stage_crashing_on_start_fails_run_within_seconds() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="kvb-fail-"))
-    before = shm_segments()
+    before = set(shm_segments())
     proc, took = _run(_config(tmp, "pipeline_fixtures.CrashOnInit"), tmp / "out", 100)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     first = proc.stderr.strip().splitlines()[0]
@@ -65,14 +65,15 @@ def test_stage_crashing_on_start_fails_run_within_seconds() -> None:
     assert took < 30, took
     assert "ready" not in proc.stdout.split("[stage 0 (llm_ar)] starting")[1].split("\n")[0]
     assert processes_using(tmp) == []  # every stage (and vLLM child) wrote its log under tmp
-    assert shm_segments() == before
+    # Only what this run created counts: other runs on the machine come and go meanwhile.
+    assert [n for n in shm_segments() if n not in before] == []
 
 
 @pytest.mark.forked
 @pytest.mark.timeout(240)
 def test_stage_dying_mid_run_fails_run_with_its_status() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="kvb-die-"))
-    before = shm_segments()
+    before = set(shm_segments())
     proc, took = _run(_config(tmp, "pipeline_fixtures.DieInForward"), tmp / "out", 220)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "error: stage 1 (diffusion) failed: process exited with status 17" in proc.stderr
@@ -83,4 +84,5 @@ def test_stage_dying_mid_run_fails_run_with_its_status() -> None:
     assert not (tmp / "out" / "result.json").exists()
     assert took < 150, took
     assert processes_using(tmp) == []
-    assert shm_segments() == before
+    # Only what this run created counts: other runs on the machine come and go meanwhile.
+    assert [n for n in shm_segments() if n not in before] == []
