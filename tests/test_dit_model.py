@@ -8,7 +8,8 @@ from safetensors.torch import save_file
 
 from vllm_kvbridge.errors import ConfigError
 from vllm_kvbridge.models.tiny_dit import TinyKVDiT
-from vllm_kvbridge.runner.diffusion_runner import build_module, denoise, import_object
+from vllm_kvbridge.runner.diffusion_runner import build_module, denoise
+from vllm_kvbridge.runner.settings import load_dotted
 
 
 def _kv(seed: int, seq: int = 5, layers: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -69,7 +70,7 @@ def test_build_module_from_class_path_kwargs_and_weights(tmp_path) -> None:
         assert torch.equal(a, b), name
     assert not built.training
     # "module:Class" spelling too
-    assert isinstance(import_object("vllm_kvbridge.models.tiny_dit:TinyKVDiT"), type)
+    assert isinstance(load_dotted("vllm_kvbridge.models.tiny_dit:TinyKVDiT"), type)
 
 
 @pytest.mark.parametrize(
@@ -79,7 +80,7 @@ def test_build_module_from_class_path_kwargs_and_weights(tmp_path) -> None:
             "vllm_kvbridge.models.no_such_module.X",
             {},
             None,
-            "cannot import 'vllm_kvbridge.models.no_such_module'",
+            "No module named 'vllm_kvbridge.models.no_such_module'",
         ),
         ("vllm_kvbridge.models.tiny_dit.Nope", {}, None, "has no attribute 'Nope'"),
         ("vllm_kvbridge.models.tiny_dit.denoise_missing", {}, None, "has no attribute"),

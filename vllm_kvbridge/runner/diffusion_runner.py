@@ -19,7 +19,6 @@ a module that cannot be imported, built or loaded fails the stage at start.
 
 from __future__ import annotations
 
-import importlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,26 +30,9 @@ from torch import nn
 
 from vllm_kvbridge.errors import ConfigError, TransferError
 from vllm_kvbridge.runner.mixin import KVBridgeModelRunnerMixin
+from vllm_kvbridge.runner.settings import load_dotted
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def import_object(path: str) -> Any:
-    """``pkg.mod.Name`` or ``pkg.mod:Name`` -> the object (ImportError/AttributeError as ConfigError)."""
-    if ":" in path:
-        module_name, _, attr = path.partition(":")
-    else:
-        module_name, _, attr = path.rpartition(".")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"cannot import {module_name!r} (from {path!r}): {exc}") from exc
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ConfigError(f"{module_name!r} has no attribute {attr!r} (from {path!r})") from None
-    return obj
 
 
 def build_module(
@@ -61,7 +43,7 @@ def build_module(
     device: str = "cpu",
 ) -> nn.Module:
     """Build ``class_path(**kwargs)``, load ``weights`` (safetensors, strict), move, eval()."""
-    cls = import_object(class_path)
+    cls = load_dotted(class_path, "diffusion.class_path")
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise ConfigError(f"diffusion.class_path: {class_path!r} is not a torch.nn.Module subclass")
     try:

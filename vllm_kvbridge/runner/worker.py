@@ -20,7 +20,6 @@ Worker RPCs (``LLM.collective_rpc(name, args=...)`` reaches every rank):
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -30,7 +29,7 @@ from vllm.v1.worker.gpu_worker import Worker
 from vllm_kvbridge.errors import ConfigError
 from vllm_kvbridge.runner.ar_runner import KVBridgeARModelRunner, KVBridgeCPUModelRunner
 from vllm_kvbridge.runner.mixin import KVBridgeModelRunnerMixin
-from vllm_kvbridge.runner.settings import ADDITIONAL_CONFIG_KEY, RunnerSettings
+from vllm_kvbridge.runner.settings import ADDITIONAL_CONFIG_KEY, RunnerSettings, load_dotted
 from vllm_kvbridge.runner.vllm_connector import kv_transfer_config_dict
 
 CPU_WORKER = "vllm_kvbridge.runner.worker.KVBridgeCPUWorker"
@@ -54,11 +53,7 @@ def check_worker_cls(worker_cls: str, settings: RunnerSettings | Mapping[str, An
         settings = RunnerSettings.from_dict(settings)
     if not settings.needs_connector:
         return
-    module_name, _, attr = worker_cls.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ConfigError(f"worker_cls: cannot import {worker_cls!r}: {exc}") from exc
+    cls = load_dotted(worker_cls, "worker_cls")
     if not (isinstance(cls, type) and issubclass(cls, _KVBridgeWorkerMixin)):
         raise ConfigError(
             f"worker_cls: stage {settings.stage_id} moves KV or payloads, but {worker_cls!r} is not a "
