@@ -112,3 +112,22 @@ def test_start_up_check_refuses_a_runner_without_the_mixin() -> None:
     assert kwargs["kv_transfer_config"]["kv_connector"] == "KVBridgeConnector"
     with pytest.raises(ConfigError, match="unknown key"):
         engine_kwargs({"bogus": 1}, platform="cpu")
+
+
+def test_engine_env_keeps_the_plain_engines_cpu_reservation(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from vllm_kvbridge.runner.worker import RESERVED_CPU_ENV, engine_env, engine_env_vars
+
+    monkeypatch.delenv(RESERVED_CPU_ENV, raising=False)
+    assert engine_env_vars(platform="gpu") == {}
+    assert engine_env_vars(platform="cpu") == {RESERVED_CPU_ENV: "1"}  # x86/Arm: one per local rank
+    assert engine_env_vars(tensor_parallel_size=2, platform="cpu") == {RESERVED_CPU_ENV: "2"}
+    with engine_env(platform="cpu") as env:
+        assert os.environ[RESERVED_CPU_ENV] == env[RESERVED_CPU_ENV] == "1"
+    assert RESERVED_CPU_ENV not in os.environ  # restored once the engine is started
+    monkeypatch.setenv(RESERVED_CPU_ENV, "0")  # the user's choice wins
+    assert engine_env_vars(platform="cpu") == {}
+    with engine_env(platform="cpu"):
+        assert os.environ[RESERVED_CPU_ENV] == "0"
+    assert os.environ[RESERVED_CPU_ENV] == "0"

@@ -4,8 +4,11 @@ Two engines on the same model, one after the other: a plain vLLM engine (the cei
 and the kvbridge CPU/GPU worker sending every request's KV on finish through shared
 memory to a receiver thread in this process that drains it. Each runs the same batch of
 requests (greedy, ``ignore_eos``) after a warm-up batch; the figure is generated tokens per
-second and the ratio kvbridge / plain. The receiver drains the KV after the timed run (it
-stands for a stage on other cores) and the count of KV caches received is printed.
+second and the ratio kvbridge / plain. The kvbridge engine starts inside
+:func:`~vllm_kvbridge.runner.worker.engine_env`, as a stage does (without it vLLM-CPU binds
+the worker's threads differently once a KV connector is configured; see that module). The
+receiver drains the KV after the timed run (it stands for a stage on other cores) and the
+count of KV caches received is printed.
 Run: ``python -m vllm_kvbridge.bench.ar_overhead`` or ``vllm-kvbridge bench ar-overhead``.
 """
 
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     from vllm_kvbridge.kv.config import KVTransferConfig
     from vllm_kvbridge.kv.manager import KVTransferManager
     from vllm_kvbridge.models.tiny_llama import make_tiny_model
-    from vllm_kvbridge.runner.worker import engine_kwargs
+    from vllm_kvbridge.runner.worker import engine_env, engine_kwargs
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     model = args.model or str(make_tiny_model(args.cache_dir, seed=0))
@@ -95,7 +98,8 @@ def run(args: argparse.Namespace) -> dict[str, float]:
                 _, nbytes = receiver.receive_kv_cache_for_request(f"{tag}{i}")
                 received.append(nbytes)
 
-    bridged = _engine(model, engine_kwargs(settings), args)
+    with engine_env():
+        bridged = _engine(model, engine_kwargs(settings), args)
     try:
         kv = _timed(bridged, args, "k")
         # Drained after the timed run: on this 2-core machine a polling receiver would

@@ -13,6 +13,18 @@ that has :class:`~vllm_kvbridge.runner.mixin.KVBridgeModelRunnerMixin`;
 workers call it in ``init_device``; :func:`check_worker_cls` lets a config resolver check a
 ``worker_cls`` path before any engine starts).
 
+CPU core reservation: start a stage's engine inside :func:`engine_env` (or put
+:func:`engine_env_vars` into the environment of the process that creates it). vLLM-CPU's
+multiprocessing executor binds each worker's OpenMP threads to the cores left after a
+reservation: one core per local rank for the engine-core process, plus one more per rank
+whenever *any* ``kv_transfer_config`` is set (meant for NIXL's transfer threads). kvbridge's
+connector runs no busy thread (the gather runs on the model thread; its I/O thread idles
+between sends), so the extra core is wasted, and where the machine has no core to spare
+(2 cores, one rank) vLLM gives up reserving altogether and binds the worker's threads to
+*every* core, including the one the engine core busy-polls on: decode ran 2.5x slower on
+a 2-core machine. :func:`engine_env_vars` pins the reservation to what vLLM reserves for an
+engine without a connector, so a kvbridge stage gets the same thread binding as a plain one.
+
 Worker RPCs (``LLM.collective_rpc(name, args=...)`` reaches every rank):
 ``kvbridge_sender_info(request_ids=None)``, ``kvbridge_transfer_status(request_ids=None)``,
 ``kvbridge_debug_state()``.
@@ -20,7 +32,9 @@ Worker RPCs (``LLM.collective_rpc(name, args=...)`` reaches every rank):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import contextlib
+import os
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from vllm.v1.worker.cpu_worker import CPUWorker
@@ -147,10 +161,66 @@ def engine_kwargs(
     }
 
 
+RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+
+
+def engine_env_vars(
+    *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, platform: str | None = None
+) -> dict[str, str]:
+    """Environment variables a kvbridge stage's engine process needs (see the module docstring).
+
+    On CPU: ``VLLM_CPU_NUM_OF_RESERVED_CPU`` = the cores vLLM reserves for an engine without a
+    KV connector (one per local rank on x86/Arm/RISC-V, else one). Empty on GPU and when the
+    variable is already set (the user's choice wins).
+    """
+    if platform is None:
+        from vllm.platforms import current_platform
+
+        platform = "cpu" if current_platform.is_cpu() else "gpu"
+    if platform != "cpu" or RESERVED_CPU_ENV in os.environ:
+        return {}
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    per_rank = current_platform.get_cpu_architecture() in (
+        CpuArchEnum.X86,
+        CpuArchEnum.ARM,
+        CpuArchEnum.RISCV,
+    )
+    reserve = tensor_parallel_size * pipeline_parallel_size if per_rank else 1
+    return {RESERVED_CPU_ENV: str(reserve)}
+
+
+@contextlib.contextmanager
+def engine_env(
+    *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, platform: str | None = None
+) -> Iterator[dict[str, str]]:
+    """Wrap the creation of a kvbridge stage's engine (``LLM(...)``): sets :func:`engine_env_vars`.
+
+    vLLM reads them while it starts the engine-core process, so they are restored on exit.
+    """
+    env = engine_env_vars(
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+        platform=platform,
+    )
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield env
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 __all__ = [
     "KVBridgeCPUWorker",
     "KVBridgeGPUWorker",
     "check_worker_cls",
+    "engine_env",
+    "engine_env_vars",
     "engine_kwargs",
     "validate_runner",
 ]
