@@ -45,6 +45,21 @@ class StageEngine(ABC):
     def close(self) -> None: ...
 
 
+def drain_results(done: queue.SimpleQueue) -> list[m.StageDone | m.RequestFailed]:
+    """Results a background worker thread queued since the last step.
+
+    An exception the worker queued is raised here, on the serve loop, so it fails the stage
+    (reported as ``StageFailed``) instead of dying silently with the thread.
+    """
+    out: list[m.StageDone | m.RequestFailed] = []
+    while not done.empty():
+        item = done.get()
+        if isinstance(item, BaseException):
+            raise item
+        out.append(item)
+    return out
+
+
 def build_engine(stage: ResolvedStage) -> StageEngine:
     if stage.kind == "diffusion":
         return DiffusionStageEngine(stage)
@@ -111,13 +126,7 @@ class DiffusionStageEngine(StageEngine):
             self._aborted.update(request_ids)
 
     def step(self) -> list[m.StageDone | m.RequestFailed]:
-        out: list[m.StageDone | m.RequestFailed] = []
-        while not self._done.empty():
-            item = self._done.get()
-            if isinstance(item, BaseException):
-                raise item
-            out.append(item)
-        return out
+        return drain_results(self._done)
 
     def _work(self) -> None:
         try:

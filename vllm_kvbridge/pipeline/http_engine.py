@@ -32,7 +32,7 @@ from typing import Any
 
 from vllm_kvbridge.config.resolve import ResolvedStage
 from vllm_kvbridge.pipeline import messages as m
-from vllm_kvbridge.pipeline.engines import StageEngine
+from vllm_kvbridge.pipeline.engines import StageEngine, drain_results
 
 #: Sampling parameters the OpenAI completions API accepts under the same name.
 _OPENAI_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "min_tokens", "ignore_eos")
@@ -173,13 +173,7 @@ class HTTPStageEngine(StageEngine):
         return not self._done.empty()
 
     def step(self) -> list[m.StageDone | m.RequestFailed]:
-        out: list[m.StageDone | m.RequestFailed] = []
-        while not self._done.empty():
-            item = self._done.get()
-            if isinstance(item, BaseException):
-                raise item
-            out.append(item)
-        return out
+        return drain_results(self._done)
 
     def close(self) -> None:
         async def shutdown() -> None:
