@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing as mp
 import os
@@ -256,3 +257,22 @@ def test_get_sees_a_payload_published_while_it_polls(token):
         finally:
             timer.join()
         assert same(got, make_payload(5))
+
+
+def test_a_zombie_owner_counts_as_dead() -> None:
+    from vllm_kvbridge.connectors.shm_segments import pid_alive
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        deadline = time.monotonic() + 5
+        while pid_alive(pid) and time.monotonic() < deadline:  # exits, stays a zombie (no wait yet)
+            time.sleep(0.01)
+        assert not pid_alive(pid)
+        assert os.waitpid(pid, os.WNOHANG)[0] == pid, "the child must still have been a zombie"
+    finally:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    assert pid_alive(os.getpid())
+    assert not pid_alive(0)

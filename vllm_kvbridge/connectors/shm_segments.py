@@ -85,7 +85,11 @@ def _unique_path(namespace: str, kind: str, shm_dir: str) -> str:
 
 
 def pid_alive(pid: int) -> bool:
-    """True when a process with ``pid`` exists (a zombie counts as alive)."""
+    """True when a process with ``pid`` runs.
+
+    A zombie counts as dead: it will never touch a segment again, and in containers whose
+    PID 1 does not reap orphans (a killed vLLM worker's parent died too) it never goes away.
+    """
     if pid <= 0:
         return False
     try:
@@ -94,7 +98,13 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # "pid (comm) state ...": comm may contain spaces or parentheses, so split at the last ")".
+            state = f.read().rpartition(b")")[2].split(None, 1)[0]
+    except (OSError, IndexError):
+        return True  # no procfs: trust kill(0)
+    return state != b"Z"
 
 
 @dataclass(frozen=True)
