@@ -78,8 +78,38 @@ def start_serve(
     return start_process(argv, tmp / "serve.log", f"http://127.0.0.1:{port}", "/health", timeout_s)
 
 
+def _shm_mapped_by_group(pgid: int) -> set[str]:
+    """/dev/shm names mapped by the live processes of group ``pgid`` (from /proc/PID/maps)."""
+    names: set[str] = set()
+    for pid in group_alive(pgid):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                path = line.split(None, 5)[-1] if line.count(" ") >= 5 else ""
+                if path.startswith("/dev/shm/"):
+                    names.add(path.split(" ")[0][len("/dev/shm/") :])
+    return names
+
+
+def _unlink_unmapped(names: set[str]) -> None:
+    """Unlink ``names`` that no live process maps any more."""
+    still = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            text = maps.read_text()
+            still |= {n for n in names if f"/dev/shm/{n}" in text}
+    for name in names - still:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{name}")
+
+
 def stop(server: Server, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int | None:
-    """Signal the server; SIGKILL its whole group if it has not exited in ``timeout_s``."""
+    """Signal the server; SIGKILL its whole group if it has not exited in ``timeout_s``.
+
+    A killed vLLM engine cannot remove its own shared-memory segments (vLLM's ``psm_*``
+    message queues, hundreds of MB), so the segments the group mapped are unlinked
+    once nothing maps them any more.
+    """
+    mapped = _shm_mapped_by_group(server.proc.pid) if server.proc.poll() is None else set()
     if server.proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(server.proc.pid, sig)
@@ -89,6 +119,10 @@ def stop(server: Server, sig: int = signal.SIGTERM, timeout_s: float = 60) -> in
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(server.proc.pid, signal.SIGKILL)
     server.proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while group_alive(server.proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _unlink_unmapped(mapped)
     return code
 
 
