@@ -148,3 +148,75 @@ def test_malformed_request_gets_bad_answer_and_server_survives():
         sock.close()
         ctx.term()
         assert same(receiver.get(0, 1, key(), result.metadata, deadline=deadline(5)), make_payload(1))
+
+
+# -- a deadline bounds availability, not the transfer (issue 11, case 1) ------------------
+def test_a_get_deadline_shorter_than_the_transfer_still_delivers():
+    """The KV manager polls in short slices: a payload whose transfer outlives one slice must
+    still arrive (on the old protocol the server dropped the entry when it started sending and
+    the timed-out client closed its socket, so the payload was lost)."""
+    nbytes = 256 << 20
+    with zmq_conn() as sender, zmq_conn() as receiver:
+        result = sender.put(0, 1, key(), make_payload(3, nbytes))
+        assert result.ok
+        give_up, got, slices = deadline(60), None, 0
+        while got is None and time.monotonic() < give_up:
+            slices += 1
+            try:
+                got = receiver.get(0, 1, key(), result.metadata, deadline=deadline(0.02))
+            except TransferTimeout:
+                continue
+        assert got is not None, f"payload lost after {slices} slices of 20 ms"
+        assert same(got, make_payload(3, nbytes))
+        # get() returns only once the sender has dropped its copy.
+        assert sender.health()["held_payloads"] == 0 and sender.health()["inflight_bytes"] == 0
+
+
+def _raw_get_without_confirming(endpoint: str, k: str) -> list[bytes]:
+    """Speak the request half of the protocol, take whatever comes back, never confirm."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(endpoint)
+    sock.send_multipart([b"GET", b"\x00" * 8, k.encode(), (1 << 40).to_bytes(8, "little")])
+    replies = []
+    while sock.poll(2000):
+        replies.append(sock.recv_multipart())
+    sock.close()
+    ctx.term()
+    return replies
+
+
+def test_the_entry_stays_until_the_receiver_confirms():
+    with zmq_conn() as sender, zmq_conn() as receiver:
+        result = sender.put(0, 1, key(), make_payload(4, 1 << 20))
+        replies = _raw_get_without_confirming(result.metadata["endpoint"], key())
+        assert replies and replies[0][1] == b"OK"  # the data went out ...
+        assert sender.health()["held_payloads"] == 1  # ... but unconfirmed, so it is kept
+        got = receiver.get(0, 1, key(), result.metadata, deadline=deadline(5))
+        assert same(got, make_payload(4, 1 << 20))
+        assert sender.health()["held_payloads"] == 0
+
+
+def test_an_unconfirmed_entry_expires_at_its_ttl():
+    with zmq_conn(ttl_s=0.3) as sender:
+        result = sender.put(0, 1, key(), make_payload(5))
+        _raw_get_without_confirming(result.metadata["endpoint"], key())
+        give_up = deadline(10)
+        while sender.health()["held_payloads"] and time.monotonic() < give_up:
+            time.sleep(0.05)
+        assert sender.health()["held_payloads"] == 0 and sender.health()["inflight_bytes"] == 0
+
+
+def test_a_confirm_for_an_unknown_key_is_harmless():
+    with zmq_conn() as sender, zmq_conn() as receiver:
+        result = sender.put(0, 1, key(), make_payload(6))
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(result.metadata["endpoint"])
+        sock.send_multipart([b"ACK", b"\x01" * 8, b"no-such-key"])
+        assert sock.poll(5000) and sock.recv_multipart()[-1] == b"ACKED"
+        sock.close()
+        ctx.term()
+        assert same(receiver.get(0, 1, key(), result.metadata, deadline=deadline(5)), make_payload(6))

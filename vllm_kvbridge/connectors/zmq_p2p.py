@@ -13,12 +13,22 @@ receives the reply with ``copy=False`` and decodes it in place
 (:func:`vllm_kvbridge.wire.decode_frames`). "Not there yet" is a cheap immediate
 ``MISSING`` answer; the receiver retries with backoff until its deadline.
 
-Wire protocol (multipart messages; ``nonce`` pairs a reply with its request so a late
-reply to a timed-out request is never mistaken for the answer to the next one)::
+Delivery: a get's deadline bounds *availability*, never a transfer in progress. The server
+answers a GET for a held key with a small ``OK`` header first and the data in a second
+message; a receiver that saw the header before its deadline keeps receiving until the data
+is in (bounded by ``request_timeout_s`` plus the size over ``min_transfer_bytes_per_s``), so
+a large KV polled in short slices by the KV manager is not lost. The server keeps the entry
+until the receiver confirms it (``ACK`` once the data is complete, answered ``ACKED`` before
+``get`` returns) or its TTL passes: a receiver that times out or dies mid-transfer can get
+it again. A receiver socket that timed out with a request outstanding is closed, never
+pooled, so no stale reply can be mistaken for the answer to a later request.
+
+Wire protocol (multipart messages; ``nonce`` pairs a reply with its request)::
 
     request  [b"GET", nonce(8), key, max_bytes(u64 le)]
-    replies  [nonce, b"OK", sizes(u64 le * n), frame_1 .. frame_n]
+    replies  [nonce, b"OK", sizes(u64 le * n)] then [nonce, b"DATA", frame_1 .. frame_n]
              [nonce, b"MISSING"] | [nonce, b"TOOBIG", size(u64 le)] | [nonce, b"BAD"]
+    confirm  [b"ACK", nonce(8), key]  ->  [nonce, b"ACKED"]
 
 Size checks happen before allocation on both sides: the request carries the receiver's
 ``max_payload_bytes`` and the server answers ``TOOBIG`` instead of sending; the receiver
@@ -35,8 +45,10 @@ without an admitted key gets nothing: its gets time out.
 Other config keys: ``host`` (default 127.0.0.1), ``port`` (0), ``advertise_host`` (address
 put in the metadata; default ``host``, or this host's name when binding 0.0.0.0/``*``),
 ``endpoint`` (default peer endpoint when a get has no metadata), ``request_timeout_s``
-(5: how long a get without deadline waits for an answer), ``max_payload_bytes`` (64 GiB),
-``max_inflight_bytes`` (8 GiB), ``ttl_s`` (300).
+(5: how long a get without deadline waits for an answer, and the base of the data wait),
+``min_transfer_bytes_per_s`` (10 MB/s: below this the data wait gives up),
+``max_payload_bytes`` (64 GiB), ``max_inflight_bytes`` (8 GiB), ``ttl_s`` (300: how long an
+unconfirmed payload is held).
 """
 
 from __future__ import annotations
@@ -63,7 +75,8 @@ from vllm_kvbridge.errors import (
 )
 
 _U64 = struct.Struct("<Q")
-_GET, _OK, _MISSING, _TOOBIG, _BAD = b"GET", b"OK", b"MISSING", b"TOOBIG", b"BAD"
+_GET, _OK, _DATA, _MISSING, _TOOBIG, _BAD = b"GET", b"OK", b"DATA", b"MISSING", b"TOOBIG", b"BAD"
+_ACK, _ACKED = b"ACK", b"ACKED"
 _MAX_KEY = 512
 _MAX_IDLE_SOCKETS = 8
 
@@ -120,6 +133,9 @@ class ZmqConnector(Connector):
         self.default_endpoint = cfg.get("endpoint")
         self.ttl_s = _opt(cfg, "ttl_s", 300.0)
         self.request_timeout_s = _opt(cfg, "request_timeout_s", 5.0)
+        self.min_transfer_bytes_per_s = _opt(cfg, "min_transfer_bytes_per_s", 10e6)
+        if self.min_transfer_bytes_per_s <= 0:
+            raise ConfigError("connector option 'min_transfer_bytes_per_s' must be positive")
         self.max_payload_bytes = _opt(cfg, "max_payload_bytes", 64 << 30, int)
         self.max_inflight_bytes = _opt(cfg, "max_inflight_bytes", 8 << 30, int)
         self._limits = cfg.get("limits")
@@ -140,13 +156,11 @@ class ZmqConnector(Connector):
             raise ConfigError("a CURVE server needs curve_allowed_clients (the client public keys it admits)")
 
         self._ctx = zmq.Context()
-        self._lock = threading.Lock()  # store, in-flight bytes, socket pool, late replies
+        self._lock = threading.Lock()  # store, in-flight bytes, socket pool
         self._store: dict[str, _Entry] = {}
         self._inflight = 0
         self._idle: dict[tuple[str, bytes | None], list[zmq.Socket]] = {}
         self._busy: set[zmq.Socket] = set()
-        self._late: dict[tuple[str, str], tuple[list[zmq.Frame], float]] = {}
-        self._pending: dict[bytes, tuple[str, float]] = {}  # nonce -> (key, expiry) of unanswered requests
         self._nonce = 0
         self._server: threading.Thread | None = None
         self._router: zmq.Socket | None = None
@@ -272,6 +286,10 @@ class ZmqConnector(Connector):
             wake.close(linger=0)
 
     def _answer(self, router: zmq.Socket, request: list[bytes]) -> None:
+        if len(request) == 4 and request[1] == _ACK and len(request[2]) == 8:
+            self._confirm(request[3].decode("ascii", "replace"))
+            router.send_multipart([request[0], request[2], _ACKED])
+            return
         if len(request) != 5 or request[1] != _GET or len(request[2]) != 8 or len(request[4]) != 8:
             if len(request) >= 3:
                 router.send_multipart([request[0], request[2][:8], _BAD])
@@ -281,26 +299,28 @@ class ZmqConnector(Connector):
         key = key_raw.decode("ascii", "replace")
         with self._lock:
             entry = self._store.get(key)
-            if entry is not None and entry.nbytes <= limit:
-                del self._store[key]
-                self._inflight -= entry.nbytes
         if entry is None:
             router.send_multipart([identity, nonce, _MISSING])
         elif entry.nbytes > limit:
             router.send_multipart([identity, nonce, _TOOBIG, _U64.pack(entry.nbytes)])
         else:
-            # copy=False: libzmq reads the tensors' memory directly; pyzmq keeps them alive.
-            router.send_multipart([identity, nonce, _OK, entry.sizes, *entry.frames], copy=False)
+            # The entry stays until the receiver confirms (or its TTL): a receiver that
+            # gives up mid-transfer can ask again. copy=False: libzmq reads the tensors'
+            # memory directly and pyzmq keeps it alive even if the entry goes meanwhile.
+            router.send_multipart([identity, nonce, _OK, entry.sizes])
+            router.send_multipart([identity, nonce, _DATA, *entry.frames], copy=False)
+
+    def _confirm(self, key: str) -> None:
+        with self._lock:
+            entry = self._store.pop(key, None)
+            if entry is not None:
+                self._inflight -= entry.nbytes
 
     def _expire(self) -> None:
         now = time.monotonic()
         with self._lock:
             for key in [k for k, e in self._store.items() if e.expires <= now]:
                 self._inflight -= self._store.pop(key).nbytes
-            for late_key in [k for k, (_, exp) in self._late.items() if exp <= now]:
-                del self._late[late_key]
-            for nonce in [n for n, (_, exp) in self._pending.items() if exp <= now]:
-                del self._pending[nonce]
 
     # -- receiver -----------------------------------------------------------------------
     def get(
@@ -355,23 +375,20 @@ class ZmqConnector(Connector):
     def _pull(
         self, endpoint: str, server_key: bytes | None, key: str, deadline: float | None
     ) -> list[zmq.Frame] | None:
-        with self._lock:
-            late = self._late.pop((endpoint, key), None)
-        if late is not None:
-            return late[0]
         sock = self._checkout(endpoint, server_key)
-        healthy = True
+        healthy = False  # until a request/answer completed cleanly
         try:
             delay = 0.001
             while True:
                 wait_until = deadline if deadline is not None else time.monotonic() + self.request_timeout_s
-                status, frames = self._request(sock, endpoint, key, wait_until)
+                status, frames = self._request(sock, key, wait_until)
                 if status == _OK:
+                    healthy = True
                     return frames
                 if status is None:
-                    healthy = False
                     raise TransferTimeout(f"no answer from {endpoint} for {key!r} before the deadline")
                 if status == _TOOBIG:
+                    healthy = True
                     size = _U64.unpack(frames[0].bytes)[0] if frames and len(frames[0]) == 8 else -1
                     raise TransferRefused(
                         f"{key!r} at {endpoint} is {size} bytes, over "
@@ -379,6 +396,7 @@ class ZmqConnector(Connector):
                     )
                 if status != _MISSING:
                     raise TransferError(f"{endpoint} answered {status!r} for {key!r}")
+                healthy = True
                 if deadline is None:
                     return None
                 left = deadline - time.monotonic()
@@ -387,34 +405,64 @@ class ZmqConnector(Connector):
                 time.sleep(min(delay, left))
                 delay = min(delay * 2, 0.02)
                 self._check_open()
+                healthy = False
         except zmq.ContextTerminated:
             healthy = False
             raise ConnectorClosed(f"{self.name} closed during get") from None
         finally:
             self._checkin(endpoint, server_key, sock, healthy)
 
-    def _request(
-        self, sock: zmq.Socket, endpoint: str, key: str, wait_until: float
-    ) -> tuple[bytes | None, list[zmq.Frame]]:
-        """One request/answer; ``(None, [])`` when no answer came by ``wait_until``."""
+    def _next_nonce(self) -> bytes:
         with self._lock:
             self._nonce += 1
-            nonce = _U64.pack(self._nonce)
-            self._pending[nonce] = (key, time.monotonic() + self.ttl_s)
+            return _U64.pack(self._nonce)
+
+    def _request(self, sock: zmq.Socket, key: str, wait_until: float) -> tuple[bytes | None, list[zmq.Frame]]:
+        """One GET; ``(None, [])`` when no (complete) answer came in time.
+
+        ``wait_until`` bounds the wait for the answer header. Once an ``OK`` header is in,
+        the data is waited for up to the transfer budget of its size, past ``wait_until``.
+        """
+        nonce = self._next_nonce()
         request = [_GET, nonce, key.encode("ascii"), _U64.pack(self.max_payload_bytes)]
         if not self._poll(sock, zmq.POLLOUT, wait_until):
             return None, []
         sock.send_multipart(request, zmq.NOBLOCK)
+        reply = self._recv_reply(sock, nonce, wait_until)
+        if reply is None:
+            return None, []
+        if reply[1].bytes != _OK:
+            return reply[1].bytes, reply[2:]
+        if len(reply) != 3 or len(reply[2]) % 8:
+            raise TransferCorrupt(f"malformed OK header for {key!r}")
+        sizes = reply[2]
+        nbytes = sum(n for (n,) in _U64.iter_unpack(sizes.bytes))
+        budget = self.request_timeout_s + nbytes / self.min_transfer_bytes_per_s
+        data = self._recv_reply(sock, nonce, max(wait_until, time.monotonic() + budget))
+        if data is None:
+            return None, []
+        if data[1].bytes != _DATA:
+            raise TransferCorrupt(f"expected the data of {key!r}, got {data[1].bytes[:16]!r}")
+        self._confirm_remote(sock, nonce, key)
+        return _OK, [sizes, *data[2:]]
+
+    def _confirm_remote(self, sock: zmq.Socket, nonce: bytes, key: str) -> None:
+        """Tell the sender it may drop ``key``; wait briefly for the ack so the release is
+        visible when get() returns. A lost ack only leaves the entry to its TTL."""
+        wait_until = time.monotonic() + self.request_timeout_s
+        if not self._poll(sock, zmq.POLLOUT, wait_until):
+            return
+        sock.send_multipart([_ACK, nonce, key.encode("ascii")], zmq.NOBLOCK)
+        self._recv_reply(sock, nonce, wait_until)
+
+    def _recv_reply(self, sock: zmq.Socket, nonce: bytes, wait_until: float) -> list[zmq.Frame] | None:
         while self._poll(sock, zmq.POLLIN, wait_until):
             reply = sock.recv_multipart(copy=False)
-            if len(reply) < 2:
-                continue
-            if reply[0].bytes == nonce:
-                with self._lock:
-                    self._pending.pop(nonce, None)
-                return reply[1].bytes, reply[2:]
-            self._stash_late(endpoint, reply)
-        return None, []
+            # Only this socket's own outstanding request can be answered on it (sockets that
+            # timed out are closed, not pooled); anything else is malformed and ignored.
+            if len(reply) >= 2 and reply[0].bytes == nonce:
+                return reply
+        return None
 
     def _poll(self, sock: zmq.Socket, event: int, wait_until: float) -> bool:
         while True:
@@ -425,13 +473,6 @@ class ZmqConnector(Connector):
             if left <= 0:
                 return False
             self._check_open()
-
-    def _stash_late(self, endpoint: str, reply: list[zmq.Frame]) -> None:
-        """A payload answering an earlier, timed-out request: keep it for the next get of its key."""
-        with self._lock:
-            pending = self._pending.pop(reply[0].bytes, None)
-            if pending is not None and reply[1].bytes == _OK:
-                self._late[(endpoint, pending[0])] = (reply[2:], time.monotonic() + self.ttl_s)
 
     def _decode(self, key: str, frames: list[zmq.Frame]) -> tuple[Any, int]:
         from vllm_kvbridge.wire import decode_frames
@@ -488,15 +529,13 @@ class ZmqConnector(Connector):
 
     # -- lifecycle ----------------------------------------------------------------------
     def cleanup(self, key: str) -> None:
-        """Drop ``key`` from the send store and any late reply held for it. Idempotent."""
+        """Drop ``key`` from the send store. Idempotent."""
         self._check_key(key)
         with self._lock:
             entry = self._store.pop(key, None)
             if entry is not None:
                 self._inflight -= entry.nbytes
                 self.stats.add(cleanups=1)
-            for late_key in [k for k in self._late if k[1] == key]:
-                del self._late[late_key]
 
     def health(self) -> dict[str, Any]:
         with self._lock:
@@ -514,7 +553,6 @@ class ZmqConnector(Connector):
             self._server.join(timeout=10)
         with self._lock:
             self._store.clear()
-            self._late.clear()
             self._inflight = 0
             idle = [s for socks in self._idle.values() for s in socks]
             self._idle.clear()
