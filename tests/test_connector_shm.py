@@ -276,3 +276,12 @@ def test_a_zombie_owner_counts_as_dead() -> None:
             os.waitpid(pid, 0)
     assert pid_alive(os.getpid())
     assert not pid_alive(0)
+
+
+def test_default_namespaces_of_edges_sharing_a_dash_differ():
+    # Issue 11, case 6: "<from>-<to>" made edges ("a-b", "c") and ("a", "b-c") one namespace.
+    with create_connector("shm", {}) as conn:
+        assert conn.namespace("a-b", "c") != conn.namespace("a", "b-c")
+        assert conn.namespace(0, 1) == "0-1"
+        long_a, long_b = "a-" * 16, "-b" * 16
+        assert conn.namespace(long_a, long_b) != conn.namespace(long_b, long_a)  # hashed, still distinct

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from vllm_kvbridge.connectors.keys import (
     TransferKey,
+    edge_name,
     encode_request_id,
     kv_key,
     parse_key,
@@ -86,3 +87,28 @@ def test_bad_parts_are_refused(kwargs: dict) -> None:
 def test_parse_rejects_foreign_strings() -> None:
     with pytest.raises(ConfigError, match="not a kvbridge transfer key"):
         parse_key("kvb.0-1.kv")
+
+
+# -- stage names that contain the separator (issue 11, case 6) ----------------------------
+def test_edges_whose_names_share_a_dash_do_not_collide() -> None:
+    # Both were "kvb.a-b-c.kv.ir1.cn.r0-0" when the edge was joined with a bare "-".
+    assert kv_key("r1", "a-b", "c") != kv_key("r1", "a", "b-c")
+    assert payload_key("r1", "a-b", "c", chunk=0) != payload_key("r1", "a", "b-c", chunk=0)
+
+
+def test_numeric_edges_stay_readable() -> None:
+    assert edge_name(0, 1) == "0-1"
+    assert edge_name("thinker", "talker") == "thinker-talker"
+
+
+STAGE = st.text(alphabet="ab-_0", min_size=1, max_size=32)
+
+
+@given(STAGE, STAGE, STAGE, STAGE)
+def test_distinct_edges_give_distinct_keys_and_parse_back(a: str, b: str, c: str, d: str) -> None:
+    if (a, b) != (c, d):
+        assert kv_key("r", a, b) != kv_key("r", c, d)
+        assert edge_name(a, b) != edge_name(c, d)
+    parts = parse_key(kv_key("r", a, b))
+    assert (parts["src"], parts["dst"]) == (a, b)
+    assert SAFE.fullmatch(edge_name(a, b))

@@ -17,7 +17,8 @@ at most ``reap_interval_s`` later), so it never pins memory the sender gave up f
 
 Config keys (all optional):
 
-* ``namespace``: per-edge namespace in segment names (default ``"<from>-<to>"``).
+* ``namespace``: per-edge namespace in segment names (default: the edge name
+  ``"<from>-<to>"``, escaped by ``keys.edge_name``).
 * ``ttl_s`` (default 300): unclaimed published segments are reaped after this long.
 * ``destructive`` (default True): a get claims the segment (read once, zero copy).
   With False, gets copy the payload out and leave it for other readers (the sender's
@@ -35,6 +36,7 @@ Threading: every public method is safe to call from several threads.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import threading
@@ -47,6 +49,7 @@ import numpy as np
 
 from vllm_kvbridge.connectors import shm_segments as seg
 from vllm_kvbridge.connectors.base import Connector, PutResult
+from vllm_kvbridge.connectors.keys import edge_name
 from vllm_kvbridge.errors import ConfigError, PayloadError, TransferCorrupt, TransferTimeout
 
 _MISSING = object()
@@ -119,10 +122,13 @@ class SharedMemoryConnector(Connector):
 
     # -- naming -------------------------------------------------------------------------
     def namespace(self, from_stage: int | str, to_stage: int | str) -> str:
-        """The segment namespace of an edge (config ``namespace`` or ``"<from>-<to>"``)."""
+        """The segment namespace of an edge (config ``namespace`` or :func:`edge_name`)."""
         if self._namespace_override is not None:
             return self._namespace_override
-        return seg.check_namespace(f"{from_stage}-{to_stage}")
+        name = edge_name(from_stage, to_stage)
+        if len(name) > 64:  # long stage names: a stable hash, which has no "-" and so never
+            name = "h" + hashlib.sha256(name.encode()).hexdigest()[:32]  # meets a readable one
+        return seg.check_namespace(name)
 
     def _use_namespace(self, namespace: str) -> None:
         if namespace not in self._namespaces:

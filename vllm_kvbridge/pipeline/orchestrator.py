@@ -43,6 +43,7 @@ import msgspec
 import zmq
 
 from vllm_kvbridge.config.resolve import ResolvedConnector, ResolvedPipeline, ResolvedStage, resolve
+from vllm_kvbridge.connectors.keys import edge_name
 from vllm_kvbridge.errors import KVBridgeError
 from vllm_kvbridge.pipeline import messages as m
 
@@ -159,7 +160,7 @@ def _with_run_namespaces(
     def fix(c: ResolvedConnector, a: int, b: int) -> ResolvedConnector:
         if c.name not in _RUN_NAMESPACED or "namespace" in c.config or {a, b} & external:
             return c
-        return msgspec.structs.replace(c, config={**c.config, "namespace": f"{run_id}-{a}-{b}"})
+        return msgspec.structs.replace(c, config={**c.config, "namespace": f"{run_id}-{edge_name(a, b)}"})
 
     inputs = [
         msgspec.structs.replace(e, connector=fix(e.connector, e.from_stage, e.to_stage)) for e in stage.inputs
