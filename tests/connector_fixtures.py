@@ -53,6 +53,10 @@ CONNECTOR_SPECS = [
         lambda token: keys_in_env_master(f"{token}/"),
         fixtures=("mooncake_master",),
     ),
+    # Real transfer engines (TCP on loopback); the engine's port and threads go with close().
+    ConnectorSpec(
+        "MooncakeTransferEngineConnector", lambda token: {"local_hostname": "127.0.0.1", "protocol": "tcp"}
+    ),
 ]
 SPECS_BY_NAME = {spec.name: spec for spec in CONNECTOR_SPECS}
 

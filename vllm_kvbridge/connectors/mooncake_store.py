@@ -79,6 +79,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from vllm_kvbridge.connectors.base import Connector, PutResult
+from vllm_kvbridge.connectors.registered_pool import RegisteredBufferPool
 from vllm_kvbridge.errors import (
     ConfigError,
     PayloadError,
@@ -137,7 +138,6 @@ _UNITS = {
     "TI": 1 << 40,
 }
 _MAX_KEY = 512
-_MIN_SLAB = 1 << 20
 #: Run by ``setup_check: subprocess`` in a child: a client without a segment sets up and leaves.
 _SETUP_CHECK = """
 import sys
@@ -194,64 +194,6 @@ def _probe(host: str, port: int, timeout: float, what: str) -> None:
         raise TransferError(f"{what} at {host}:{port} is unreachable: {exc}") from None
 
 
-class _BufferPool:
-    """Registered host buffers ("slabs") reused across puts.
-
-    Registration tells the transfer engine it may read/write the memory directly (RDMA
-    pins it, which is slow, so slabs are kept). At most ``keep_bytes`` stay pooled; bigger
-    demand is served by slabs that are unregistered and freed on release.
-    """
-
-    def __init__(self, store: Any, keep_bytes: int) -> None:
-        self._store = store
-        self._keep = keep_bytes
-        self._lock = threading.Lock()
-        self._free: list[np.ndarray] = []
-        self._pooled = 0  # bytes of every slab the pool owns (free or lent)
-
-    def acquire(self, need: int) -> tuple[np.ndarray, bool]:
-        """A registered slab of at least ``need`` bytes and whether it belongs to the pool."""
-        with self._lock:
-            best = None
-            for slab in self._free:
-                fits = need <= slab.nbytes <= max(2 * need, _MIN_SLAB)
-                if fits and (best is None or slab.nbytes < best.nbytes):
-                    best = slab
-            if best is not None:
-                self._free.remove(best)
-                return best, True
-        capacity = max(_MIN_SLAB, 1 << (need - 1).bit_length())
-        slab = np.empty(capacity, dtype=np.uint8)
-        rc = self._store.register_buffer(slab.ctypes.data, slab.nbytes)
-        if rc != OK:
-            raise TransferError(f"Mooncake register_buffer of {capacity} bytes failed: {error_name(rc)}")
-        return slab, False
-
-    def release(self, slab: np.ndarray, pooled: bool) -> None:
-        """Give back a slab from :meth:`acquire`; ``pooled`` is the slab's current membership."""
-        with self._lock:
-            if self._keep is not None and (pooled or self._pooled + slab.nbytes <= self._keep):
-                if not pooled:
-                    self._pooled += slab.nbytes
-                self._free.append(slab)
-                return
-            if pooled:
-                self._pooled -= slab.nbytes
-        self._store.unregister_buffer(slab.ctypes.data)
-
-    def close(self) -> None:
-        with self._lock:
-            free, self._free, self._keep = self._free, [], None
-            self._pooled = 0
-        for slab in free:
-            self._store.unregister_buffer(slab.ctypes.data)
-
-    @property
-    def pooled_bytes(self) -> int:
-        with self._lock:
-            return self._pooled
-
-
 class MooncakeStoreConnector(Connector):
     """Transport through a Mooncake distributed store; see the module docstring."""
 
@@ -263,7 +205,7 @@ class MooncakeStoreConnector(Connector):
         super().__init__(expand_env(dict(config or {})))
         # Everything _close() touches exists before anything can fail.
         self._store: Any = None
-        self._pool: _BufferPool | None = None
+        self._pool: RegisteredBufferPool | None = None
         self._lock = threading.Lock()
         self._published: dict[str, float] = {}  # store key -> monotonic expiry (sender side)
         self._pending_removals: set[str] = set()  # read but not yet removed (receiver side)
@@ -331,7 +273,11 @@ class MooncakeStoreConnector(Connector):
         self.hostname = str(store.get_hostname())
         if self.prefer_local_segment and self.global_segment_size > 0:
             self._replicate.preferred_segment = self.hostname
-        self._pool = _BufferPool(store, self.buffer_pool_bytes) if self.zero_copy else None
+        self._pool = (
+            RegisteredBufferPool(store.register_buffer, store.unregister_buffer, self.buffer_pool_bytes)
+            if self.zero_copy
+            else None
+        )
 
     # -- setup --------------------------------------------------------------------------
     def _connect(self, store: Any, master_host: str, master_port: int) -> None:

@@ -26,12 +26,14 @@ _BUILTINS: dict[str, str] = {
     "SharedMemoryConnector": "vllm_kvbridge.connectors.shm:SharedMemoryConnector",
     "ZmqConnector": "vllm_kvbridge.connectors.zmq_p2p:ZmqConnector",
     "MooncakeStoreConnector": "vllm_kvbridge.connectors.mooncake_store:MooncakeStoreConnector",
+    "MooncakeTransferEngineConnector": "vllm_kvbridge.connectors.mooncake_te:MooncakeTransferEngineConnector",
 }
 #: Short spellings accepted in stage configs.
 _ALIASES: dict[str, str] = {
     "shm": "SharedMemoryConnector",
     "zmq": "ZmqConnector",
     "mooncake": "MooncakeStoreConnector",
+    "mooncake-te": "MooncakeTransferEngineConnector",
 }
 
 _lock = threading.Lock()

@@ -1,0 +1,476 @@
+"""Cross-host transport over Mooncake's transfer engine: one-sided reads of registered memory.
+
+Every connector owns one ``mooncake.engine.TransferEngine`` (``P2PHANDSHAKE``: no metadata
+service, peers are named ``host:rpc_port``) and one pool of registered host buffers
+(:class:`~vllm_kvbridge.connectors.registered_pool.RegisteredBufferPool`, shared with the
+Mooncake store connector).
+
+**Pull, not push.** The sender packs the payload straight into a registered slab (the one
+copy: :meth:`~vllm_kvbridge.wire.Encoded.pack_into`) and keeps it; the receiver reads it
+with the engine into a registered slab of its own and decodes it in place. Push (the sender
+writing into a buffer the receiver announced) would make ``put`` wait for a receiver to
+exist and announce a size it cannot know; pull keeps ``put`` local and non-blocking (a
+sender may run ahead of a receiver that has not started), lets the receiver size its buffer
+exactly and check ``max_payload_bytes`` before any byte moves, and is what vLLM's NIXL
+path does (the decode side READs). On RDMA the read is one-sided: the sender's CPU is not
+involved in moving the bytes.
+
+**Control** (:mod:`~vllm_kvbridge.connectors.te_control`, a ZeroMQ ROUTER the sender owns,
+its address ``endpoint`` in the put metadata beside the engine's ``segment``): the receiver
+CLAIMs a key and gets ``(address, nbytes, lease)``; it reads; it sends DONE, and the sender
+returns the slab to its pool. A claimed key is invisible to other receivers (destructive
+read). The sender releases a slab when the receiver confirms, when an unclaimed key's
+``ttl_s`` passes, or when a claim's ``lease_s`` passes; a slab whose lease expired is
+unregistered and never reused (a late reader's read fails instead of reading another
+payload), and the late reader's DONE is answered EXPIRED, which fails its get.
+
+**Large transfers** are split into ``piece_bytes`` pieces read in batches of at most
+``max_batch_pieces``; at most ``max_queued_pieces`` pieces are queued at once per connector
+(all threads together). The engine's TCP transport refuses a batch beyond its per-peer
+queue (seen here: 4,096 pieces fail with "TCP lane queue-full", and the next transfer to
+that peer fails too, unless ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` is raised).
+
+**Failures**: a sender that is gone is a :class:`TransferError` as soon as its control port
+refuses connections (well within any deadline); a read the engine fails (peer died
+mid-transfer, address not registered) is a :class:`TransferError` naming the segment; a
+peer that never answers is a :class:`TransferTimeout` at the deadline. A deadline bounds
+the wait for the key, never a read in progress.
+
+Config keys: ``local_hostname`` (``127.0.0.1``; the address peers reach this host at),
+``host`` (control bind address, default ``local_hostname``), ``control_port`` (0: any),
+``protocol`` (``tcp`` | ``rdma``), ``device_name`` (RDMA devices, e.g. ``mlx5_0``),
+``ttl_s`` (300), ``lease_s`` (120), ``piece_bytes`` (4 MiB), ``max_batch_pieces`` (256),
+``max_queued_pieces`` (1024), ``max_payload_bytes`` (64 GiB), ``max_held_bytes`` (8 GiB of
+unconsumed payloads per sender), ``buffer_pool_bytes`` (1 GiB of slabs kept registered),
+``request_timeout_s`` (5: how long a get without deadline waits for an answer),
+``limits`` (:class:`~vllm_kvbridge.wire.Limits`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zmq
+
+from vllm_kvbridge.connectors import te_control as ctl
+from vllm_kvbridge.connectors.base import Connector, PutResult
+from vllm_kvbridge.connectors.registered_pool import RegisteredBufferPool
+from vllm_kvbridge.errors import (
+    ConfigError,
+    PayloadError,
+    TransferCorrupt,
+    TransferError,
+    TransferRefused,
+    TransferTimeout,
+)
+
+_MAX_KEY = 512
+
+
+def _opt(config: Mapping[str, Any], name: str, default: float, kind: type = float) -> Any:
+    value = config.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ConfigError(f"connector option {name!r} must be a non-negative number, got {value!r}")
+    return kind(value)
+
+
+@dataclass
+class _Held:
+    """A payload the sender holds in a registered slab until the receiver is done with it."""
+
+    slab: np.ndarray
+    nbytes: int
+    expires: float
+    lease: int = 0  # 0: not claimed
+    claimer: bytes = b""
+
+
+class MooncakeTransferEngineConnector(Connector):
+    """One-sided reads over Mooncake's transfer engine; see the module docstring."""
+
+    name = "MooncakeTransferEngineConnector"
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        super().__init__(config)
+        # Everything _close() touches exists before anything can fail.
+        self._engine: Any = None
+        self._pool: RegisteredBufferPool | None = None
+        self._server: ctl.ControlServer | None = None
+        self._client: ctl.ControlClient | None = None
+        self._ctx: zmq.Context | None = None
+        self._lock = threading.Lock()
+        self._held: dict[str, _Held] = {}
+        self._held_bytes = 0
+        self._next_lease = 0
+        self._reads = 0  # reads in progress (close waits for them)
+        self._reads_done = threading.Condition(self._lock)
+        self._queued = 0  # pieces queued in the engine by this connector
+        self._queue_room = threading.Condition(threading.Lock())
+        self._counters = {"read_batches": 0, "expired": 0, "lease_expired": 0}
+        self.endpoint: str | None = None
+
+        cfg = self.config
+        self.local_hostname = str(cfg.get("local_hostname", "127.0.0.1"))
+        self.host = str(cfg.get("host", self.local_hostname))
+        self.control_port = _opt(cfg, "control_port", 0, int)
+        self.protocol = str(cfg.get("protocol", "tcp")).lower()
+        if self.protocol not in ("tcp", "rdma"):
+            raise ConfigError(f"connector option 'protocol' must be 'tcp' or 'rdma', got {self.protocol!r}")
+        self.device_name = str(cfg.get("device_name", "") or "")
+        self.ttl_s = _opt(cfg, "ttl_s", 300.0)
+        self.lease_s = _opt(cfg, "lease_s", 120.0)
+        self.piece_bytes = max(1, _opt(cfg, "piece_bytes", 4 << 20, int))
+        self.max_batch_pieces = max(1, _opt(cfg, "max_batch_pieces", 256, int))
+        self.max_queued_pieces = max(self.max_batch_pieces, _opt(cfg, "max_queued_pieces", 1024, int))
+        self.max_payload_bytes = _opt(cfg, "max_payload_bytes", 64 << 30, int)
+        self.max_held_bytes = _opt(cfg, "max_held_bytes", 8 << 30, int)
+        self.buffer_pool_bytes = _opt(cfg, "buffer_pool_bytes", 1 << 30, int)
+        self.request_timeout_s = _opt(cfg, "request_timeout_s", 5.0)
+        self._limits = cfg.get("limits")
+        self._receiver_id = os.urandom(8)
+
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:
+            raise ImportError(
+                f"{self.name} needs Mooncake's transfer engine: pip install 'vllm-kvbridge[mooncake]' ({exc})"
+            ) from exc
+        engine = TransferEngine()
+        rc = engine.initialize(self.local_hostname, "P2PHANDSHAKE", self.protocol, self.device_name)
+        if rc != 0:
+            raise TransferError(
+                f"Mooncake transfer engine initialize failed (rc={rc}; local_hostname "
+                f"{self.local_hostname}, protocol {self.protocol}, device_name {self.device_name!r})"
+            )
+        self._engine = engine
+        self.segment = f"{self.local_hostname}:{engine.get_rpc_port()}"
+        self._pool = RegisteredBufferPool(
+            engine.register_memory, engine.unregister_memory, self.buffer_pool_bytes, "transfer engine"
+        )
+        self._ctx = zmq.Context()
+        self._client = ctl.ControlClient(self._ctx, lambda: self._closed)
+
+    # -- sender -------------------------------------------------------------------------
+    def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
+        """Pack ``payload`` into a registered slab and hold it under ``key`` for a receiver.
+
+        The payload is copied (once): the caller may reuse its tensors when this returns.
+        Refusals (too big, over ``max_held_bytes``, key already held) return ``ok=False``.
+        """
+        from vllm_kvbridge.wire import encode
+
+        self._check_open()
+        self._check_key(key)
+        start = time.perf_counter()
+        enc = encode(payload)
+        need = enc.packed_size()
+        if need > self.max_payload_bytes:
+            return self._put_failed(
+                f"payload of {need} bytes exceeds max_payload_bytes={self.max_payload_bytes}"
+            )
+        endpoint = self._ensure_server()
+        with self._lock:
+            self._check_open()
+            if key in self._held:
+                return self._put_failed(f"key {key!r} is already held for sending")
+            if self._held_bytes + need > self.max_held_bytes:
+                return self._put_failed(
+                    f"{self._held_bytes} bytes held + {need} exceeds max_held_bytes={self.max_held_bytes}"
+                )
+            self._held_bytes += need  # reserved before the copy, so concurrent puts respect the bound
+        try:
+            slab, _ = self._pool.acquire(need)
+        except TransferError as exc:
+            with self._lock:
+                self._held_bytes -= need
+            return self._put_failed(str(exc))
+        try:
+            enc.pack_into(slab)
+        except BaseException:
+            self._pool.release(slab)
+            with self._lock:
+                self._held_bytes -= need
+            raise
+        del enc
+        with self._lock:
+            duplicate = key in self._held or self._closed
+            if not duplicate:
+                self._held[key] = _Held(slab, need, time.monotonic() + self.ttl_s)
+            else:
+                self._held_bytes -= need
+        if duplicate:
+            self._pool.release(slab)
+            self._check_open()
+            return self._put_failed(f"key {key!r} is already held for sending")
+        self.stats.add(puts=1, put_bytes=need, put_seconds=time.perf_counter() - start)
+        return PutResult(
+            ok=True,
+            nbytes=need,
+            metadata={"endpoint": endpoint, "segment": self.segment, "nbytes": need},
+        )
+
+    def _put_failed(self, error: str) -> PutResult:
+        self.stats.add(put_failures=1)
+        return PutResult(ok=False, error=error)
+
+    @staticmethod
+    def _check_key(key: str) -> None:
+        if not isinstance(key, str) or not key or len(key) > _MAX_KEY or not key.isascii():
+            raise ConfigError(f"transfer key {key!r} must be a non-empty ASCII string of <= {_MAX_KEY} chars")
+
+    def _ensure_server(self) -> str:
+        with self._lock:
+            self._check_open()
+            if self._server is None:
+                server = ctl.ControlServer(
+                    self._ctx, self.host, self.control_port, self.local_hostname, self._answer
+                )
+                server.start(self.sweep, max(0.01, min(self.ttl_s / 4, self.lease_s / 4, 1.0)))
+                self._server, self.endpoint = server, server.endpoint
+            return self.endpoint
+
+    def _answer(self, request: list[bytes]) -> list[bytes]:
+        """The control server's handler (runs on its thread)."""
+        op = request[0]
+        if op == ctl.CLAIM and len(request) == 4 and len(request[2]) == 8 and len(request[3]) == 8:
+            key, claimer, limit = (
+                request[1].decode("ascii", "replace"),
+                request[2],
+                ctl.U64.unpack(request[3])[0],
+            )
+            with self._lock:
+                held = self._held.get(key)
+                if held is None or (held.lease and held.claimer != claimer):
+                    return [ctl.MISSING]
+                if held.nbytes > limit:
+                    return [ctl.TOOBIG, ctl.U64.pack(held.nbytes)]
+                if not held.lease:
+                    self._next_lease += 1
+                    held.lease, held.claimer = self._next_lease, claimer
+                    held.expires = time.monotonic() + self.lease_s
+                addr = held.slab.ctypes.data
+                return [ctl.OK, ctl.U64.pack(addr), ctl.U64.pack(held.nbytes), ctl.U64.pack(held.lease)]
+        if op == ctl.DONE and len(request) == 3 and len(request[2]) == 8:
+            key, lease = request[1].decode("ascii", "replace"), ctl.U64.unpack(request[2])[0]
+            with self._lock:
+                held = self._held.get(key)
+                if held is None or not held.lease or held.lease != lease:
+                    return [ctl.EXPIRED]
+                del self._held[key]
+                self._held_bytes -= held.nbytes
+            self._pool.release(held.slab)
+            return [ctl.DONE]
+        return [ctl.BAD]
+
+    def sweep(self) -> None:
+        """Drop unclaimed payloads past ``ttl_s`` and claims past ``lease_s``."""
+        now = time.monotonic()
+        with self._lock:
+            gone = [(k, h) for k, h in self._held.items() if h.expires <= now]
+            for k, h in gone:
+                del self._held[k]
+                self._held_bytes -= h.nbytes
+                self._counters["lease_expired" if h.lease else "expired"] += 1
+        for _, h in gone:
+            if h.lease:  # a reader may still hold the address: never hand this slab out again
+                self._pool.discard(h.slab)
+            else:
+                self._pool.release(h.slab)
+
+    # -- receiver -----------------------------------------------------------------------
+    def get(
+        self,
+        from_stage: int | str,
+        to_stage: int | str,
+        key: str,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        deadline: float | None = None,
+    ) -> Any | None:
+        """Claim ``key`` at the sender in ``metadata``, read it, confirm, decode in place.
+
+        Without a deadline, one claim: ``None`` if the key is not there. With one, retries
+        (1 ms backoff up to 20 ms) until the deadline, then :class:`TransferTimeout`.
+        :class:`TransferError` when the sender is gone or the read fails,
+        :class:`TransferRefused` over ``max_payload_bytes``, :class:`TransferCorrupt` when the
+        data does not decode. The returned tensors view a registered slab of this
+        connector, which goes back to its pool when the last of them is freed.
+        """
+        self._check_open()
+        self._check_key(key)
+        endpoint, segment = (metadata or {}).get("endpoint"), (metadata or {}).get("segment")
+        if not isinstance(endpoint, str) or not isinstance(segment, str):
+            raise TransferError(
+                f"cannot get {key!r}: the put metadata lacks the sender's 'endpoint' and 'segment' "
+                f"(metadata={dict(metadata or {})!r})"
+            )
+        start = time.perf_counter()
+        try:
+            claim = self._claim(endpoint, key, deadline)
+            if claim is None:
+                self.stats.add(get_misses=1)
+                return None
+            payload, nbytes = self._read(endpoint, segment, key, *claim)
+        except TransferError as exc:
+            self.stats.add(**({"timeouts": 1} if isinstance(exc, TransferTimeout) else {"get_failures": 1}))
+            raise
+        self.stats.add(gets=1, get_bytes=nbytes, get_seconds=time.perf_counter() - start)
+        return payload
+
+    def _claim(self, endpoint: str, key: str, deadline: float | None) -> tuple[int, int, int] | None:
+        request = [ctl.CLAIM, key.encode("ascii"), self._receiver_id, ctl.U64.pack(self.max_payload_bytes)]
+        delay = 0.001
+        while True:
+            wait_until = deadline if deadline is not None else time.monotonic() + self.request_timeout_s
+            answer = self._client.request(endpoint, request, wait_until)
+            status = answer[0] if answer else b""
+            if status == ctl.OK and len(answer) == 4:
+                addr, nbytes, lease = (ctl.U64.unpack(a)[0] for a in answer[1:])
+                return addr, nbytes, lease
+            if status == ctl.TOOBIG:
+                raise TransferRefused(
+                    f"{key!r} at {endpoint} is {ctl.U64.unpack(answer[1])[0]} bytes, over "
+                    f"max_payload_bytes={self.max_payload_bytes}"
+                )
+            if status != ctl.MISSING:
+                raise TransferError(f"{endpoint} answered {answer!r} to a claim of {key!r}")
+            if deadline is None:
+                return None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferTimeout(f"{key!r} was not available at {endpoint} before the deadline")
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 0.02)
+            self._check_open()
+
+    def _read(
+        self, endpoint: str, segment: str, key: str, addr: int, nbytes: int, lease: int
+    ) -> tuple[Any, int]:
+        from vllm_kvbridge.wire import decode_packed
+
+        with self._lock:
+            self._check_open()
+            self._reads += 1
+        try:
+            slab, _ = self._pool.acquire(nbytes)
+            try:
+                self._transfer(segment, slab.ctypes.data, addr, nbytes, key)
+                # The sender may reuse its slab only after this; an expired lease means the
+                # bytes we read may not be the payload any more.
+                answer = self._client.request(
+                    endpoint, [ctl.DONE, key.encode("ascii"), ctl.U64.pack(lease)], time.monotonic() + 30
+                )
+                if answer != [ctl.DONE]:
+                    raise TransferError(
+                        f"{key!r}: the sender's lease ran out during the read ({answer!r}); "
+                        f"raise lease_s (now {self.lease_s} s)"
+                    )
+            except BaseException:
+                self._pool.release(slab)
+                raise
+            view = self._pool.lend_view(slab, nbytes)  # releases the slab when the tensors go
+        finally:
+            with self._lock:
+                self._reads -= 1
+                self._reads_done.notify_all()
+        try:
+            return decode_packed(view, limits=self._limits, copy=False), nbytes
+        except PayloadError as exc:
+            raise TransferCorrupt(f"{key!r} from {segment} does not decode: {exc}") from exc
+
+    def _transfer(self, segment: str, dst: int, src: int, nbytes: int, key: str) -> None:
+        """Read ``nbytes`` from ``segment:src`` into ``dst``, in batches the engine accepts."""
+        piece = self.piece_bytes
+        offsets = list(range(0, nbytes, piece))
+        for first in range(0, len(offsets), self.max_batch_pieces):
+            batch = offsets[first : first + self.max_batch_pieces]
+            lengths = [min(piece, nbytes - off) for off in batch]
+            self._reserve(len(batch))
+            try:
+                if len(batch) == 1:
+                    rc = self._engine.transfer_sync_read(segment, dst + batch[0], src + batch[0], lengths[0])
+                else:
+                    rc = self._engine.batch_transfer_sync_read(
+                        segment, [dst + o for o in batch], [src + o for o in batch], lengths
+                    )
+            finally:
+                self._unreserve(len(batch))
+            with self._lock:
+                self._counters["read_batches"] += 1
+            if rc != 0:
+                raise TransferError(
+                    f"transfer-engine read of {key!r} ({nbytes} bytes, "
+                    f"pieces {first}..{first + len(batch) - 1}) "
+                    f"from {segment} failed (rc={rc}); the peer died, or a batch exceeded its queue "
+                    f"(max_batch_pieces={self.max_batch_pieces})"
+                )
+
+    def _reserve(self, pieces: int) -> None:
+        with self._queue_room:
+            while self._queued + pieces > self.max_queued_pieces:
+                self._queue_room.wait(0.1)
+                self._check_open()
+            self._queued += pieces
+
+    def _unreserve(self, pieces: int) -> None:
+        with self._queue_room:
+            self._queued -= pieces
+            self._queue_room.notify_all()
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def cleanup(self, key: str) -> None:
+        """Drop what this side holds for ``key`` (a claimed slab is not reused). Idempotent."""
+        self._check_key(key)
+        with self._lock:
+            held = self._held.pop(key, None)
+            if held is not None:
+                self._held_bytes -= held.nbytes
+        if held is not None and self._pool is not None:
+            (self._pool.discard if held.lease else self._pool.release)(held.slab)
+            self.stats.add(cleanups=1)
+
+    def health(self) -> dict[str, Any]:
+        pool = self._pool
+        with self._lock:
+            extra = {
+                "endpoint": self.endpoint,
+                "segment": getattr(self, "segment", None),
+                "protocol": self.protocol,
+                "held_payloads": len(self._held),
+                "held_bytes": self._held_bytes,
+                "claimed": sum(1 for h in self._held.values() if h.lease),
+                **self._counters,
+            }
+        extra["registered_bytes"] = pool.registered_bytes if pool is not None else 0
+        extra["lent_buffers"] = pool.lent if pool is not None else 0
+        extra["pooled_buffer_bytes"] = pool.pooled_bytes if pool is not None else 0
+        return {**super().health(), **extra}
+
+    def _close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        with self._lock:
+            # Reads in progress write into our slabs: let them finish before unregistering.
+            self._reads_done.wait_for(lambda: self._reads == 0, timeout=10)
+            held = list(self._held.values())
+            self._held.clear()
+            self._held_bytes = 0
+        if self._client is not None:
+            self._client.close()
+        if self._pool is not None:
+            self._pool.close()  # unregisters held, free and lent slabs alike
+        del held
+        # The engine has no close(): dropping the last reference stops its threads and
+        # closes its RPC port (checked by the tests).
+        self._engine = None
+        if self._ctx is not None:
+            self._ctx.term()
+
+
+__all__ = ["MooncakeTransferEngineConnector"]

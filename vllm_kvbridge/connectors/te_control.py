@@ -1,0 +1,203 @@
+"""The small control channel of the transfer-engine connector (ZeroMQ, TCP).
+
+The bytes move one-sided over the transfer engine; this channel only says *where* a key's
+bytes are and *when* the receiver is done with them. The sender's :class:`ControlServer`
+owns a ROUTER socket on a background thread; receivers talk to it through
+:class:`ControlClient` (DEALER sockets pooled per endpoint, one thread at a time each).
+
+Messages (multipart; ``nonce`` pairs an answer with its request, so a late answer to a
+timed-out request is never taken for the answer to the next one)::
+
+    [b"CLAIM", nonce(8), key, receiver(8), max_bytes(u64)]
+        -> [nonce, b"OK", addr(u64), nbytes(u64), lease(u64)]
+         | [nonce, b"MISSING"] | [nonce, b"TOOBIG", nbytes(u64)]
+    [b"DONE", nonce(8), key, lease(u64)]
+        -> [nonce, b"DONE"] | [nonce, b"EXPIRED"]
+    anything else -> [nonce, b"BAD"]
+
+A CLAIM by the receiver that already holds the claim answers the same lease again, so a
+claim whose answer arrived after the receiver's deadline is simply re-issued by its next
+get (nothing is lost between a timed-out claim and the next poll).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from vllm_kvbridge.errors import ConnectorClosed, TransferError, TransferTimeout
+
+U64 = struct.Struct("<Q")
+CLAIM, DONE = b"CLAIM", b"DONE"
+OK, MISSING, TOOBIG, EXPIRED, BAD = b"OK", b"MISSING", b"TOOBIG", b"EXPIRED", b"BAD"
+_MAX_IDLE = 8
+
+#: ``handler(request_frames) -> answer_frames`` (without identity and nonce).
+Handler = Callable[[list[bytes]], list[bytes]]
+
+
+class ControlServer:
+    """ROUTER socket + thread answering requests with ``handler``; ``tick`` runs every ``tick_s``."""
+
+    def __init__(self, ctx: zmq.Context, host: str, port: int, advertise: str, handler: Handler) -> None:
+        self._ctx = ctx
+        self._handler = handler
+        self._router = ctx.socket(zmq.ROUTER)
+        self._router.linger = 0
+        try:
+            if port:
+                self._router.bind(f"tcp://{host}:{port}")
+            else:
+                port = self._router.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as exc:
+            self._router.close()
+            raise TransferError(f"cannot bind the control socket on tcp://{host}:{port}: {exc}") from exc
+        self.endpoint = f"tcp://{advertise}:{port}"
+        wake = f"inproc://kvbridge-te-wake-{id(self)}"
+        self._wake_recv = ctx.socket(zmq.PAIR)
+        self._wake_recv.bind(wake)
+        self._wake_send = ctx.socket(zmq.PAIR)
+        self._wake_send.connect(wake)
+        self._thread: threading.Thread | None = None
+
+    def start(self, tick: Callable[[], None], tick_s: float) -> None:
+        self._thread = threading.Thread(
+            target=self._serve, args=(tick, tick_s), name="kvbridge-te-control", daemon=True
+        )
+        self._thread.start()
+
+    def _serve(self, tick: Callable[[], None], tick_s: float) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_recv, zmq.POLLIN)
+        next_tick = time.monotonic() + tick_s
+        while True:
+            events = dict(poller.poll(max(0, int((next_tick - time.monotonic()) * 1000))))
+            if self._wake_recv in events:
+                return
+            while self._router in events:
+                try:
+                    request = self._router.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if len(request) < 3 or len(request[2]) != 8:
+                    continue  # not even a nonce to answer to
+                identity, nonce = request[0], request[2]
+                try:
+                    answer = self._handler([request[1], *request[3:]])
+                except Exception:  # a bad request never takes the server down
+                    answer = [BAD]
+                self._router.send_multipart([identity, nonce, *answer])
+            if time.monotonic() >= next_tick:
+                tick()
+                next_tick = time.monotonic() + tick_s
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._wake_send.send(b"")
+            self._thread.join(10)
+        for sock in (self._router, self._wake_send, self._wake_recv):
+            sock.close(linger=0)
+
+
+def refuses_connections(endpoint: str, timeout: float = 0.5) -> bool:
+    """True when nothing listens at ``tcp://host:port`` any more (the peer process is gone)."""
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):  # unreachable / slow: not proof of death
+        return False
+
+
+class ControlClient:
+    """Request/answer over pooled DEALER sockets, with nonces and dead-peer detection."""
+
+    def __init__(self, ctx: zmq.Context, is_closed: Callable[[], bool]) -> None:
+        self._ctx = ctx
+        self._is_closed = is_closed
+        self._lock = threading.Lock()
+        self._idle: dict[str, list[zmq.Socket]] = {}
+        self._nonce = 0
+
+    def request(self, endpoint: str, frames: list[bytes], wait_until: float) -> list[bytes]:
+        """Send ``[frames[0], nonce, *frames[1:]]``; the answer without the nonce.
+
+        Raises :class:`TransferError` as soon as the peer refuses TCP connections (it is
+        gone), :class:`TransferTimeout` when no answer came by ``wait_until``.
+        """
+        with self._lock:
+            self._nonce += 1
+            nonce = U64.pack(self._nonce)
+        sock = self._checkout(endpoint)
+        healthy = False
+        try:
+            sock.send_multipart([frames[0], nonce, *frames[1:]], zmq.NOBLOCK)
+            next_probe = time.monotonic() + 0.05
+            while True:
+                now = time.monotonic()
+                # Wake at least every 50 ms: close() and a dead peer are noticed promptly.
+                if sock.poll(max(0, min(int((wait_until - now) * 1000) + 1, 50)), zmq.POLLIN):
+                    answer = sock.recv_multipart()
+                    if answer and answer[0] == nonce:
+                        healthy = True
+                        return answer[1:]
+                    continue  # the answer to an earlier, timed-out request
+                if self._is_closed():
+                    raise ConnectorClosed("connector closed during a control request")
+                now = time.monotonic()
+                if now >= next_probe:
+                    if refuses_connections(endpoint):
+                        raise TransferError(
+                            f"the sender at {endpoint} is gone (connection refused): "
+                            "its payloads cannot be delivered"
+                        )
+                    next_probe = now + 1.0
+                if now >= wait_until:
+                    raise TransferTimeout(f"no answer from {endpoint} before the deadline")
+        except zmq.ZMQError as exc:
+            if self._is_closed():
+                raise ConnectorClosed("connector closed during a control request") from None
+            raise TransferError(f"control request to {endpoint} failed: {exc}") from exc
+        finally:
+            self._checkin(endpoint, sock, healthy)
+
+    def _checkout(self, endpoint: str) -> zmq.Socket:
+        with self._lock:
+            if self._is_closed():
+                raise ConnectorClosed("connector is closed")
+            idle = self._idle.get(endpoint)
+            if idle:
+                return idle.pop()
+            sock = self._ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.setsockopt(zmq.MAXMSGSIZE, 1 << 16)  # answers are tiny; anything bigger is hostile
+        sock.connect(endpoint)
+        return sock
+
+    def _checkin(self, endpoint: str, sock: zmq.Socket, healthy: bool) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(endpoint, [])
+            # A socket whose request went unanswered may still get that answer: the nonce
+            # check discards it, but a dead peer's socket is not worth keeping.
+            if healthy and not self._is_closed() and len(idle) < _MAX_IDLE:
+                idle.append(sock)
+                return
+        sock.close(linger=0)
+
+    def close(self) -> None:
+        with self._lock:
+            socks = [s for idle in self._idle.values() for s in idle]
+            self._idle.clear()
+        for sock in socks:
+            sock.close(linger=0)
+
+
+__all__ = ["ControlClient", "ControlServer", "refuses_connections"]
