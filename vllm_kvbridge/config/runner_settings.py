@@ -59,7 +59,6 @@ def runner_settings(stage: ResolvedStage) -> dict[str, Any]:
             "connector": e.connector.name,
             "connector_config": dict(e.connector.config),
             "chunk_size": int(payload.get("chunk_size", 16)),
-            "to_tp": e.to_tp,
         }
         for e in stage.outputs
         if e.payload_mode != "none"
@@ -72,7 +71,6 @@ def runner_settings(stage: ResolvedStage) -> dict[str, Any]:
             "connector_config": dict(e.connector.config),
             "recv_timeout_s": float(payload.get("recv_timeout", 30.0)),
             "stall_timeout_s": float(payload.get("stall_timeout", 30.0)),
-            "from_tp": e.from_tp,
         }
         for e in stage.inputs
         if e.payload_mode != "none"

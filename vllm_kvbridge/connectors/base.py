@@ -80,9 +80,6 @@ class Connector(ABC):
 
     #: Registry name, set by subclasses (e.g. ``"SharedMemoryConnector"``).
     name: str = "Connector"
-    #: True when the connector can move one packed uint8 (device) tensor as-is, so the
-    #: KV manager may hand it ``KVCacheTransferData.to_gpu_tensor()`` instead of the object.
-    supports_raw_data: bool = False
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         self.config: dict[str, Any] = dict(config or {})

@@ -22,14 +22,13 @@ runner) builds it with :meth:`RunnerSettings.from_dict` too. The dict, every key
         "outputs": [                       # edges this stage sends payloads on
           {"to_stage": 1, "mode": "full",  # | "async_chunk"
            "connector": "SharedMemoryConnector", "connector_config": {},
-           "chunk_size": 16, "to_tp": 1, "send_retries": 3}
+           "chunk_size": 16, "send_retries": 3}
         ],
         "inputs": [                        # edges this stage receives payloads on
           {"from_stage": 0, "mode": "full",
            "connector": "SharedMemoryConnector", "connector_config": {},
            "recv_timeout_s": 30.0,         # full payload: deadline from expect() to arrival
-           "stall_timeout_s": 30.0,        # async chunk: longest gap between two chunks
-           "from_tp": 1}
+           "stall_timeout_s": 30.0}        # async chunk: longest gap between two chunks
         ]
       }
     }
@@ -161,14 +160,13 @@ class PayloadEdgeSettings:
     chunk_size: int = 16
     recv_timeout_s: float = 30.0
     stall_timeout_s: float = 30.0
-    peer_tp: int = 1
     send_retries: int = 3
 
     @classmethod
     def from_dict(cls, data: Any, *, direction: str, path: str) -> PayloadEdgeSettings:
         peer_key = "to_stage" if direction == "output" else "from_stage"
-        tp_key = "to_tp" if direction == "output" else "from_tp"
-        common = {peer_key, "mode", "connector", "connector_config", tp_key}
+        # No TP size: payloads travel on TP rank 0 and are broadcast within a stage.
+        common = {peer_key, "mode", "connector", "connector_config"}
         extra = (
             {"chunk_size", "send_retries"} if direction == "output" else {"recv_timeout_s", "stall_timeout_s"}
         )
@@ -187,12 +185,10 @@ class PayloadEdgeSettings:
         _positive(recv, f"{path}.recv_timeout_s")
         stall = float(_typed(d, "stall_timeout_s", (int, float), 30.0, path))
         _positive(stall, f"{path}.stall_timeout_s")
-        tp = _typed(d, tp_key, int, 1, path)
-        _positive(tp, f"{path}.{tp_key}")
         retries = _typed(d, "send_retries", int, 3, path)
         if retries < 0:
             raise ConfigError(f"{path}.send_retries: must be >= 0, got {retries}")
-        return cls(peer, mode, connector, dict(cfg), chunk, recv, stall, tp, retries)
+        return cls(peer, mode, connector, dict(cfg), chunk, recv, stall, retries)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,113 @@
+"""LEADER -> FOLLOWER distribution of received KV over a stage's process group.
+
+With ``distribution: leader`` group rank 0 (the LEADER) receives a request's caches (all
+heads, so the edge's ``to_tp`` is 1) and broadcasts them to the other ranks (FOLLOWERs),
+which never touch the connector. The protocol, per request, over the group (gloo on CPU,
+NCCL on CUDA): the number of caches (``-1``: the leader failed, followers raise), their
+packed sizes, then one packed uint8 tensor per cache (``KVCacheTransferData.to_gpu_tensor``),
+the primary first, then the CFG companions (told apart by ``metadata["purpose"]``).
+A rank is ``local`` when distribution is ``local`` or the group has one rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_kvbridge.errors import TransferError
+from vllm_kvbridge.kv.receive import ReceivedKV
+from vllm_kvbridge.wire.kv_format import KVCacheTransferData
+
+__all__ = ["KVDistributor"]
+
+
+def _to_device(data: KVCacheTransferData, device: Any) -> KVCacheTransferData:
+    """A copy of ``data`` whose tensors live on ``device`` (a view-free, owned copy)."""
+    blocks = {
+        name: [None if t is None else t.to(device, copy=True) for t in tensors]
+        for name, tensors in data.layer_blocks.items()
+    }
+    return KVCacheTransferData(
+        request_id=data.request_id,
+        layer_blocks=blocks,
+        block_ids=list(data.block_ids),
+        metadata=dict(data.metadata),
+        seq_len=data.seq_len,
+        block_size=data.block_size,
+        tp_rank=data.tp_rank,
+        tp_size=data.tp_size,
+        head_start=data.head_start,
+        head_end=data.head_end,
+        num_kv_heads_total=data.num_kv_heads_total,
+    )
+
+
+class KVDistributor:
+    """Broadcasts received KV from group rank 0 to the other ranks of ``process_group``."""
+
+    def __init__(self, distribution: str, process_group: Any = None) -> None:
+        self.distribution = distribution
+        self.process_group = process_group
+
+    def role(self) -> str:
+        """``"local"``, ``"leader"`` or ``"follower"`` for this rank."""
+        if self.distribution == "local":
+            return "local"
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            return "local"
+        if dist.get_world_size(self.process_group) == 1:
+            return "local"
+        return "leader" if dist.get_rank(self.process_group) == 0 else "follower"
+
+    def _dist(self) -> tuple[Any, int, torch.device]:
+        import torch.distributed as dist
+
+        group = self.process_group
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        backend = dist.get_backend(group)
+        device = (
+            torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
+        )
+        return dist, src, device
+
+    def broadcast_failure(self) -> None:
+        """LEADER: tell the followers this request's receive failed (they raise)."""
+        dist, src, device = self._dist()
+        dist.broadcast(torch.tensor([-1], dtype=torch.int64, device=device), src, group=self.process_group)
+
+    def send(self, rec: ReceivedKV) -> None:
+        """LEADER: broadcast the primary and companion caches of ``rec``."""
+        dist, src, device = self._dist()
+        group = self.process_group
+        items = [rec.data, *rec.companions.values()]
+        packed = [d.to_gpu_tensor(device) for d in items]
+        dist.broadcast(torch.tensor([len(packed)], dtype=torch.int64, device=device), src, group=group)
+        sizes = torch.tensor([p.numel() for p in packed], dtype=torch.int64, device=device)
+        dist.broadcast(sizes, src, group=group)
+        for p in packed:
+            dist.broadcast(p, src, group=group)
+
+    def receive(self, rid: str, target_device: Any = None) -> ReceivedKV:
+        """FOLLOWER: what the leader broadcasts for ``rid``; raises if the leader failed."""
+        dist, src, device = self._dist()
+        group = self.process_group
+        count = torch.zeros(1, dtype=torch.int64, device=device)
+        dist.broadcast(count, src, group=group)
+        n = int(count.item())
+        if n < 0:
+            raise TransferError(f"the leader rank failed to receive the KV of {rid}")
+        sizes = torch.zeros(n, dtype=torch.int64, device=device)
+        dist.broadcast(sizes, src, group=group)
+        items = []
+        for size in sizes.tolist():
+            buf = torch.empty(int(size), dtype=torch.uint8, device=device)
+            dist.broadcast(buf, src, group=group)
+            data = KVCacheTransferData.from_bytes_device(buf, expected_request_id=rid)
+            if target_device is not None:
+                data = _to_device(data, target_device)
+            items.append(data)
+        companions = {str(d.metadata.get("purpose")): d for d in items[1:]}
+        return ReceivedKV(rid, items[0], companions, sum(d.nbytes for d in items))

@@ -1,0 +1,259 @@
+"""The send side: gather a finished request's KV on the model thread, put it on an I/O thread.
+
+:func:`layout_for` tells the page layout of vLLM's caches, :func:`gather_job` copies one
+request's blocks (only the heads each receiver rank needs) into dense per-route
+:class:`KVCacheTransferData`, and :class:`KVSendQueue` puts them from one I/O thread with
+``send_retries`` retries and exponential backoff. The gather runs on the caller's thread
+because the caller frees the blocks afterwards; nothing else does. A request is reported
+``done`` only when every put of it succeeded, otherwise ``failed`` (never both, never
+silently dropped); the put metadata of a done request goes to the
+:class:`~vllm_kvbridge.kv.sender_info.SentInfoTable`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_kvbridge.connectors.base import Connector
+from vllm_kvbridge.connectors.keys import KV
+from vllm_kvbridge.errors import ConfigError
+from vllm_kvbridge.kv.config import KVTransferConfig, StageId
+from vllm_kvbridge.kv.layout import KVCacheLayout, cpu_layout, gather_layers, packed_layout
+from vllm_kvbridge.kv.metrics import KVTransferMetrics
+from vllm_kvbridge.kv.sender_info import SentInfoTable
+from vllm_kvbridge.kv.topology import Route, TPTopology
+from vllm_kvbridge.wire.kv_format import KVCacheTransferData
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KVSendQueue", "SendJob", "gather_job", "layout_for"]
+
+
+@dataclass
+class SendJob:
+    """One request's gathered KV, ready to put: one part per route from this rank."""
+
+    engine_id: str
+    request_id: str
+    to_stage: StageId
+    parts: list[tuple[str, int, KVCacheTransferData]]  # (key, from_rank, data)
+    num_kv_heads: int = 0
+
+
+def layout_for(kv_caches: Sequence[torch.Tensor], block_size: int, cache_dtype: Any) -> KVCacheLayout:
+    """The page layout of vLLM's per-layer caches (``[num_blocks, heads, block, C]`` views)."""
+    # vLLM 0.32 gives every backend the same logical [B, H, N, C] view; what differs is
+    # the page content: the CPU kernel's format on CPU, K|V packed in C on CUDA backends.
+    first = kv_caches[0]
+    if (
+        isinstance(cache_dtype, str)
+        and cache_dtype not in ("auto",)
+        and "float" not in cache_dtype
+        and "half" not in cache_dtype
+    ):
+        raise ConfigError(f"quantized KV cache dtype {cache_dtype!r} is not supported")
+    if first.dim() != 4:
+        raise ConfigError(
+            f"expected per-layer caches [num_blocks, heads, block, C], got {tuple(first.shape)}"
+        )
+    heads, n, c = int(first.shape[1]), int(first.shape[2]), int(first.shape[3])
+    if first.device.type == "cpu":
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(first.dtype, n, c // 2, "auto")
+        layout = cpu_layout(heads, c // 2, n, first.dtype, isa=isa)
+    else:
+        per = block_size // n if block_size and block_size % n == 0 else 1
+        layout = packed_layout(heads, c // 2, n, first.dtype, blocks_per_block=per)
+    if block_size and layout.tokens_per_block != block_size:
+        raise ConfigError(f"block_size {block_size} does not match the cache's blocks of {n} tokens")
+    return layout
+
+
+def gather_job(
+    engine_id: str,
+    rid: str,
+    info: Mapping[str, Any],
+    kv_caches: Sequence[torch.Tensor],
+    layout: KVCacheLayout,
+    topo: TPTopology,
+    routes: Sequence[Route],
+    from_stage: StageId,
+    to_stage: StageId,
+) -> SendJob:
+    """Copy one finished request's KV out of the paged caches, one part per route.
+
+    ``info`` is ``{"block_ids": ..., "seq_len": int}`` plus optional ``"purpose"`` (default
+    ``"kv"``) and ``"metadata"``; ``block_ids`` is a list or a tuple of per-KV-cache-group
+    lists of which the first (the attention group) is used.
+    """
+    block_ids = info.get("block_ids")
+    if isinstance(block_ids, tuple) and block_ids and isinstance(block_ids[0], list | tuple):
+        block_ids = block_ids[0]  # per-KV-cache-group tuple: the attention group
+    seq_len = info.get("seq_len")
+    purpose = info.get("purpose", KV)
+    metadata = dict(info.get("metadata") or {})
+    metadata.setdefault("purpose", purpose)
+    parts = []
+    for route in routes:
+        keys, values = gather_layers(
+            kv_caches,
+            layout,
+            block_ids,
+            seq_len,
+            head_start=route.src_heads.start,
+            head_end=route.src_heads.end,
+        )
+        data = KVCacheTransferData(
+            request_id=rid,
+            layer_blocks={"key_cache": keys, "value_cache": values},
+            block_ids=[int(b) for b in list(block_ids)[: -(-seq_len // layout.tokens_per_block)]],
+            metadata=metadata,
+            seq_len=seq_len,
+            block_size=layout.tokens_per_block,
+            tp_rank=route.from_rank,
+            tp_size=topo.sender_tp,
+            head_start=route.global_heads.start,
+            head_end=route.global_heads.end,
+            num_kv_heads_total=topo.num_kv_heads,
+        )
+        key = route.key(rid, from_stage, to_stage, purpose=purpose)
+        parts.append((key, route.from_rank, data))
+    return SendJob(engine_id, rid, to_stage, parts, topo.num_kv_heads)
+
+
+class KVSendQueue:
+    """Puts :class:`SendJob` s from one I/O thread (started on the first job) and reports them.
+
+    ``connector`` is called for the connector at each attempt (so a failed creation is
+    retried); ``stop`` interrupts backoffs and fails the jobs not started yet.
+    """
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        connector: Callable[[], Connector],
+        metrics: KVTransferMetrics,
+        sent_info: SentInfoTable,
+        stop: threading.Event,
+    ) -> None:
+        self._config, self._connector, self._metrics = config, connector, metrics
+        self._sent_info, self._stop = sent_info, stop
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[SendJob | None] = queue.Queue()
+        self._io_thread: threading.Thread | None = None
+        self._pending: set[str] = set()
+        self._done: list[str] = []
+        self._failed: dict[str, str] = {}
+
+    def submit(self, job: SendJob) -> None:
+        with self._lock:
+            if self._io_thread is None:
+                self._io_thread = threading.Thread(target=self._io_loop, name="kvbridge-kv-send", daemon=True)
+                self._io_thread.start()
+            self._pending.add(job.engine_id)
+        self._metrics.transfer_started("send")
+        self._queue.put(job)
+
+    def fail(self, engine_id: str, reason: str) -> None:
+        """Report ``engine_id`` failed without sending (e.g. its gather failed)."""
+        self._metrics.failure("send")
+        with self._lock:
+            self._failed[engine_id] = reason
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """``(done, failed)`` engine ids since the last call; each id is reported once."""
+        with self._lock:
+            done, self._done = set(self._done), []
+            failed = set(self._failed)
+            self._failed.clear()
+        return done, failed
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def _io_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                error = self._send(job) if not self._stop.is_set() else "manager shut down"
+            except Exception as exc:  # never let the I/O thread die
+                error = f"unexpected: {exc!r}"
+            with self._lock:
+                self._pending.discard(job.engine_id)
+                if error is None:
+                    self._done.append(job.engine_id)
+                else:
+                    self._failed[job.engine_id] = error
+            if error is not None:
+                logger.error("KV send of request %s failed: %s", job.engine_id, error)
+                self._metrics.failure("send")
+            self._metrics.transfer_ended("send")
+
+    def _send(self, job: SendJob) -> str | None:
+        """Put every part (with retries); None on success, else why it failed."""
+        cfg = self._config
+        infos: dict[str, Any] = {"ranks": {}, "keys": {}}
+        put_keys: list[str] = []
+        for key, rank, data in job.parts:
+            error = "no attempt"
+            start = time.perf_counter()
+            for attempt in range(cfg.send_retries + 1):
+                if attempt:
+                    self._metrics.retry("send")
+                    if self._stop.wait(cfg.backoff(attempt - 1)):
+                        error = "manager shut down"
+                        break
+                try:
+                    result = self._connector().put(cfg.stage_id, job.to_stage, key, data)
+                except Exception as exc:
+                    error = f"{type(exc).__name__}: {exc}"
+                    continue
+                if result.ok:
+                    infos["ranks"][str(rank)] = result.metadata
+                    infos["keys"][key] = result.metadata
+                    put_keys.append(key)
+                    self._metrics.success("send", result.nbytes, time.perf_counter() - start)
+                    error = None
+                    break
+                error = result.error or "put returned ok=False"
+            if error is not None:
+                for done_key in put_keys:  # release what this request already put
+                    try:
+                        self._connector().cleanup(done_key)
+                    except Exception:
+                        pass
+                return f"{key}: {error} (after {cfg.send_retries + 1} attempts)"
+        infos["num_kv_heads"] = job.num_kv_heads  # lets a receiver that is not configured check
+        self._sent_info.record((job.engine_id, job.request_id), infos)
+        return None
+
+    def shutdown(self, timeout: float) -> None:
+        """Join the I/O thread (``stop`` must be set); report jobs never started as failed."""
+        with self._lock:
+            io_thread = self._io_thread
+        if io_thread is not None:
+            self._queue.put(None)
+            io_thread.join(timeout)
+        while True:  # jobs never started: report them failed, never done
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                with self._lock:
+                    self._pending.discard(job.engine_id)
+                    self._failed[job.engine_id] = "manager shut down"
+                self._metrics.failure("send")
+                self._metrics.transfer_ended("send")
