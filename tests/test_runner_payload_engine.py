@@ -63,11 +63,15 @@ def engine(tiny_model_dir: Path):
     assert shm_entries(NS_FULL) == [] and shm_entries(NS_CHUNK) == []
 
 
-def _params(rid: str, max_tokens: int):
+def _params(rid: str, max_tokens: int, **extra: object):
     from vllm import SamplingParams
 
     return SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args={"kvbridge": {"request_id": rid}}
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        extra_args={"kvbridge": {"request_id": rid}},
+        **extra,
     )
 
 
@@ -141,6 +145,43 @@ def test_aborted_request_fails_receivers_and_leaves_nothing(engine) -> None:
     assert llm.collective_rpc("kvbridge_transfer_status", args=(["ab"],))[0]["ab"]["payload"] == "aborted"
     for ns in (NS_FULL, NS_CHUNK):
         assert [e for e in shm_entries(ns) if ".k." in e] == []
+
+
+def test_capture_after_a_prefix_cache_hit_fails_loudly_or_is_exact(engine, tiny_model_dir: Path) -> None:
+    """Issue 11, case 2: a prompt sharing a cached block with an earlier one was scheduled
+    from the end of the cached prefix, so its payload silently missed those rows."""
+    from vllm.inputs import TokensPrompt
+
+    llm, full, chunks = engine
+    shared = prompt_ids(40, salt=7)  # block_size 32: one full block is shared
+    first, second = shared + prompt_ids(5, salt=8), shared + prompt_ids(6, salt=9)
+
+    def run(rid: str, ids: list[int], **extra: object) -> list[int]:
+        full.expect(rid)
+        chunks.expect(rid)
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], _params(rid, 3, **extra), use_tqdm=False)
+        return list(out[0].outputs[0].token_ids)
+
+    run("px1", first)  # fills the prefix cache
+    assert full.result("px1", timeout=60)["hidden_states"].shape[0] == len(first) + 2
+    list(chunks.iter_chunks("px1", timeout=60))
+
+    # A prefix-cache hit: the request fails, its receivers are told why, nothing is short.
+    run("px2", second)
+    with pytest.raises(PayloadAborted, match="prefix"):
+        full.result("px2", timeout=60)
+    with pytest.raises(PayloadAborted, match="prefix"):
+        list(chunks.iter_chunks("px2", timeout=60))
+    status = llm.collective_rpc("kvbridge_transfer_status", args=(["px2"],))[0]["px2"]
+    assert status["payload"].startswith("failed") and "prefix" in status["payload"], status
+
+    # Skipping the prefix cache (what the pipeline does for capturing stages): exact.
+    generated = run("px3", second, skip_reading_prefix_cache=True)
+    hidden = full.result("px3", timeout=60)["hidden_states"]
+    assert hidden.shape[0] == len(second) + 2
+    ref = HFReference(tiny_model_dir).hidden(second + generated[:-1])
+    assert (hidden - ref).abs().max().item() <= 1e-4
+    assert torch.equal(torch.cat([p["hidden_states"] for p in chunks.iter_chunks("px3", timeout=60)]), hidden)
 
 
 def _running(pid: int) -> bool:

@@ -106,6 +106,10 @@ class LLMStageEngine(StageEngine):
         params.pop("num_steps", None)
         extra = dict(params.pop("extra_args", None) or {})
         extra["kvbridge"] = {**(extra.get("kvbridge") or {}), "request_id": msg.request_id}
+        if any(e.payload_mode != "none" for e in self.stage.outputs):
+            # Captured hidden states must cover the whole prompt: rows from the prefix cache
+            # are never computed (the runner fails such a request rather than send it short).
+            params.setdefault("skip_reading_prefix_cache", True)
         return SamplingParams(**params, extra_args=extra)
 
     def submit(self, msg: m.Submit) -> None:

@@ -14,7 +14,10 @@ What it adds to vLLM's runner:
   ``{"hidden_states": [n, hidden], "token_ids": int64 [k]}`` for the payload flows. Over a
   request that is one row per prompt token and per generated token except the last
   (whose hidden state is never computed), and every generated token id. Rows recomputed
-  after a preemption are skipped (positions already captured).
+  after a preemption are skipped (positions already captured). Rows a request takes from
+  vLLM's prefix cache are never computed, so a request scheduled past positions it has not
+  captured fails its payload loudly (the pipeline sends capturing requests with
+  ``skip_reading_prefix_cache=True``, so it never hits that).
 
 Capture is on for every request when ``payload.outputs`` is set and
 ``capture_hidden_states`` / ``capture_token_ids`` ask for it; a request opts out with
@@ -142,6 +145,17 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
             # Positions of this step's rows; skip those captured before a preemption.
             first_pos = req.num_computed_tokens
             done = state.extra.get("captured", 0)
+            if first_pos > done:
+                # Rows [done, first_pos) were never computed by this engine: a prefix-cache
+                # hit. A payload without them would be silently short, so fail instead.
+                self.kvbridge_fail_capture(
+                    req_id,
+                    f"hidden-state capture would miss prompt positions {done}..{first_pos - 1}: "
+                    "they came from vLLM's prefix cache; send capturing requests with "
+                    "SamplingParams(skip_reading_prefix_cache=True) (the pipeline does) or start "
+                    "the stage with enable_prefix_caching=False",
+                )
+                continue
             skip = max(0, min(n, done - first_pos))
             rows = hidden[start_row + skip : start_row + n]
             if self._kvb_settings.payload.capture_hidden_states:

@@ -135,6 +135,26 @@ class _PayloadTransportMixin(_ConnectorRuntimeMixin):
             if edge.mode == "async_chunk" and acc.steps >= edge.chunk_size:
                 self._kvbridge_put(state, edge, acc.take(), final=False)
 
+    def kvbridge_fail_capture(self, request_id: str, reason: str) -> None:
+        """Stop capturing ``request_id`` and fail its payload with ``reason``.
+
+        The reason becomes the request's payload status (the pipeline fails the request with
+        it) and reaches every receiver of the request as an abort, so they fail at once
+        instead of at their timeout. Nothing partial is ever put.
+        """
+        state = self.kvbridge_request_state(request_id)
+        if state is None:
+            return
+        with self._kvb_lock:
+            state.capture = False
+            state.payload = f"{FAILED}: {reason}"
+        logger.error("payload capture of request %s failed: %s", state.transfer_id, reason)
+        if not self._kvb_settings.payload.outputs or not self.kvbridge_is_payload_rank:
+            return
+        self._kvb_acc.pop(request_id, None)
+        for edge in self._kvb_settings.payload.outputs:
+            self._kvbridge_sender(edge).abort(state.transfer_id, reason, chunked=edge.mode == "async_chunk")
+
     def _kvbridge_put(
         self, state: RequestState, edge: PayloadEdgeSettings, payload: dict[str, Any], *, final: bool
     ) -> None:
