@@ -48,6 +48,7 @@ unconsumed payloads per sender), ``buffer_pool_bytes`` (1 GiB of slabs kept regi
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -78,6 +79,15 @@ def _opt(config: Mapping[str, Any], name: str, default: float, kind: type = floa
     if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
         raise ConfigError(f"connector option {name!r} must be a non-negative number, got {value!r}")
     return kind(value)
+
+
+def _has_rdma_devices(engine: Any, device_name: str) -> bool:
+    """Whether the engine's topology (``{"cpu:0": [[preferred NICs], [others]], ...}``) lists a NIC."""
+    try:
+        topology = json.loads(engine.get_local_topology(device_name or None))
+    except (ValueError, TypeError):
+        return False
+    return any(nic for tiers in topology.values() for tier in tiers for nic in tier)
 
 
 @dataclass
@@ -147,6 +157,12 @@ class MooncakeTransferEngineConnector(Connector):
             raise TransferError(
                 f"Mooncake transfer engine initialize failed (rc={rc}; local_hostname "
                 f"{self.local_hostname}, protocol {self.protocol}, device_name {self.device_name!r})"
+            )
+        if self.protocol == "rdma" and not _has_rdma_devices(engine, self.device_name):
+            # initialize() succeeds without a NIC; every transfer would fail later instead.
+            raise TransferError(
+                f"protocol 'rdma' but the transfer engine found no RDMA device "
+                f"(device_name {self.device_name!r}); use protocol 'tcp' or name an RDMA NIC"
             )
         self._engine = engine
         self.segment = f"{self.local_hostname}:{engine.get_rpc_port()}"
