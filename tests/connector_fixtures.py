@@ -57,6 +57,9 @@ CONNECTOR_SPECS = [
     ConnectorSpec(
         "MooncakeTransferEngineConnector", lambda token: {"local_hostname": "127.0.0.1", "protocol": "tcp"}
     ),
+    # NIXL over UCX (tcp/cma on loopback); registrations live in the process, checked
+    # through health() by tests/test_connector_nixl.py.
+    ConnectorSpec("NixlConnector", lambda token: {"host": "127.0.0.1", "port": 0}),
 ]
 SPECS_BY_NAME = {spec.name: spec for spec in CONNECTOR_SPECS}
 

@@ -26,6 +26,7 @@ _BUILTINS: dict[str, str] = {
     "SharedMemoryConnector": "vllm_kvbridge.connectors.shm:SharedMemoryConnector",
     "ZmqConnector": "vllm_kvbridge.connectors.zmq_p2p:ZmqConnector",
     "MooncakeStoreConnector": "vllm_kvbridge.connectors.mooncake_store:MooncakeStoreConnector",
+    "NixlConnector": "vllm_kvbridge.connectors.nixl:NixlConnector",
     "MooncakeTransferEngineConnector": "vllm_kvbridge.connectors.mooncake_te:MooncakeTransferEngineConnector",
 }
 #: Short spellings accepted in stage configs.
@@ -33,6 +34,7 @@ _ALIASES: dict[str, str] = {
     "shm": "SharedMemoryConnector",
     "zmq": "ZmqConnector",
     "mooncake": "MooncakeStoreConnector",
+    "nixl": "NixlConnector",
     "mooncake-te": "MooncakeTransferEngineConnector",
 }
 

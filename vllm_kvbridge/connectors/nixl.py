@@ -1,0 +1,491 @@
+"""Cross-host transport on NIXL (UCX by default): the receiver READs the sender's registered memory.
+
+This is the shape of vLLM's own ``NixlConnector``: one-sided reads of registered memory,
+a small side channel for the metadata, and a NIXL notification that tells the producer
+its memory may be reused. It runs over UCX's ``tcp`` and ``cma`` (shared-memory) transports
+here; on hosts with RDMA NICs the same code reads over ``rc`` (see docs/multi_host.md).
+
+Sender (:meth:`NixlConnector.put`): the payload is encoded and packed with one copy
+(:meth:`Encoded.pack_into`) straight into a slab of a pool of registered host buffers
+(:class:`~vllm_kvbridge.connectors.registered_pool.RegisteredBufferPool`), and *published*
+under ``key``. A server thread owns a ZMQ ROUTER socket (the side channel; its address is
+``PutResult.metadata["endpoint"]``, next to the agent name) and the agent's notifications.
+
+Receiver (:meth:`NixlConnector.get`): asks the side channel for ``key``. The answer claims
+the payload (a key is read once) and gives ``(address, nbytes, lease, token)`` plus the
+generation of the sender's registrations; the receiver (re)loads the sender's NIXL agent
+metadata when it is older than that, READs the bytes into a slab of its own registered
+pool with the token as the transfer's notification, and decodes them in place: the
+returned tensors are views of the slab, which goes back to the pool when the last of them
+is freed. When the notification arrives, the sender returns its slab to its pool.
+
+Lifetimes (nothing stays registered or held):
+  * a published payload nobody claims is released after ``ttl_s``; ``cleanup(key)``
+    releases it at once;
+  * a claimed payload stays registered until its notification arrives, or until its lease
+    (``lease_s``) ends (a receiver that died mid-read). The receiver never reads past the
+    lease it was given: a READ that has not finished by then fails (and its local slab is
+    never reused), so the sender cannot reuse memory a reader is still copying;
+  * ``close()`` stops the server, deregisters every slab and destroys the agent. Tensors
+    a get returned stay valid (their memory is plain host memory).
+
+Failures: a peer that does not answer the side channel (dead, stopped, unreachable) gives
+:class:`TransferTimeout` at the deadline (``request_timeout_s`` without one); a READ that
+NIXL fails (the peer died after the claim) raises :class:`TransferError`; an oversize
+payload is refused before any byte moves (:class:`TransferRefused`); bytes that do not
+decode raise :class:`TransferCorrupt`.
+
+Side channel (ZMQ multipart; ``nonce`` pairs a reply with its request; integers u64 le)::
+
+    [b"GET", nonce, key, max_bytes]  -> [nonce, b"OK", agent, addr, nbytes, gen, dgen, lease_ms, token]
+                                        | [nonce, b"MISSING"] | [nonce, b"TOOBIG", nbytes] | [nonce, b"BAD"]
+    [b"MD", nonce]                   -> [nonce, b"MD", agent, metadata, gen, dgen]
+    [b"NACK", nonce, token]          -> (no reply) the claimed READ failed: release it now
+
+Config keys: ``host`` (127.0.0.1; where the side channel binds), ``port`` (0: ephemeral),
+``advertise_host`` (address put in the metadata; default ``host``, or this host's name when
+binding 0.0.0.0), ``backends`` (``["UCX"]``), ``backend_params`` (per backend, NIXL init
+params), ``ucx_tls`` (``"cma,tcp"``), ``ucx_modules`` (``"^ib"``; see
+:func:`~vllm_kvbridge.connectors.nixl_agent.prepare_ucx_env`), ``ttl_s`` (300), ``lease_s``
+(60), ``transfer_timeout_s`` (30), ``request_timeout_s`` (5), ``buffer_pool_bytes`` (512 MiB
+kept registered per side), ``max_payload_bytes`` (64 GiB), ``limits`` (decoding).
+"""
+
+from __future__ import annotations
+
+import os
+import socket as pysocket
+import struct
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zmq
+
+from vllm_kvbridge.connectors.base import Connector, PutResult
+from vllm_kvbridge.connectors.mooncake_store import parse_size
+from vllm_kvbridge.connectors.nixl_agent import (
+    DEFAULT_UCX_MODULES,
+    DEFAULT_UCX_TLS,
+    NixlAgent,
+    prepare_ucx_env,
+)
+from vllm_kvbridge.connectors.registered_pool import RegisteredBufferPool
+from vllm_kvbridge.connectors.te_control import ControlClient, ControlServer
+from vllm_kvbridge.errors import (
+    ConfigError,
+    PayloadError,
+    TransferCorrupt,
+    TransferError,
+    TransferRefused,
+    TransferTimeout,
+)
+
+_U64 = struct.Struct("<Q")
+_GET, _MD, _NACK = b"GET", b"MD", b"NACK"
+_OK, _MISSING, _TOOBIG, _BAD = b"OK", b"MISSING", b"TOOBIG", b"BAD"
+_TOKEN_PREFIX = b"kvbridge:"
+_MAX_KEY = 512
+#: How often the server thread looks for READ notifications and expired payloads.
+_TICK_S = 0.005
+#: How long a receiver waits for the sender to acknowledge a failed READ (best effort).
+_NACK_WAIT_S = 0.5
+#: The share of a lease a receiver may spend reading (the rest covers clock rate and latency).
+_LEASE_SHARE = 0.8
+
+
+def _opt(config: Mapping[str, Any], name: str, default: float, kind: type = float) -> Any:
+    value = config.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ConfigError(f"connector option {name!r} must be a non-negative number, got {value!r}")
+    return kind(value)
+
+
+def _u64(frame: bytes) -> int:
+    return _U64.unpack(frame)[0]
+
+
+@dataclass
+class _Held:
+    """A packed payload in a registered slab: published under its key, then lent to one reader."""
+
+    key: str
+    slab: np.ndarray
+    nbytes: int
+    expires: float
+    token: bytes = b""
+    receiver: bytes = b""
+
+
+class NixlConnector(Connector):
+    """One-sided READs of registered memory over NIXL; see the module docstring."""
+
+    name = "NixlConnector"
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        super().__init__(config)
+        # Everything _close() touches exists before anything can fail.
+        self._lock = threading.Lock()
+        self._published: dict[str, _Held] = {}
+        self._lent: dict[bytes, _Held] = {}  # token -> claimed payload awaiting its notification
+        self._claims: dict[tuple[bytes, str], bytes] = {}  # (receiver id, key) -> token
+        self._quarantine: list[np.ndarray] = []  # local slabs a failed READ may still write
+        self._control: ControlServer | None = None
+        self._client: ControlClient | None = None
+        self._receiver_id = os.urandom(8)
+        self._agent: NixlAgent | None = None
+        self._pool: RegisteredBufferPool | None = None
+        self.endpoint: str | None = None
+
+        cfg = self.config
+        self.host = str(cfg.get("host", "127.0.0.1"))
+        self.port = _opt(cfg, "port", 0, int)
+        advertise = cfg.get("advertise_host")
+        if advertise is None:
+            advertise = pysocket.gethostname() if self.host in ("0.0.0.0", "*") else self.host
+        self.advertise_host = str(advertise)
+        backends = cfg.get("backends", ["UCX"])
+        if isinstance(backends, str):
+            backends = [backends]
+        if not backends or not all(isinstance(b, str) and b for b in backends):
+            raise ConfigError(
+                f"connector option 'backends' must be a list of NIXL backend names, got {backends!r}"
+            )
+        self.ttl_s = _opt(cfg, "ttl_s", 300.0)
+        self.lease_s = _opt(cfg, "lease_s", 60.0)
+        self._sweep_every = max(0.01, min(self.ttl_s / 4, self.lease_s / 4, 1.0))
+        self._next_sweep = 0.0
+        self.transfer_timeout_s = _opt(cfg, "transfer_timeout_s", 30.0)
+        self.request_timeout_s = _opt(cfg, "request_timeout_s", 5.0)
+        self.max_payload_bytes = parse_size(cfg.get("max_payload_bytes", 64 << 30), "max_payload_bytes")
+        pool_bytes = parse_size(cfg.get("buffer_pool_bytes", 512 << 20), "buffer_pool_bytes")
+        self._limits = cfg.get("limits")
+        self.ucx_env = prepare_ucx_env(
+            cfg.get("ucx_tls", DEFAULT_UCX_TLS), cfg.get("ucx_modules", DEFAULT_UCX_MODULES)
+        )
+        self._ctx = zmq.Context()
+        self._client = ControlClient(self._ctx, lambda: self._closed)
+        self._agent = NixlAgent(list(backends), cfg.get("backend_params"))
+        # One pool per connector serves both roles: send slabs and receive slabs.
+        self._pool = RegisteredBufferPool(
+            self._agent.register, self._agent.unregister, pool_bytes, what="NIXL"
+        )
+
+    # -- sender -------------------------------------------------------------------------
+    def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
+        """Pack ``payload`` into a registered slab and publish it under ``key``.
+
+        The payload is copied once: the caller may reuse its tensors when this returns.
+        Refusals (too big, key already published, no registered memory) return ``ok=False``.
+        """
+        from vllm_kvbridge.wire import encode
+
+        self._check_open()
+        self._check_key(key)
+        start = time.perf_counter()
+        enc = encode(payload)
+        need = enc.packed_size()
+        if need > self.max_payload_bytes:
+            return self._put_failed(
+                f"payload of {need} bytes exceeds max_payload_bytes={self.max_payload_bytes}"
+            )
+        endpoint = self._ensure_server()
+        with self._lock:
+            if key in self._published:
+                return self._put_failed(f"key {key!r} is already published by this connector")
+        try:
+            slab, _ = self._pool.acquire(need)
+        except TransferError as exc:
+            return self._put_failed(f"no registered memory for {need} bytes: {exc}")
+        try:
+            enc.pack_into(slab)
+        except PayloadError as exc:
+            self._pool.release(slab)
+            return self._put_failed(f"cannot pack {key!r}: {exc}")
+        del enc
+        with self._lock:
+            refused = self._closed or key in self._published
+            if not refused:
+                self._published[key] = _Held(key, slab, need, time.monotonic() + self.ttl_s)
+        if refused:
+            self._pool.release(slab)
+            why = f"{self.name} closed during put" if self._closed else f"key {key!r} is already published"
+            return self._put_failed(why)
+        self.stats.add(puts=1, put_bytes=need, put_seconds=time.perf_counter() - start)
+        return PutResult(ok=True, nbytes=need, metadata={"endpoint": endpoint, "agent": self._agent.name})
+
+    def _put_failed(self, error: str) -> PutResult:
+        self.stats.add(put_failures=1)
+        return PutResult(ok=False, error=error)
+
+    @staticmethod
+    def _check_key(key: str) -> None:
+        if not isinstance(key, str) or not key or len(key) > _MAX_KEY or not key.isascii():
+            raise ConfigError(f"transfer key {key!r} must be a non-empty ASCII string of <= {_MAX_KEY} chars")
+
+    def _ensure_server(self) -> str:
+        with self._lock:
+            if self._control is None:
+                self._check_open()
+                control = ControlServer(self._ctx, self.host, self.port, self.advertise_host, self._answer)
+                # The tick looks for READ notifications (a finished reader's slab goes home)
+                # and expires unclaimed payloads and leases.
+                control.start(self._tick, _TICK_S)
+                self._control = control
+            return self._control.endpoint
+
+    def _answer(self, request: list[bytes]) -> list[bytes]:
+        """The side channel's handler (server thread): ``request`` without the nonce."""
+        verb = request[0]
+        if verb == _GET and len(request) == 4 and len(request[2]) == 8 and len(request[3]) == 8:
+            return self._answer_get(request[1], request[2], _u64(request[3]))
+        if verb == _MD and len(request) == 1:
+            metadata, gen, dgen = self._agent.metadata()
+            return [_MD, self._agent.name.encode(), metadata, _U64.pack(gen), _U64.pack(dgen)]
+        if verb == _NACK and len(request) == 2:
+            self._release_lent(request[1])
+            return [_OK]
+        return [_BAD]
+
+    def _answer_get(self, key_raw: bytes, receiver: bytes, limit: int) -> list[bytes]:
+        key = key_raw.decode("ascii", "replace")
+        with self._lock:
+            token = self._claims.get((receiver, key))
+            held = self._lent.get(token) if token is not None else None
+            if held is None:
+                # A key is claimed once; the same receiver asking again (its first answer
+                # came after its deadline) gets the same claim, so nothing is lost between.
+                held = self._published.get(key)
+                if held is not None and held.nbytes <= limit:
+                    del self._published[key]
+                    token = _TOKEN_PREFIX + os.urandom(12).hex().encode()
+                    held.token, held.receiver = token, receiver
+                    held.expires = time.monotonic() + self.lease_s
+                    self._lent[token] = held
+                    self._claims[(receiver, key)] = token
+        if held is None:
+            return [_MISSING]
+        if held.nbytes > limit:
+            return [_TOOBIG, _U64.pack(held.nbytes)]
+        agent = self._agent
+        fields = (held.slab.ctypes.data, held.nbytes, agent.generation, agent.dereg_generation)
+        fields += (int(self.lease_s * 1000),)
+        return [_OK, agent.name.encode(), *(_U64.pack(v) for v in fields), token]
+
+    def _tick(self) -> None:
+        with self._lock:
+            lent = bool(self._lent)
+            sweep = time.monotonic() >= self._next_sweep
+        if lent:
+            self._take_notifications()
+        if sweep:
+            self._expire()
+            with self._lock:
+                self._next_sweep = time.monotonic() + self._sweep_every
+
+    def _take_notifications(self) -> None:
+        for message in self._agent.notifications():
+            if message.startswith(_TOKEN_PREFIX):
+                self._release_lent(message)
+
+    def _release_lent(self, token: bytes) -> None:
+        with self._lock:
+            held = self._lent.pop(token, None)
+            if held is not None:
+                self._claims.pop((held.receiver, held.key), None)
+        if held is not None:
+            self._pool.release(held.slab)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            gone = [self._published.pop(k) for k, h in list(self._published.items()) if h.expires <= now]
+            expired = [self._lent.pop(t) for t, h in list(self._lent.items()) if h.expires <= now]
+            for held in expired:
+                self._claims.pop((held.receiver, held.key), None)
+            gone += expired
+        for held in gone:
+            # Unclaimed, or its reader gave up by now (it never reads past its lease).
+            self._pool.release(held.slab)
+
+    # -- receiver -----------------------------------------------------------------------
+    def get(
+        self,
+        from_stage: int | str,
+        to_stage: int | str,
+        key: str,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        deadline: float | None = None,
+    ) -> Any | None:
+        """Claim ``key`` at the sender in ``metadata``, READ it and decode it in place.
+
+        With a deadline, "not there yet" answers are retried (1 ms backoff up to 20 ms)
+        until it passes, then :class:`TransferTimeout` (also when the sender never answers).
+        Without one, a single request: ``None`` if missing. Once claimed, the READ is bounded
+        by ``transfer_timeout_s`` and the sender's lease, not by the deadline.
+        """
+        self._check_open()
+        self._check_key(key)
+        endpoint = (metadata or {}).get("endpoint") or self.config.get("endpoint")
+        if not endpoint:
+            raise TransferError(
+                f"cannot get {key!r}: no endpoint in the put metadata (metadata={metadata!r}) "
+                f"and no 'endpoint' in the {self.name} config"
+            )
+        start = time.perf_counter()
+        try:
+            result = self._pull(str(endpoint), key, deadline)
+        except TransferTimeout:
+            self.stats.add(timeouts=1)
+            raise
+        except TransferError:
+            self.stats.add(get_failures=1)
+            raise
+        if result is None:
+            self.stats.add(get_misses=1)
+            return None
+        payload, nbytes = result
+        self.stats.add(gets=1, get_bytes=nbytes, get_seconds=time.perf_counter() - start)
+        return payload
+
+    def _pull(self, endpoint: str, key: str, deadline: float | None) -> tuple[Any, int] | None:
+        delay = 0.001
+        request = [_GET, key.encode("ascii"), self._receiver_id, _U64.pack(self.max_payload_bytes)]
+        while True:
+            wait_until = deadline if deadline is not None else time.monotonic() + self.request_timeout_s
+            # TransferError at once when the sender is gone (its port refuses connections),
+            # TransferTimeout when it does not answer by wait_until.
+            answer = self._client.request(endpoint, request, wait_until)
+            status = answer[0] if answer else _BAD
+            if status == _OK and len(answer) == 8:
+                return self._read_claimed(endpoint, key, answer[1:])
+            if status == _TOOBIG and len(answer) == 2:
+                raise TransferRefused(
+                    f"{key!r} at {endpoint} is {_u64(answer[1])} bytes, over "
+                    f"max_payload_bytes={self.max_payload_bytes}"
+                )
+            if status != _MISSING:
+                raise TransferError(f"{endpoint} answered {status!r} for {key!r}")
+            if deadline is None:
+                return None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferTimeout(f"{key!r} was not available at {endpoint} before the deadline")
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 0.02)
+            self._check_open()
+
+    def _read_claimed(self, endpoint: str, key: str, fields: list[bytes]) -> tuple[Any, int]:
+        from vllm_kvbridge.wire import decode_packed
+
+        claimed = time.monotonic()
+        peer = fields[0].decode("ascii", "replace")
+        addr, nbytes, gen, dgen, lease_ms = (_u64(f) for f in fields[1:6])
+        token = fields[6]
+        try:
+            if nbytes > self.max_payload_bytes:
+                raise TransferRefused(f"{key!r} at {endpoint} is {nbytes} bytes, over max_payload_bytes")
+            self._ensure_peer(endpoint, peer, gen, dgen, claimed + self.request_timeout_s)
+            slab, _ = self._pool.acquire(nbytes)
+        except BaseException:
+            self._nack(endpoint, token)
+            raise
+        # Never read past the sender's lease: after it the sender may reuse its slab.
+        budget = min(self.transfer_timeout_s, lease_ms / 1000 * _LEASE_SHARE) - (time.monotonic() - claimed)
+        try:
+            if budget <= 0:
+                raise TransferTimeout(f"the lease on {key!r} at {endpoint} ended before the READ could start")
+            self._agent.read(peer, addr, slab.ctypes.data, nbytes, token, budget)
+        except BaseException:
+            # The transport may still write into the slab: never hand it out again.
+            self._pool.discard(slab)
+            with self._lock:
+                self._quarantine.append(slab)
+            self._nack(endpoint, token)
+            raise
+        view = self._pool.lend_view(slab, nbytes)  # slab goes home when the last tensor dies
+        try:
+            return decode_packed(view, limits=self._limits, copy=False), nbytes
+        except PayloadError as exc:
+            raise TransferCorrupt(f"payload {key!r} from {endpoint} does not decode: {exc}") from exc
+        finally:
+            del view
+
+    def _ensure_peer(self, endpoint: str, peer: str, gen: int, dgen: int, until: float) -> None:
+        """Load the peer's agent metadata when ours predates the registration the READ needs."""
+        have = self._agent.peer_generation(peer)
+        if have is not None and have[0] >= gen and have[1] == dgen:
+            return
+        answer = self._client.request(endpoint, [_MD], until)
+        if len(answer) != 5 or answer[0] != _MD:
+            raise TransferError(
+                f"the NIXL sender at {endpoint} answered {answer[:1]!r} to a metadata request"
+            )
+        name = answer[1].decode("ascii", "replace")
+        if name != peer:
+            raise TransferError(f"{endpoint} is agent {name!r} now, not {peer!r} (sender restarted?)")
+        try:
+            self._agent.load_peer(peer, answer[2], _u64(answer[3]), _u64(answer[4]))
+        except TransferError:
+            raise
+        except Exception as exc:
+            raise TransferError(f"cannot load the NIXL metadata of {peer!r} from {endpoint}: {exc}") from exc
+
+    def _nack(self, endpoint: str, token: bytes) -> None:
+        """Tell the sender a claimed READ failed, so it releases the slab now (best effort)."""
+        try:
+            self._client.request(endpoint, [_NACK, token], time.monotonic() + _NACK_WAIT_S)
+        except TransferError:
+            pass  # the sender is gone or busy: its lease releases the slab
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def cleanup(self, key: str) -> None:
+        """Release ``key`` if it is still published here (a claimed one waits for its reader). Idempotent."""
+        self._check_key(key)
+        with self._lock:
+            held = self._published.pop(key, None)
+        if held is not None:
+            self._pool.release(held.slab)
+            self.stats.add(cleanups=1)
+
+    def health(self) -> dict[str, Any]:
+        with self._lock:
+            extra: dict[str, Any] = {
+                "endpoint": self.endpoint,
+                "published": len(self._published),
+                "lent": len(self._lent),
+                "held_payloads": len(self._published) + len(self._lent),
+            }
+        agent = self._agent
+        regions, nbytes = agent.registered if agent is not None else (0, 0)
+        extra.update(
+            agent=agent.name if agent is not None else None,
+            registered_regions=regions,
+            registered_bytes=nbytes,
+            ucx_env=self.ucx_env,
+        )
+        return {**super().health(), **extra}
+
+    def _close(self) -> None:
+        if self._control is not None:
+            self._control.close()  # joins the server thread: no handler runs after this
+        with self._lock:
+            self._published.clear()
+            self._lent.clear()
+            self._claims.clear()
+            self._quarantine.clear()
+        if self._client is not None:
+            self._client.close()
+        if self._pool is not None:
+            self._pool.close()  # deregisters every slab, free or lent
+        if self._agent is not None:
+            self._agent.close()
+        # term() waits until sockets busy in other threads' gets are closed.
+        self._ctx.term()
+
+
+__all__ = ["NixlConnector"]
