@@ -83,6 +83,30 @@ def load_dump(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
+def check_dumped_kv_is_transformers_kv(
+    model_dir: str | Path, result: Any, dump_dir: Path, dit_kwargs: dict[str, Any], num_steps: int = 8
+) -> None:
+    """The KV the DiT stage of an AR -> DiT run consumed (its debug dump) is transformers' KV
+    of the same tokens, and the image is what the DiT makes from that KV."""
+    from vllm_kvbridge.connectors.keys import encode_request_id
+    from vllm_kvbridge.runner.diffusion_runner import denoise
+
+    out = result.stages[0].output
+    tokens = list(out["prompt_token_ids"]) + list(out["token_ids"])
+    dumped = load_dump(dump_dir / f"stage1_{encode_request_id(result.request_id)}_kv.safetensors")
+    seq = dumped["layer0.k"].shape[0]
+    assert len(tokens) - 1 <= seq <= len(tokens)
+    ref, _ = hf_reference(model_dir, tokens[:seq])
+    assert len([k for k in dumped if k.endswith(".k")]) == len(ref)
+    for i, (k, v) in enumerate(ref):
+        assert (dumped[f"layer{i}.k"] - k).abs().max().item() <= 1e-4, f"layer {i} K"
+        assert (dumped[f"layer{i}.v"] - v).abs().max().item() <= 1e-4, f"layer {i} V"
+    kv = [(dumped[f"layer{i}.k"], dumped[f"layer{i}.v"]) for i in range(len(ref))]
+    expected = denoise(TinyKVDiT(**dit_kwargs).eval(), kv, num_steps=num_steps, seed=0)[0]
+    assert torch.allclose(torch.from_numpy(result.image), expected, atol=1e-5)
+
+
+
 def processes_using(path: str | Path) -> list[int]:
     """Pids of live processes with an open file under ``path`` (stage logs live there)."""
     root = str(Path(path).resolve())

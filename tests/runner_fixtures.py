@@ -271,3 +271,121 @@ def killed_sender_child(ns: str, report: Any) -> None:
     report.close()
     report.join_thread()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+# -- 2-rank diffusion stage (CFG-parallel), run in spawned processes ----------------------------
+def cfg_stage(
+    namespace: str, *, num_ranks: int = 1, recv_timeout: float = 10.0, guidance: float = 3.0
+) -> Any:
+    """The resolved diffusion stage of a tiny AR -> DiT config over shm in ``namespace``."""
+    from vllm_kvbridge.config import resolve_spec, spec_from_dict
+
+    cfg = {
+        "connectors": {"shm": {"name": "shm", "extra": {"namespace": namespace}}},
+        "stages": [
+            {"stage_id": 0, "kind": "llm_ar", "model": "m", "kv_transfer": {"need_send_cache": True}},
+            {
+                "stage_id": 1,
+                "kind": "diffusion",
+                "kv_transfer": {"need_recv_cache": True, "recv_timeout": recv_timeout, "prefetch": True},
+                "diffusion": {
+                    "kwargs": {"image_size": 16},
+                    "num_steps": 3,
+                    "guidance_scale": guidance,
+                    "num_ranks": num_ranks,
+                },
+            },
+        ],
+        "edges": [{"from_stage": 0, "to_stage": 1, "connector": "shm"}],
+    }
+    return resolve_spec(spec_from_dict(cfg)).stage(1)
+
+
+def send_cfg_kv(namespace: str, caches: list[torch.Tensor], plans: dict[str, Any]) -> Any:
+    """A sender-side KV manager that sent ``plans`` (engine id -> plan with optional
+    ``purpose`` / ``companion_of``); returned open (the caller closes it: segments stay
+    published until consumed)."""
+    import time
+
+    from kv_fixtures import BLOCK
+
+    from vllm_kvbridge.kv.config import KVTransferConfig
+    from vllm_kvbridge.kv.manager import KVTransferManager
+
+    cfg = KVTransferConfig(
+        need_send_cache=True,
+        stage_id=0,
+        to_stage=1,
+        connector="SharedMemoryConnector",
+        connector_config={"namespace": namespace},
+    )
+    sender = KVTransferManager(cfg, num_kv_heads=2)
+    sender.handle_finished_requests_kv_transfer(plans, caches, BLOCK, "auto", request_id_resolver=lambda i: i)
+    done: set[str] = set()
+    deadline = time.monotonic() + 10
+    while len(done) < len(plans) and time.monotonic() < deadline:
+        d, f = sender.get_finished()
+        assert not f, f
+        done |= d
+        time.sleep(0.01)
+    assert done == set(plans)
+    return sender
+
+
+def _shm_maps() -> list[str]:
+    with open("/proc/self/maps") as f:
+        return sorted({line.split()[-1] for line in f if "/dev/shm/kvbridge" in line})
+
+
+def dit_rank_worker(rank: int, port: int, namespace: str, jobs: list[dict[str, Any]], out_dir: str) -> None:
+    """Rank 0: the stage's DiffusionRunner (LEADER) executing ``jobs``; rank 1: run_follower.
+
+    Writes ``rank<r>.json`` (outcomes, the follower's /dev/shm mappings) and rank 0's images
+    as ``<request>.safetensors``.
+    """
+    import json
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from vllm_kvbridge.runner.diffusion_ranks import Control, run_follower, send_control
+    from vllm_kvbridge.runner.diffusion_runner import DiffusionRequest, DiffusionRunner
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    group = dist.group.WORLD
+    stage = cfg_stage(namespace, num_ranks=2, recv_timeout=2.0)
+    report: dict[str, Any] = {}
+    try:
+        if rank == 1:
+            report["served"] = run_follower(stage, group)
+            report["shm_maps"] = _shm_maps()
+        else:
+            runner = DiffusionRunner(stage, cfg_group=group)
+            try:
+                for job in jobs:
+                    req = DiffusionRequest(
+                        job["id"],
+                        job["id"],
+                        0,
+                        job["sender_info"],
+                        guidance_scale=job["scale"],
+                        cfg_purposes=job["purposes"],
+                    )
+                    try:
+                        out = runner.execute(req)
+                        save_file({"image": out.image.contiguous()}, f"{out_dir}/{job['id']}.safetensors")
+                        report[job["id"]] = {"ok": True, "transfers": out.kv_transfers}
+                    except Exception as exc:
+                        report[job["id"]] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                report["shm_maps"] = _shm_maps()  # the leader maps what it received
+            finally:
+                send_control(Control("stop"), group)
+                runner.close()
+    except BaseException as exc:
+        report["exception"] = repr(exc)
+        raise
+    finally:
+        with open(f"{out_dir}/rank{rank}.json", "w") as f:
+            json.dump(report, f)
+        dist.destroy_process_group()

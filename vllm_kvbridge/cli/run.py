@@ -97,7 +97,7 @@ def summary_table(results: list[Any], plan: Any) -> str:
         walls = [rec.wall_s for r in results for rec in r.stages if rec.stage_id == s.stage_id and rec.done]
         mean = sum(walls) / len(walls) if walls else 0.0
         lines.append(f"{f'{s.stage_id} ({s.kind})':<24}{len(walls):>9}{mean:>13.3f}")
-    edges: dict[tuple[int, int, str], list[float]] = {}
+    edges: dict[tuple[int, int, str, str], list[float]] = {}
     for r in results:
         for key, (nbytes, secs) in r.edge_totals().items():
             acc = edges.setdefault(key, [0.0, 0.0])
@@ -107,13 +107,16 @@ def summary_table(results: list[Any], plan: Any) -> str:
     lines.append(f"{'edge':<24}{'bytes':>12}{'transfer s':>12}{'GB/s':>9}")
     if not edges:
         lines.append("(no transfer reported)")
-    for (a, b, what), (nbytes, secs) in sorted(edges.items()):
+    for (a, b, what, purpose), (nbytes, secs) in sorted(edges.items()):
         rate = f"{nbytes / secs / 1e9:.3f}" if secs > 0 else "-"
-        lines.append(f"{f'{a} -> {b} {what}':<24}{_fmt_bytes(nbytes):>12}{secs:>12.4f}{rate:>9}")
+        label = what if purpose == "kv" else f"{what} {purpose}"  # a CFG companion's KV
+        lines.append(f"{f'{a} -> {b} {label}':<24}{_fmt_bytes(nbytes):>12}{secs:>12.4f}{rate:>9}")
     return "\n".join(lines)
 
 
 def write_outputs(results: list[Any], plan: Any, out_dir: Path, started: float) -> dict[str, Any]:
+    from vllm_kvbridge.pipeline.images import encode_png  # lazy: the pipeline package is heavy
+
     out_dir.mkdir(parents=True, exist_ok=True)
     records = []
     for r in results:
@@ -144,9 +147,17 @@ def write_outputs(results: list[Any], plan: Any, out_dir: Path, started: float) 
                     }
                     for s in r.stages
                 ],
+                # every transfer of the request, CFG companions' KV included (their purpose)
                 "transfers": [
-                    {"from_stage": a, "to_stage": b, "what": what, "bytes": nbytes, "seconds": round(secs, 6)}
-                    for (a, b, what), (nbytes, secs) in sorted(r.edge_totals().items())
+                    {
+                        "from_stage": a,
+                        "to_stage": b,
+                        "what": what,
+                        "purpose": purpose,
+                        "bytes": nbytes,
+                        "seconds": round(secs, 6),
+                    }
+                    for (a, b, what, purpose), (nbytes, secs) in sorted(r.edge_totals().items())
                 ],
             }
         )

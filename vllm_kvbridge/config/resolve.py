@@ -223,6 +223,15 @@ def _check_stage(i: int, s: StageSpec) -> None:
         _check_dotted(d.class_path, f"{p}.diffusion.class_path")
         if d.num_steps < 1:
             raise ConfigError(f"{p}.diffusion.num_steps: must be >= 1, got {d.num_steps}")
+        if not d.guidance_scale >= 0:
+            raise ConfigError(f"{p}.diffusion.guidance_scale: must be >= 0, got {d.guidance_scale}")
+        if d.num_ranks not in (1, 2):
+            raise ConfigError(f"{p}.diffusion.num_ranks: 1 or 2 (CFG-parallel), got {d.num_ranks}")
+        if d.num_ranks == 2 and not kv.need_recv_cache:
+            raise ConfigError(
+                f"{p}.diffusion.num_ranks: 2 ranks split guided KV-conditioned requests; "
+                "this stage receives no KV"
+            )
     else:
         if s.diffusion is not None:
             raise ConfigError(f"{p}.diffusion: only valid for kind 'diffusion' (this stage is {s.kind!r})")

@@ -31,6 +31,9 @@ def kv_transfer_config_dict(stage: ResolvedStage) -> dict[str, Any]:
         "recv_timeout": float(kv.get("recv_timeout", 30.0)),
         "enable_kv_async_prefetch": bool(kv.get("prefetch", True)) and bool(kv.get("need_recv_cache")),
     }
+    if int((stage.diffusion or {}).get("num_ranks", 1)) > 1:
+        # Rank 0 receives every head and hands the KV to the other rank (LEADER -> FOLLOWER).
+        out["distribution"] = "leader"
     send, recv = _kv_edge(stage, "sender"), _kv_edge(stage, "receiver")
     edge = send or recv
     if send is not None:

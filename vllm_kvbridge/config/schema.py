@@ -94,6 +94,12 @@ class DiffusionSpec(_Spec):
 
     ``class_path`` is ``package.module.Class`` (or ``package.module:Class``), built as
     ``Class(**kwargs)``; ``weights`` is an optional safetensors file loaded strictly.
+
+    ``guidance_scale`` (classifier-free guidance; 1 = off) and ``negative_prompt`` are the
+    defaults of every request (the image API overrides them per request): with guidance on,
+    the LLM stage also runs ``negative_prompt`` as its own request and sends its KV as the
+    ``cfg_neg`` companion. ``num_ranks: 2`` runs the stage on two ranks, CFG-parallel (gloo;
+    rank 0 receives the KV and distributes it to rank 1).
     """
 
     class_path: str = "vllm_kvbridge.models.tiny_dit.TinyKVDiT"
@@ -103,6 +109,9 @@ class DiffusionSpec(_Spec):
     seed: int = 0
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     device: str = "cpu"
+    guidance_scale: float = 1.0
+    negative_prompt: str = ""
+    num_ranks: int = 1
 
 
 class StageSpec(_Spec):

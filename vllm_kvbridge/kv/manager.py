@@ -287,6 +287,23 @@ class KVTransferManager:
         """Drop a request's sender info (under both of its ids); True if there was any."""
         return self._sent_info.forget(request_id)
 
+    def discard_sent(self, request_id: str) -> int:
+        """Withdraw a sent request's KV nobody will consume (its request failed elsewhere,
+        e.g. a CFG companion's send failed): ``cleanup`` of every key in its sender info,
+        then forget that info. Returns the number of keys withdrawn (0: nothing known)."""
+        info = self._sent_info.get(request_id)
+        if info is None:
+            return 0
+        keys = list(info.get("keys") or {})
+        conn = self._connector
+        for key in keys if conn is not None else ():
+            try:
+                conn.cleanup(key)
+            except Exception as exc:  # withdraw the others anyway; the TTL reaper is the backstop
+                logger.warning("KV discard of %s: cleanup(%s) failed: %s", request_id, key, exc)
+        self._sent_info.forget(request_id)
+        return len(keys)
+
     def pending_sends(self) -> int:
         return self._sends.pending()
 

@@ -94,12 +94,20 @@ def gather_job(
     ``info`` is ``{"block_ids": ..., "seq_len": int}`` plus optional ``"purpose"`` (default
     ``"kv"``) and ``"metadata"``; ``block_ids`` is a list or a tuple of per-KV-cache-group
     lists of which the first (the attention group) is used.
+
+    A CFG companion that ran as its own request (``rid`` is its own id, e.g.
+    ``"<primary>::cfg_neg"``) also sets ``"companion_of"``: the primary's id. Its KV is then
+    keyed and labelled with the primary's id and its purpose (what the receiver asks for),
+    while its sender info stays filed under its own ids (never over the primary's).
     """
     block_ids = info.get("block_ids")
     if isinstance(block_ids, tuple) and block_ids and isinstance(block_ids[0], list | tuple):
         block_ids = block_ids[0]  # per-KV-cache-group tuple: the attention group
     seq_len = info.get("seq_len")
     purpose = info.get("purpose", KV)
+    key_rid = str(info.get("companion_of") or rid)
+    if key_rid != rid and purpose == KV:
+        raise ConfigError(f"request {rid!r}: a companion of {key_rid!r} needs its own purpose, not {KV!r}")
     metadata = dict(info.get("metadata") or {})
     metadata.setdefault("purpose", purpose)
     parts = []
@@ -113,7 +121,7 @@ def gather_job(
             head_end=route.src_heads.end,
         )
         data = KVCacheTransferData(
-            request_id=rid,
+            request_id=key_rid,
             layer_blocks={"key_cache": keys, "value_cache": values},
             block_ids=[int(b) for b in list(block_ids)[: -(-seq_len // layout.tokens_per_block)]],
             metadata=metadata,
@@ -125,7 +133,7 @@ def gather_job(
             head_end=route.global_heads.end,
             num_kv_heads_total=topo.num_kv_heads,
         )
-        key = route.key(rid, from_stage, to_stage, purpose=purpose)
+        key = route.key(key_rid, from_stage, to_stage, purpose=purpose)
         parts.append((key, route.from_rank, data))
     return SendJob(engine_id, rid, to_stage, parts, topo.num_kv_heads)
 

@@ -11,8 +11,14 @@ Contract the diffusion runner relies on (users replace this class by dotted path
 
 * ``latent_shape`` -> ``(channels, height, width)`` of the latent the loop starts from,
 * ``forward(latents [B, C, H, W], t [B] in [0, 1], kv: list of (K, V) per LLM layer, each
-  [seq, kv_heads, head_dim], payload: dict | None) -> velocity [B, C, H, W]``,
+  [seq, kv_heads, head_dim], payload: dict | None) -> velocity [B, C, H, W]``: one branch,
 * optional ``decode(latents) -> image [B, 3, H', W']`` with values in [0, 1].
+
+Guidance (classifier-free): :meth:`TinyKVDiT.guided_forward` runs the conditional branch on
+the prompt's KV and the unconditional branch on the companion's KV (the negative prompt's,
+computed by the LLM stage as its own request) and mixes them with
+:func:`~vllm_kvbridge.models.guidance.cfg_combine`. The diffusion runner calls ``forward``
+per branch (so a 2-rank stage can run one branch per rank) and mixes with the same function.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from vllm_kvbridge.models.guidance import cfg_combine
 
 
 class _Block(nn.Module):
@@ -138,6 +146,21 @@ class TinyKVDiT(nn.Module):
             x = block(x, temb, k, v)
         out = self.patch_out(self.norm_out(x))
         return out.reshape(b, g, g, c, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, c, hgt, wid)
+
+    def guided_forward(
+        self,
+        latents: torch.Tensor,
+        t: torch.Tensor,
+        kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        uncond_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        guidance_scale: float,
+        payload: Mapping[str, Any] | None = None,
+    ) -> torch.Tensor:
+        """Classifier-free guided velocity: conditional branch on ``kv``, unconditional on
+        ``uncond_kv`` (the two prompts may have different lengths), mixed by ``guidance_scale``."""
+        return cfg_combine(
+            self(latents, t, kv, payload), self(latents, t, uncond_kv, payload), guidance_scale
+        )
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents in roughly [-1, 1] -> image in [0, 1] (the latent space is pixel space here)."""

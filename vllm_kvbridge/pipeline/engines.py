@@ -11,6 +11,7 @@ requests, ``close`` releases everything. ``step`` must not block for long: slow 
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -84,7 +85,18 @@ class DiffusionStageEngine(StageEngine):
         super().__init__(stage)
         from vllm_kvbridge.runner.diffusion_runner import DiffusionRunner
 
-        self.runner = DiffusionRunner(stage)
+        #: rank 1 of a 2-rank stage (``diffusion.num_ranks: 2``, see pipeline/dit_rank.py)
+        self._rank1: Any = None
+        self._group: Any = None
+        if int((stage.diffusion or {}).get("num_ranks", 1)) == 2:
+            from vllm_kvbridge.pipeline.dit_rank import start_ranks
+
+            self._rank1, self._group = start_ranks(stage)
+        try:
+            self.runner = DiffusionRunner(stage, cfg_group=self._group)
+        except BaseException:
+            self._stop_ranks()
+            raise
         self._lock = threading.Lock()
         self._queue: list[tuple[m.Submit, Any]] = []
         self._wakeup = threading.Event()
@@ -96,13 +108,17 @@ class DiffusionStageEngine(StageEngine):
         self._thread.start()
 
     def info(self) -> dict[str, Any]:
-        return {"kind": "diffusion", "latent_shape": list(self.runner.module.latent_shape)}
+        info: dict[str, Any] = {"kind": "diffusion", "latent_shape": list(self.runner.module.latent_shape)}
+        if self._rank1 is not None:
+            info["rank_pids"] = [os.getpid(), self._rank1.pid]
+        return info
 
     def _request(self, msg: m.Submit) -> Any:
         from vllm_kvbridge.runner.diffusion_runner import DiffusionRequest
 
         up = msg.upstream[0] if msg.upstream else m.Upstream(-1, msg.request_id)
         params = msg.sampling_params
+        scale = params.get("guidance_scale")
         return DiffusionRequest(
             msg.request_id,
             up.transfer_request_id,
@@ -110,6 +126,8 @@ class DiffusionStageEngine(StageEngine):
             dict(up.sender_info),
             seed=params.get("seed"),
             num_steps=params.get("num_steps"),
+            guidance_scale=None if scale is None else float(scale),
+            cfg_purposes=sorted(msg.companions),
         )
 
     def submit(self, msg: m.Submit) -> None:
@@ -126,6 +144,8 @@ class DiffusionStageEngine(StageEngine):
             self._aborted.update(request_ids)
 
     def step(self) -> list[m.StageDone | m.RequestFailed]:
+        if self._rank1 is not None and self._rank1.poll() is not None:
+            raise RuntimeError(f"rank 1 of this diffusion stage exited with status {self._rank1.returncode}")
         return drain_results(self._done)
 
     def _work(self) -> None:
@@ -161,16 +181,14 @@ class DiffusionStageEngine(StageEngine):
                     continue
                 transfers = []
                 if req.from_stage >= 0 and self.runner.need_kv:
-                    transfers.append(
+                    # One entry per cache (primary "kv" and each CFG companion); they are
+                    # received together, so each carries the group's wait.
+                    transfers = [
                         m.TransferStat(
-                            req.from_stage,
-                            self.stage.stage_id,
-                            "kv",
-                            res.kv_bytes,
-                            res.kv_seconds,
-                            "receiver",
+                            req.from_stage, self.stage.stage_id, "kv", n, res.kv_seconds, "receiver", purpose
                         )
-                    )
+                        for purpose, n in res.kv_transfers.items()
+                    ]
                 self._done.put(
                     m.StageDone(
                         msg.request_id,
@@ -199,4 +217,14 @@ class DiffusionStageEngine(StageEngine):
             self._stop = True
         self._wakeup.set()
         self._thread.join(timeout=10)
-        self.runner.close()
+        try:
+            self.runner.close()
+        finally:
+            self._stop_ranks()
+
+    def _stop_ranks(self) -> None:
+        if self._rank1 is not None:
+            from vllm_kvbridge.pipeline.dit_rank import stop_ranks
+
+            stop_ranks(self._rank1, self._group)
+            self._rank1 = None

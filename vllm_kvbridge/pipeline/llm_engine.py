@@ -24,13 +24,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from vllm_kvbridge.config.resolve import ResolvedStage
 from vllm_kvbridge.config.runner_settings import runner_settings
 from vllm_kvbridge.pipeline import messages as m
+from vllm_kvbridge.pipeline.cfg import CompanionGroups
 from vllm_kvbridge.pipeline.engines import StageEngine
 
 #: Seconds between two transfer-status RPCs while requests wait for their sends.
 STATUS_POLL_S = 0.005
+#: Longest wait for a failed CFG group member's send to settle before its KV is withdrawn.
+DISCARD_WAIT_S = 30.0
 
 
 def _merge_kv_info(per_rank: list[dict[str, Any]], rid: str) -> dict[str, Any]:
@@ -94,6 +99,11 @@ class LLMStageEngine(StageEngine):
         self._aborted: set[str] = set()
         #: streaming request id -> (characters, tokens) already reported in StageProgress
         self._streamed: dict[str, tuple[int, int]] = {}
+        #: CFG companions of requests (see pipeline/cfg.py); only a stage that sends KV runs them
+        self._cfg = CompanionGroups()
+        #: members of failed CFG groups whose sent KV must be withdrawn once their send settled:
+        #: id -> (give-up time, whether it finished in vLLM, so a send is still due)
+        self._discard: dict[str, tuple[float, bool]] = {}
 
     def info(self) -> dict[str, Any]:
         return {"kind": self.stage.kind, "model": self.stage.model, "pid_engine": None}
@@ -112,7 +122,34 @@ class LLMStageEngine(StageEngine):
             params.setdefault("skip_reading_prefix_cache", True)
         return SamplingParams(**params, extra_args=extra)
 
+    def _companion_params(self, msg: m.Submit, companion_id: str, purpose: str) -> Any:
+        """Prefill only: the companion's KV is exactly its prompt's, sent under the primary's
+        id with ``purpose`` in the key (status and sender info are filed under its own id)."""
+        from vllm import SamplingParams
+
+        params = {**self.stage.default_sampling_params, **msg.sampling_params}
+        for name in ("num_steps", "extra_args", "max_tokens", "min_tokens", "stop", "stop_token_ids"):
+            params.pop(name, None)
+        extra = {
+            "request_id": companion_id,
+            "purpose": purpose,
+            "companion_of": msg.request_id,
+            "trigger": "prefill_finished",
+            "stop_after_transfer": True,
+        }
+        return SamplingParams(**params, max_tokens=1, extra_args={"kvbridge": extra})
+
+    def _submit_companions(self, msg: m.Submit) -> None:
+        if msg.prompt is None:
+            raise ValueError(f"request {msg.request_id!r}: CFG companions need a text prompt")
+        ids = self._cfg.add(msg.request_id, msg.companions)
+        for cid, prompt in ids.items():
+            _, purpose = self._cfg.owner(cid) or ("", "")
+            self.engine.add_request(cid, prompt, self._companion_params(msg, cid, purpose))
+
     def submit(self, msg: m.Submit) -> None:
+        if msg.companions and (self.settings.get("kv_transfer") or {}).get("need_send_cache"):
+            self._submit_companions(msg)
         params = self._params(msg)
         self._started[msg.request_id] = time.time()
         if msg.stream:
@@ -132,6 +169,9 @@ class LLMStageEngine(StageEngine):
         self.engine.add_request(msg.request_id, msg.prompt, params)
 
     def abort(self, request_ids: list[str]) -> None:
+        request_ids = list(request_ids)
+        for rid in list(request_ids):
+            request_ids.extend(i for i in self._cfg.fail(rid) if i != rid)
         for rid in request_ids:
             self._aborted.add(rid)
             entry = self._inputs.pop(rid, None)
@@ -143,7 +183,7 @@ class LLMStageEngine(StageEngine):
         self.engine.abort_request(list(request_ids))
 
     def busy(self) -> bool:
-        return bool(self._inputs or self._awaiting) or self.engine.has_unfinished_requests()
+        return bool(self._inputs or self._awaiting or self._discard) or self.engine.has_unfinished_requests()
 
     # -- progress --------------------------------------------------------------------------
     def _start_from_payload(self, out: list[m.StageDone | m.StageProgress | m.RequestFailed]) -> None:
@@ -198,7 +238,26 @@ class LLMStageEngine(StageEngine):
                     self._awaiting[o.request_id] = (o, time.time())
         if self._awaiting:
             self._report_finished(out)
+        if self._discard:
+            self._settle_discards()
         return out
+
+    def _settle_discards(self) -> None:
+        """Withdraw the KV of failed groups' members once nothing of theirs is in flight, so
+        a primary whose companion failed does not keep its segment / store key until a TTL."""
+        ids = list(self._discard)
+        per_rank = self.llm.collective_rpc("kvbridge_transfer_status", args=(ids,))
+        now, settled = time.monotonic(), []
+        for rid in ids:
+            give_up, due = self._discard[rid]
+            kv = [str(st.get(rid, {}).get("kv", "unknown")) for st in per_rank]
+            terminal = all(v == "done" or v.startswith("failed") or v == "none" for v in kv)
+            if now > give_up or (terminal if due else "pending" not in kv):
+                settled.append(rid)
+        if settled:
+            self.llm.collective_rpc("kvbridge_discard_kv", args=(settled,))
+            for rid in settled:
+                del self._discard[rid]
 
     def _progress(self, o: Any, out: list[m.StageDone | m.StageProgress | m.RequestFailed]) -> None:
         """Append a StageProgress with what ``o`` (a cumulative output) adds to what was sent."""
@@ -227,9 +286,16 @@ class LLMStageEngine(StageEngine):
                     for k, v in st.items()
                     if k in ("kv", "payload") and str(v).startswith("failed")
                 ]
+                owner = self._cfg.owner(rid)
+                if (
+                    owner is not None
+                    and not failed
+                    and all(st.get("kv") in ("none", "unknown") for st in states)
+                ):
+                    failed = [f"its KV was not sent (status {states[0].get('kv') if states else 'unknown'})"]
                 if failed:
-                    self._awaiting.pop(rid)
-                    out.append(m.RequestFailed(rid, self.stage.stage_id, f"transfer failed: {failed[0]}"))
+                    self._awaiting.pop(rid, None)
+                    self._fail_group(rid, f"transfer failed: {failed[0]}", out)
                 elif all(
                     st.get("kv") in ("none", "done", "unknown")
                     and st.get("payload") in ("none", "done", "unknown")
@@ -243,7 +309,14 @@ class LLMStageEngine(StageEngine):
         else:
             ready, infos = ids, []
         for rid in ready:
+            if rid not in self._awaiting:
+                continue  # its group failed while its status was read
             o, finished_at = self._awaiting.pop(rid)
+            if self._cfg.owner(rid) is not None:  # a CFG companion: its primary reports it
+                primary = self._cfg.owner(rid)[0]
+                self._cfg.companion_done(rid, _merge_kv_info(infos, rid) if infos else {})
+                self._emit_group(primary, out)
+                continue
             comp = o.outputs[0]
             sender_info: dict[str, Any] = {}
             if infos:
@@ -260,22 +333,66 @@ class LLMStageEngine(StageEngine):
                 transfers.append(
                     m.TransferStat(up, self.stage.stage_id, "payload", stats[0], stats[1], "receiver")
                 )
-            out.append(
-                m.StageDone(
-                    rid,
-                    self.stage.stage_id,
-                    output={
-                        "text": comp.text,
-                        "token_ids": list(comp.token_ids),
-                        "prompt_token_ids": list(o.prompt_token_ids or []),
-                    },
-                    transfer_request_id=rid,
-                    sender_info=sender_info,
-                    started=self._started.pop(rid, finished_at),
-                    finished=time.time(),
-                    transfers=transfers,
-                )
+            done = m.StageDone(
+                rid,
+                self.stage.stage_id,
+                output={
+                    "text": comp.text,
+                    "token_ids": list(comp.token_ids),
+                    "prompt_token_ids": list(o.prompt_token_ids or []),
+                },
+                transfer_request_id=rid,
+                sender_info=sender_info,
+                started=self._started.pop(rid, finished_at),
+                finished=time.time(),
+                transfers=transfers,
             )
+            if self._cfg.has(rid):
+                self._cfg.primary_done(rid, done)
+                self._emit_group(rid, out)
+            else:
+                out.append(done)
+
+    def _emit_group(self, primary: str, out: list[m.StageDone | m.StageProgress | m.RequestFailed]) -> None:
+        """Report ``primary`` once it and all its CFG companions were sent: one StageDone whose
+        sender info holds every key (the companions' keys name their purpose)."""
+        got = self._cfg.complete(primary)
+        if got is None:
+            return
+        done, infos = got
+        keys = dict(done.sender_info.get("keys") or {})
+        ranks = dict(done.sender_info.get("ranks") or {})
+        for info in infos:
+            keys.update(info.get("keys") or {})
+            for r, meta in (info.get("ranks") or {}).items():
+                ranks.setdefault(r, meta)
+        info = dict(done.sender_info)
+        if keys:
+            info["keys"] = keys
+        if ranks:
+            info["ranks"] = ranks
+        out.append(msgspec.structs.replace(done, sender_info=info))
+
+    def _fail_group(
+        self, rid: str, error: str, out: list[m.StageDone | m.StageProgress | m.RequestFailed]
+    ) -> None:
+        """Fail ``rid``'s request; a companion's failure fails its primary, naming it. The
+        rest of the group is aborted at once (no member waits for its own timeout)."""
+        owner = self._cfg.owner(rid)
+        primary = owner[0] if owner else rid
+        members = self._cfg.fail(rid)
+        if owner is not None:
+            error = f"CFG companion {owner[1]!r} ({rid}) of {primary}: {error}"
+        others = [i for i in members if i != rid]
+        give_up = time.monotonic() + DISCARD_WAIT_S
+        for i in others:
+            self._discard[i] = (give_up, self._awaiting.pop(i, None) is not None)
+        if others:
+            self._aborted.update(others)
+            self.engine.abort_request(others)
+        self._started.pop(primary, None)
+        self._streamed.pop(primary, None)
+        out.append(m.RequestFailed(primary, self.stage.stage_id, error))
 
     def close(self) -> None:
         for receiver in self._receivers.values():

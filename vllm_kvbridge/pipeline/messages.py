@@ -56,6 +56,11 @@ class Submit(_Msg, tag="submit"):
     #: Report partial output (:class:`StageProgress`) while generating. Stages that cannot
     #: (diffusion, external servers) ignore it and report only ``StageDone``.
     stream: bool = False
+    #: Classifier-free guidance companions of this request, purpose -> prompt (e.g.
+    #: ``{"cfg_neg": negative_prompt}``): an LLM stage that sends KV runs each prompt as its
+    #: own request and sends its KV under this request's id with that purpose; a diffusion
+    #: stage receives them all (see :mod:`vllm_kvbridge.pipeline.cfg`).
+    companions: dict[str, str] = {}
 
 
 class Abort(_Msg, tag="abort"):
@@ -75,6 +80,8 @@ class TransferStat(msgspec.Struct, forbid_unknown_fields=True):
     nbytes: int
     seconds: float
     side: str  # "sender" | "receiver"
+    #: Which KV of the request: ``"kv"`` (the primary) or a CFG companion's purpose.
+    purpose: str = "kv"
 
 
 class Tensor(msgspec.Struct, forbid_unknown_fields=True):

@@ -46,6 +46,7 @@ from vllm_kvbridge.config.resolve import ResolvedConnector, ResolvedPipeline, Re
 from vllm_kvbridge.connectors.keys import edge_name
 from vllm_kvbridge.errors import KVBridgeError
 from vllm_kvbridge.pipeline import messages as m
+from vllm_kvbridge.pipeline.cfg import check_request_id, companions_for
 
 POLL_S = 0.05
 _LOG_TAIL_LINES = 15
@@ -101,13 +102,14 @@ class RequestResult:
     error: str | None = None
     finished: bool = False
 
-    def edge_totals(self) -> dict[tuple[int, int, str], tuple[int, float]]:
-        """(from, to, what) -> (bytes, seconds), measured on the receiving side when it reported."""
-        out: dict[tuple[int, int, str], tuple[int, float]] = {}
+    def edge_totals(self) -> dict[tuple[int, int, str, str], tuple[int, float]]:
+        """(from, to, what, purpose) -> (bytes, seconds), measured on the receiving side when
+        it reported; ``purpose`` is ``"kv"`` for the primary KV, else the CFG companion's."""
+        out: dict[tuple[int, int, str, str], tuple[int, float]] = {}
         for side in ("sender", "receiver"):
             for t in self.transfers:
                 if t.side == side:
-                    out[(t.from_stage, t.to_stage, t.what)] = (t.nbytes, t.seconds)
+                    out[(t.from_stage, t.to_stage, t.what, t.purpose)] = (t.nbytes, t.seconds)
         return out
 
 
@@ -208,6 +210,7 @@ class Pipeline:
         self._where: dict[str, set[int]] = {}  # request id -> stages working on it
         self._counter = 0
         self._stage_params: dict[str, dict[int, dict[str, Any]]] = {}
+        self._companions: dict[str, dict[str, str]] = {}  # CFG companions (pipeline/cfg.py)
         self._polled: set[str] = set()  # ids started with submit(), returned by poll()
         self._on_progress: dict[str, Callable[[m.StageProgress], None]] = {}  # streaming requests
         self._finished_polled: list[RequestResult] = []
@@ -385,13 +388,17 @@ class Pipeline:
         if len(ids) != len(prompts) or len(set(ids)) != len(ids):
             raise ValueError("request_ids must be unique and one per prompt")
         first = self.plan.entry_stage
+        companions = companions_for(self.plan, None)
         for rid, prompt in zip(ids, prompts):
+            check_request_id(rid)
             if rid in self._results:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._results[rid] = RequestResult(rid, prompt)
             self._deadlines[rid] = time.monotonic() + self.plan.request_timeout
+            self._companions[rid] = companions
             params = {**first.default_sampling_params, **(sampling_params or {})}
-            self._submit_chain(first.stage_id, m.Submit(rid, prompt=prompt, sampling_params=params))
+            msg = m.Submit(rid, prompt=prompt, sampling_params=params, companions=companions)
+            self._submit_chain(first.stage_id, msg)
         try:
             while not all(self._results[r].finished for r in ids):
                 self._pump(POLL_S)
@@ -420,6 +427,7 @@ class Pipeline:
         r.error, r.finished = error, True
         self._deadlines.pop(rid, None)
         self._stage_params.pop(rid, None)
+        self._companions.pop(rid, None)
         self._on_progress.pop(rid, None)
         stages = self._where.pop(rid, set())
         if error is not None and self._sock is not None and not self._closed:
@@ -532,7 +540,10 @@ class Pipeline:
     def _downstream_submit(self, stage_id: int, rid: str, upstream: list[m.Upstream]) -> m.Submit:
         params = self._stages[stage_id].stage.default_sampling_params
         extra = self._stage_params.get(rid, {}).get(stage_id, {})
-        return m.Submit(rid, prompt=None, sampling_params={**params, **extra}, upstream=upstream)
+        companions = self._companions.get(rid, {})
+        return m.Submit(
+            rid, prompt=None, sampling_params={**params, **extra}, upstream=upstream, companions=companions
+        )
 
     def _submit_chain(self, stage_id: int, msg: m.Submit) -> None:
         """Submit to ``stage_id``, and at once to the stages behind async-chunk edges: they
@@ -579,8 +590,10 @@ class Pipeline:
         if request_id is None:
             self._counter += 1
             request_id = f"req-{self._counter}"
+        check_request_id(request_id)
         if request_id in self._results:
             raise ValueError(f"request id {request_id!r} is already in use")
+        companions = companions_for(self.plan, stage_params)
         first = self.plan.entry_stage
         self._results[request_id] = RequestResult(request_id, prompt)
         self._deadlines[request_id] = time.monotonic() + self.plan.request_timeout
@@ -594,7 +607,9 @@ class Pipeline:
             **self._stage_params.get(request_id, {}).get(first.stage_id, {}),
             **(sampling_params or {}),
         }
-        self._submit_chain(first.stage_id, m.Submit(request_id, prompt=prompt, sampling_params=params))
+        self._companions[request_id] = companions
+        msg = m.Submit(request_id, prompt=prompt, sampling_params=params, companions=companions)
+        self._submit_chain(first.stage_id, msg)
         return request_id
 
     def poll(self, timeout_s: float = POLL_S) -> list[RequestResult]:

@@ -12,6 +12,18 @@ and runs a flow-matching Euler loop of ``num_steps`` steps:
 Module contract (see :mod:`vllm_kvbridge.models.tiny_dit` for the reference one):
 ``latent_shape``, ``forward(latents, t, kv, payload)`` -> velocity, optional ``decode``.
 
+Classifier-free guidance: a request with ``guidance_scale != 1`` names the *purposes* of
+its companion caches (``DiffusionRequest.cfg_purposes``, e.g. ``["cfg_neg"]``: the KV of the
+negative / unconditional prompt, which the LLM stage computed as its own request and sent
+under the primary's request id with that purpose). The hook contract with the KV manager is
+:meth:`DiffusionRunner.cfg_kv_collect` (``req -> purposes``), handed to
+``consume_and_distribute_kv_cache`` / ``start_prefetch`` as ``cfg_kv_collect_func``: the
+manager receives the primary and every companion against **one** deadline and fails the
+request naming the companion that did not come; nothing is denoised without it. Each
+step then mixes ``forward(.., kv)`` and ``forward(.., companion_kv)`` with
+:func:`~vllm_kvbridge.models.guidance.cfg_combine`. On a 2-rank stage
+(:mod:`vllm_kvbridge.runner.diffusion_ranks`) each rank computes one branch.
+
 Failure contract: a KV that does not arrive by ``kv_transfer.recv_timeout`` fails that
 request with :class:`~vllm_kvbridge.errors.TransferTimeout` (never "run without KV");
 a module that cannot be imported, built or loaded fails the stage at start.
@@ -29,6 +41,7 @@ import torch
 from torch import nn
 
 from vllm_kvbridge.errors import ConfigError, TransferError
+from vllm_kvbridge.models.guidance import CFG_NEGATIVE, cfg_combine, guidance_active
 from vllm_kvbridge.runner.mixin import KVBridgeModelRunnerMixin
 from vllm_kvbridge.runner.settings import load_dotted
 
@@ -88,17 +101,46 @@ def denoise(
     seed: int,
     payload: Mapping[str, Any] | None = None,
     batch: int = 1,
+    uncond_kv: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    guidance_scale: float = 1.0,
+    cfg_group: Any = None,
 ) -> torch.Tensor:
-    """Run the Euler loop and return the decoded image(s) ``[batch, C, H, W]``."""
+    """Run the Euler loop and return the decoded image(s) ``[batch, C, H, W]``.
+
+    With ``uncond_kv`` every step is guided: ``cfg_combine(v(kv), v(uncond_kv), scale)``.
+    ``cfg_group`` (a 2-rank ``torch.distributed`` group) runs it CFG-parallel: rank 0 of
+    the group computes the conditional branch, rank 1 the unconditional one (it passes its
+    branch's KV as ``uncond_kv``; ``kv`` is then unused), one ``all_gather`` per step
+    shares them, and both ranks mix them identically, so every rank holds the same
+    latents as a single-rank run.
+    """
     param = next(module.parameters(), None)
     dtype = param.dtype if param is not None else torch.float32
     device = param.device if param is not None else torch.device("cpu")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn((batch, *module.latent_shape), generator=gen, dtype=torch.float32).to(device, dtype)
     kv = [(k.to(device), v.to(device)) for k, v in kv]
+    if uncond_kv is not None:
+        uncond_kv = [(k.to(device), v.to(device)) for k, v in uncond_kv]
+    rank = -1
+    if cfg_group is not None:
+        import torch.distributed as dist
+
+        if uncond_kv is None or dist.get_world_size(cfg_group) != 2:
+            raise ConfigError("CFG-parallel denoising needs a guided request and a 2-rank group")
+        rank = dist.get_rank(cfg_group)
     for i in range(num_steps):
         t = torch.full((batch,), 1.0 - i / num_steps, device=device, dtype=dtype)
-        x = x - module(x, t, kv, payload) / num_steps
+        if uncond_kv is None:
+            v = module(x, t, kv, payload)
+        elif rank < 0:
+            v = cfg_combine(module(x, t, kv, payload), module(x, t, uncond_kv, payload), guidance_scale)
+        else:
+            mine = module(x, t, kv if rank == 0 else uncond_kv, payload).contiguous()
+            both = [torch.empty_like(mine), torch.empty_like(mine)]
+            dist.all_gather(both, mine, group=cfg_group)
+            v = cfg_combine(both[0], both[1], guidance_scale)
+        x = x - v / num_steps
     decode = getattr(module, "decode", None)
     return (decode(x) if callable(decode) else x).float()
 
@@ -114,6 +156,31 @@ class DiffusionRequest:
     sender_info: dict[str, Any] = field(default_factory=dict)
     seed: int | None = None
     num_steps: int | None = None
+    #: None: the stage's ``diffusion.guidance_scale``.
+    guidance_scale: float | None = None
+    #: Purposes of the companion KV caches this request needs (CFG), e.g. ``["cfg_neg"]``.
+    cfg_purposes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class KVJob:
+    """What the KV manager sees of a request: its transfer id and companion purposes.
+
+    The manager attaches ``kv_transfer_data`` / ``cfg_kv_transfer_data`` to it.
+    """
+
+    request_id: str  # the transfer id
+    cfg_purposes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ReceivedKVLayers:
+    """One request's KV as the denoise loop consumes it."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    companions: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]
+    nbytes: dict[str, int]  # purpose ("kv" for the primary) -> bytes
+    seconds: float
 
 
 @dataclass
@@ -123,6 +190,24 @@ class DiffusionOutput:
     kv_bytes: int
     kv_seconds: float
     seconds: float
+    #: bytes per received cache: ``"kv"`` (primary) and each companion purpose
+    kv_transfers: dict[str, int] = field(default_factory=dict)
+
+
+def cfg_kv_collect(req: Any) -> list[str]:
+    """The manager's CFG hook (``cfg_kv_collect_func``): the companion purposes of ``req``."""
+    return list(getattr(req, "cfg_purposes", None) or [])
+
+
+def check_cfg_request(guidance_scale: float, purposes: Sequence[str]) -> None:
+    """A guided request needs exactly the negative companion, an unguided one none."""
+    if guidance_active(guidance_scale) and list(purposes) != [CFG_NEGATIVE]:
+        raise ConfigError(
+            f"guidance_scale {guidance_scale} needs the {CFG_NEGATIVE!r} companion KV, "
+            f"the request names {list(purposes)}"
+        )
+    if not guidance_active(guidance_scale) and purposes:
+        raise ConfigError(f"companion KV {list(purposes)} sent for a request without guidance")
 
 
 class DiffusionRunner(KVBridgeModelRunnerMixin):
@@ -134,13 +219,18 @@ class DiffusionRunner(KVBridgeModelRunnerMixin):
     is used, so none of the host hooks (paged caches) are needed.
     """
 
-    def __init__(self, stage: Any) -> None:
+    def __init__(self, stage: Any, *, cfg_group: Any = None) -> None:
+        """``cfg_group``: the stage's 2-rank gloo group when ``diffusion.num_ranks`` is 2
+        (this runner is rank 0, the LEADER; see :mod:`vllm_kvbridge.runner.diffusion_ranks`)."""
         from vllm_kvbridge.config.runner_settings import runner_settings
 
         self.stage = stage
         d = stage.diffusion or {}
         self.num_steps = int(d.get("num_steps", 8))
         self.seed = int(d.get("seed", 0))
+        self.guidance_scale = float(d.get("guidance_scale", 1.0))
+        self.num_ranks = int(d.get("num_ranks", 1))
+        self.cfg_group: Any = cfg_group
         self.module = build_module(
             d.get("class_path", "vllm_kvbridge.models.tiny_dit.TinyKVDiT"),
             d.get("kwargs"),
@@ -158,50 +248,101 @@ class DiffusionRunner(KVBridgeModelRunnerMixin):
     def kvbridge_kv_manager_kwargs(self) -> dict[str, Any]:
         # The module knows how many KV heads it consumes (the TP routing needs it).
         heads = getattr(self.module, "kv_heads", None)
-        return {**super().kvbridge_kv_manager_kwargs(), "num_kv_heads": int(heads) if heads else None}
+        kwargs = {**super().kvbridge_kv_manager_kwargs(), "num_kv_heads": int(heads) if heads else None}
+        if self.cfg_group is not None:
+            kwargs["process_group"] = self.cfg_group  # LEADER of distribution: leader
+        return kwargs
 
     # -- KV ------------------------------------------------------------------------------
+    def kv_job(self, req: DiffusionRequest) -> KVJob:
+        return KVJob(req.transfer_request_id, list(req.cfg_purposes))
+
     def prefetch(self, req: DiffusionRequest) -> None:
-        """Start pulling ``req``'s KV in the background (no-op when disabled or not needed)."""
+        """Start pulling ``req``'s KV (and companions) in the background (no-op when disabled)."""
         if not (self.need_kv and self.prefetch_enabled):
             return
-        self._kv.start_prefetch([(req.transfer_request_id, dict(req.sender_info))])
+        self._kv.start_prefetch(
+            [(self.kv_job(req), dict(req.sender_info))], cfg_kv_collect_func=cfg_kv_collect
+        )
 
-    def receive_kv(self, req: DiffusionRequest) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int, float]:
-        """The request's per-layer KV, its bytes and the seconds spent waiting for it.
+    def receive_kv(self, req: DiffusionRequest, *, denoise: bool = False) -> ReceivedKVLayers:
+        """The request's per-layer KV and companions, bytes per cache, seconds waited.
 
         Uses the prefetched KV when there is one, else receives within ``recv_timeout``
-        (raises :class:`~vllm_kvbridge.errors.TransferTimeout` when it does not come).
+        (raises :class:`~vllm_kvbridge.errors.TransferTimeout` naming the missing cache).
+        On a 2-rank stage the leader first tells rank 1 about the request (``denoise``:
+        whether it will take part in the denoise loop), then distributes the KV to it.
         """
         t0 = time.perf_counter()
-        rid = req.transfer_request_id
+        job = self.kv_job(req)
+        if self.cfg_group is not None:
+            from vllm_kvbridge.runner.diffusion_ranks import Control, send_control
+
+            scale = self.guidance_scale if req.guidance_scale is None else float(req.guidance_scale)
+            ctl = Control(
+                "run",
+                job.request_id,
+                list(job.cfg_purposes),
+                denoise,
+                self.seed if req.seed is None else req.seed,
+                req.num_steps or self.num_steps,
+                scale,
+            )
+            send_control(ctl, self.cfg_group)
         self._kv.update_sender_info(req.sender_info, req.from_stage)
-        self._kv.consume_and_distribute_kv_cache(rid, sender_info=dict(req.sender_info))
-        rec = self._kv.pop_received(rid)
+        self._kv.consume_and_distribute_kv_cache(job, cfg_kv_collect, sender_info=dict(req.sender_info))
+        rec = self._kv.pop_received(job.request_id)
         seconds = time.perf_counter() - t0
         if rec is None:
             raise TransferError(f"no KV cache arrived for request {req.request_id!r}")
-        return kv_layers(rec.data), int(rec.nbytes or rec.data.nbytes), seconds
+        missing = [p for p in job.cfg_purposes if p not in rec.companions]
+        if missing:
+            raise TransferError(f"request {req.request_id!r}: CFG companion KV {missing} did not arrive")
+        return ReceivedKVLayers(
+            kv_layers(rec.data),
+            {p: kv_layers(d) for p, d in rec.companions.items()},
+            {"kv": int(rec.data.nbytes), **{p: int(d.nbytes) for p, d in rec.companions.items()}},
+            seconds,
+        )
 
     # -- execution -----------------------------------------------------------------------
     def execute(self, req: DiffusionRequest) -> DiffusionOutput:
         t0 = time.perf_counter()
-        kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-        nbytes, kv_s = 0, 0.0
+        scale = self.guidance_scale if req.guidance_scale is None else float(req.guidance_scale)
+        check_cfg_request(scale, req.cfg_purposes)
+        got = ReceivedKVLayers([], {}, {}, 0.0)
         if self.need_kv:
-            kv, nbytes, kv_s = self.receive_kv(req)
+            got = self.receive_kv(req, denoise=True)
             if self.dump_dir is not None:
-                self._dump(req, kv)
+                self._dump(req, got.kv)
+                for purpose, layers in got.companions.items():
+                    self._dump(req, layers, purpose)
+        elif req.cfg_purposes:
+            raise ConfigError("a guided request needs a stage that receives KV")
+        uncond = got.companions.get(CFG_NEGATIVE)
         image = denoise(
             self.module,
-            kv,
+            got.kv,
             num_steps=req.num_steps or self.num_steps,
             seed=self.seed if req.seed is None else req.seed,
+            uncond_kv=uncond,
+            guidance_scale=scale,
+            cfg_group=self.cfg_group if uncond is not None else None,
         )[0]
-        return DiffusionOutput(req.request_id, image, nbytes, kv_s, time.perf_counter() - t0)
+        return DiffusionOutput(
+            req.request_id,
+            image,
+            sum(got.nbytes.values()),
+            got.seconds,
+            time.perf_counter() - t0,
+            dict(got.nbytes),
+        )
 
-    def _dump(self, req: DiffusionRequest, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write the consumed KV for tests and debugging (``runtime.debug_dump_dir``)."""
+    def _dump(
+        self, req: DiffusionRequest, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], purpose: str = "kv"
+    ) -> None:
+        """Write the consumed KV for tests and debugging (``runtime.debug_dump_dir``):
+        ``stage<N>_<request>_kv.safetensors``, companions ``..._<purpose>.safetensors``."""
         from safetensors.torch import save_file
 
         from vllm_kvbridge.connectors.keys import encode_request_id
@@ -212,7 +353,7 @@ class DiffusionRunner(KVBridgeModelRunnerMixin):
         for i, (k, v) in enumerate(kv):
             tensors[f"layer{i}.k"] = k.detach().to("cpu", torch.float32).contiguous().clone()
             tensors[f"layer{i}.v"] = v.detach().to("cpu", torch.float32).contiguous().clone()
-        name = f"stage{self.stage.stage_id}_{encode_request_id(req.request_id)}_kv.safetensors"
+        name = f"stage{self.stage.stage_id}_{encode_request_id(req.request_id)}_{purpose}.safetensors"
         save_file(tensors, str(self.dump_dir / name))
 
     def close(self) -> None:

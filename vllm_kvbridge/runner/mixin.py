@@ -77,7 +77,17 @@ class KVBridgeModelRunnerMixin(_PayloadTransportMixin):
         if sends:
             for spec in sends:
                 self.kvbridge_register_request(spec.req_id, spec.transfer_id)
-            self.kvbridge_send_kv([(s.req_id, s.block_ids, s.num_tokens) for s in sends])
+            self.kvbridge_send_kv(
+                [
+                    (
+                        s.req_id,
+                        s.block_ids,
+                        s.num_tokens,
+                        {"purpose": s.purpose, "companion_of": s.companion_of},
+                    )
+                    for s in sends
+                ]
+            )
         for req_id, (kind, _transfer_id) in finished.items():
             self.kvbridge_mark_finished(req_id, aborted=kind == "aborted")
 

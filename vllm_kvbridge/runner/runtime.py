@@ -364,21 +364,27 @@ class _ConnectorRuntimeMixin:
         """Extra ``KVTransferManager`` arguments (layout, heads, rank, group); hosts override."""
         return {"tp_rank": self._kvb_tp_rank, "process_group": self._kvb_tp_group}
 
-    def kvbridge_send_kv(self, sends: Sequence[tuple[str, Sequence[int], int]]) -> list[str]:
-        """Gather ``(host request id, block ids, num tokens)`` now and queue the sends.
+    def kvbridge_send_kv(self, sends: Sequence[tuple[Any, ...]]) -> list[str]:
+        """Gather ``(host request id, block ids, num tokens[, extra])`` now and queue the sends.
 
-        Returns the submitted host ids. The gather runs on this thread (the caller frees the
-        blocks afterwards); a failed gather marks the request failed.
+        ``extra`` (optional dict): ``purpose`` and ``companion_of`` of a CFG companion (its KV
+        is keyed by the primary's id and the purpose; see ``KVTransferManager``). Returns the
+        submitted host ids. The gather runs on this thread (the caller frees the blocks
+        afterwards); a failed gather marks the request failed.
         """
         manager = self.kvbridge_kv_manager
         if manager is None:
             raise ConfigError("this stage has no kv_transfer settings but was asked to send KV")
         finished_reqs: dict[str, dict[str, Any]] = {}
-        for request_id, block_ids, num_tokens in sends:
+        for request_id, block_ids, num_tokens, *rest in sends:
             state = self.kvbridge_register_request(request_id)
             with self._kvb_lock:
                 state.kv = PENDING
             finished_reqs[request_id] = {"block_ids": list(block_ids), "seq_len": int(num_tokens)}
+            extra = rest[0] if rest else {}
+            if extra.get("companion_of"):
+                finished_reqs[request_id]["purpose"] = extra.get("purpose") or "kv"
+                finished_reqs[request_id]["companion_of"] = extra["companion_of"]
         submitted = manager.handle_finished_requests_kv_transfer(
             finished_reqs,
             self.kvbridge_kv_caches(),
@@ -407,6 +413,14 @@ class _ConnectorRuntimeMixin:
                     state.kv = status
                 else:  # finished and reaped before the send completed cannot happen (kv pending)
                     logger.warning("KV send result for unknown request %s: %s", rid, status)
+
+    def kvbridge_discard_kv(self, request_ids: Iterable[str]) -> dict[str, int]:
+        """Withdraw the sent KV of ``request_ids`` (transfer ids) that nobody will consume
+        (the request failed elsewhere); per id, the number of keys withdrawn."""
+        manager = self._kvb_kv_manager
+        if manager is None:
+            return {}
+        return {rid: manager.discard_sent(rid) for rid in request_ids}
 
     def kvbridge_sender_info(self, request_ids: Iterable[str] | None = None) -> dict[str, Any]:
         """What receivers need to reach this rank: put metadata of the KV sends of

@@ -40,7 +40,10 @@ Request ids: vLLM appends ``-<8 random chars>`` to the id a caller gives
 ``sampling_params.extra_args["kvbridge"]["request_id"]``, else the internal id with that
 suffix removed (:func:`external_request_id`).
 Per request, ``extra_args["kvbridge"]`` may also set ``send_kv: False`` (opt out) or
-override ``trigger`` / ``trigger_token_id`` / ``stop_after_transfer``.
+override ``trigger`` / ``trigger_token_id`` / ``stop_after_transfer``. A CFG companion
+request (see :mod:`vllm_kvbridge.pipeline.cfg`) sets ``purpose`` (e.g. ``"cfg_neg"``) and
+``companion_of`` (the primary's transfer id): its KV is keyed by the primary's id and that
+purpose, while its own ``request_id`` names its status and sender info.
 """
 
 from __future__ import annotations
@@ -110,6 +113,9 @@ class KVSendSpec:
     block_ids: tuple[int, ...]
     num_tokens: int
     release: bool
+    #: CFG companions: the key's purpose and the primary's transfer id (see the module doc)
+    purpose: str = "kv"
+    companion_of: str | None = None
 
 
 @dataclass
@@ -137,6 +143,19 @@ class _Tracked:
     kv_send: KVSendSettings
     sent: bool = False
     scan_pos: int = 0
+    purpose: str = "kv"
+    companion_of: str | None = None
+
+    def spec(self, block_ids: tuple[int, ...], num_tokens: int, release: bool) -> KVSendSpec:
+        return KVSendSpec(
+            self.request.request_id,
+            self.transfer_id,
+            block_ids,
+            num_tokens,
+            release,
+            self.purpose,
+            self.companion_of,
+        )
 
 
 class KVBridgeConnector(KVConnectorBase_V1):
@@ -225,8 +244,13 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if kv_send.stop_after_transfer:
             # The request ends with the token sampled from the prompt's last position.
             request.max_tokens = 1
+        companion_of = opts.get("companion_of")
         self._tracked[request.request_id] = _Tracked(
-            request, transfer_id_for(request.request_id, request.sampling_params), kv_send
+            request,
+            transfer_id_for(request.request_id, request.sampling_params),
+            kv_send,
+            purpose=str(opts.get("purpose") or "kv"),
+            companion_of=str(companion_of) if companion_of else None,
         )
 
     def _blocks_for(self, req_id: str, num_tokens: int) -> tuple[int, ...]:
@@ -267,7 +291,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             if n is not None:
                 # Sent after this step's forward; the request still holds its blocks.
                 blocks = self._blocks_for(req_id, n)
-                sends.append(KVSendSpec(req_id, tracked.transfer_id, blocks, n, False))
+                sends.append(tracked.spec(blocks, n, False))
                 tracked.sent = True
         finished, self._finished = self._finished, {}
         return KVBridgeConnectorMetadata(sends=sends, finished=finished)
@@ -302,7 +326,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if num_tokens <= 0:
             return False, {"kvbridge_transfer_id": transfer_id, "kvbridge_kv": "empty"}
         blocks = tuple(block_ids[: math.ceil(num_tokens / self.block_size)])
-        self._pending.append(KVSendSpec(req_id, transfer_id, blocks, num_tokens, True))
+        self._pending.append(tracked.spec(blocks, num_tokens, True))
         self._held.add(req_id)
         return True, {"kvbridge_transfer_id": transfer_id, "kvbridge_kv": "submitted"}
 

@@ -27,7 +27,7 @@ engine without a connector, so a kvbridge stage gets the same thread binding as 
 
 Worker RPCs (``LLM.collective_rpc(name, args=...)`` reaches every rank):
 ``kvbridge_sender_info(request_ids=None)``, ``kvbridge_transfer_status(request_ids=None)``,
-``kvbridge_debug_state()``.
+``kvbridge_debug_state()``, ``kvbridge_discard_kv(request_ids)`` (withdraw sent KV of failed requests).
 """
 
 from __future__ import annotations
@@ -98,6 +98,9 @@ class _KVBridgeWorkerMixin:
 
     def kvbridge_debug_state(self) -> dict[str, Any]:
         return self._kvbridge_runner().kvbridge_debug_state()
+
+    def kvbridge_discard_kv(self, request_ids: Iterable[str]) -> dict[str, int]:
+        return self._kvbridge_runner().kvbridge_discard_kv(request_ids)
 
     def shutdown(self) -> None:
         runner = self.model_runner

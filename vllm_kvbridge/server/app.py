@@ -398,6 +398,10 @@ def build_app(state: ServerState) -> FastAPI:
             sp: dict[str, Any] = {"seed": base_seed + i}
             if body.num_steps is not None:
                 sp["num_steps"] = body.num_steps
+            if body.guidance_scale is not None:
+                sp["guidance_scale"] = body.guidance_scale
+            if body.negative_prompt is not None:
+                sp["negative_prompt"] = body.negative_prompt
             jobs.append(state.run(request, body.prompt, dict(params), {final.stage_id: sp}, prefix="img"))
         results = await asyncio.gather(*jobs)
         data = []

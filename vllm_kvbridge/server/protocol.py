@@ -84,7 +84,9 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class ImageRequest(_Request):
-    """``POST /v1/images/generations``. ``num_steps`` is a kvbridge extension (denoise steps)."""
+    """``POST /v1/images/generations``. kvbridge extensions: ``num_steps`` (denoise steps),
+    ``guidance_scale`` (classifier-free guidance, 1 = off; default: the stage config's) and
+    ``negative_prompt`` (the unconditional companion's prompt; default: the stage config's)."""
 
     prompt: str = Field(min_length=1)
     model: str | None = None
@@ -93,5 +95,7 @@ class ImageRequest(_Request):
     size: str | None = None
     seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
     num_steps: int | None = Field(default=None, ge=1, le=1000)
+    guidance_scale: float | None = Field(default=None, ge=0, le=100)
+    negative_prompt: str | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=4096)
     user: str | None = None
