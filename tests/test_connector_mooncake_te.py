@@ -242,6 +242,5 @@ def test_bad_config_and_missing_metadata_are_clear_errors():
     # No RDMA NIC on this machine: refused at construction, not at the first transfer.
     with pytest.raises(TransferError, match="no RDMA device"):
         te(protocol="rdma", device_name="mlx5_0")
-    with te() as receiver:
-        with pytest.raises(TransferError, match="endpoint"):
-            receiver.get(0, 1, key(), {}, deadline=deadline(1))
+    with te() as receiver, pytest.raises(TransferError, match="endpoint"):
+        receiver.get(0, 1, key(), {}, deadline=deadline(1))
