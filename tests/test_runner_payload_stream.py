@@ -265,3 +265,27 @@ def test_facade_without_init_or_edges_gives_clear_errors() -> None:
     with pytest.raises(ConfigError, match="no kv_transfer settings"):
         host.kvbridge_send_kv([("x", [0], 1)])
     host.kvbridge_shutdown()
+
+
+def test_async_chunks_count_generated_tokens_not_engine_steps() -> None:
+    """Issue 11, case 14: ``chunk_size`` is in tokens (schema, docs); chunked-prefill steps
+    generate none and speculative steps several, so counting steps made other chunks."""
+    ns = shm_namespace("ftok")
+    producer, consumer = _Host(), _Host()
+    producer.kvbridge_init(_settings(ns, "async_chunk", "out"))  # chunk_size 2
+    consumer.kvbridge_init(_settings(ns, "async_chunk", "in"))
+    try:
+        receiver = consumer.kvbridge_payload_receiver()
+        receiver.expect("req")
+        producer.kvbridge_register_request("e", "req", capture=True)
+        # Two partial-prefill steps (no token), then one token per step, then a 3-token step.
+        tokens = [0, 0, 1, 1, 1, 3, 1]
+        for i, n in enumerate(tokens):
+            producer.kvbridge_add_step_output("e", {"t": torch.full((n,), i)}, num_tokens=n)
+        producer.kvbridge_mark_finished("e")
+        chunks = [c["t"].tolist() for c in receiver.iter_chunks("req", timeout=10)]
+        assert chunks == [[2, 3], [4, 5, 5, 5], [6]]
+    finally:
+        producer.kvbridge_shutdown()
+        consumer.kvbridge_shutdown()
+    assert shm_entries(ns) == []

@@ -22,7 +22,8 @@ What it adds to vLLM's runner:
 Capture is on for every request when ``payload.outputs`` is set and
 ``capture_hidden_states`` / ``capture_token_ids`` ask for it; a request opts out with
 ``SamplingParams(extra_args={"kvbridge": {"capture": False}})``. It needs synchronous
-scheduling (the default on CPU); with async scheduling it refuses to start.
+scheduling (the default on CPU) and no speculative decoding; otherwise the stage refuses to
+start (:func:`check_capture_supported`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,23 @@ from vllm_kvbridge.runner.settings import RunnerSettings
 from vllm_kvbridge.runner.vllm_connector import KVBridgeConnector, request_options, transfer_id_for
 
 logger = logging.getLogger(__name__)
+
+
+def check_capture_supported(vllm_config: Any) -> None:
+    """Refuse engine settings under which captured rows would not be the request's own.
+
+    Speculative decoding runs draft tokens through the forward and may reject them, so the
+    step's rows would carry hidden states of tokens that were never generated.
+    """
+    if vllm_config.scheduler_config.async_scheduling:
+        raise ConfigError("kvbridge payload capture needs async_scheduling=False")
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is not None:
+        raise ConfigError(
+            f"kvbridge hidden-state capture does not support speculative decoding "
+            f"(speculative_config method={getattr(spec, 'method', None)!r}): the forward's rows "
+            "include draft tokens that may be rejected; start this stage without speculative_config"
+        )
 
 
 class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
@@ -60,8 +78,8 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
         self._kvb_capture_on = bool(payload.outputs) and (
             payload.capture_hidden_states or payload.capture_token_ids
         )
-        if self._kvb_capture_on and self.vllm_config.scheduler_config.async_scheduling:
-            raise ConfigError("kvbridge payload capture needs async_scheduling=False")
+        if self._kvb_capture_on:
+            check_capture_supported(self.vllm_config)
         self._kvb_step_rows: dict[str, torch.Tensor] = {}
         self._kvb_scheduler_output: Any = None
 
@@ -177,13 +195,14 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
         payload = self._kvb_settings.payload
         for req_id, hidden in rows.items():
             step: dict[str, Any] = {}
+            i = index.get(req_id)
+            # Empty for a step that only advanced a chunked prefill.
+            tokens = list(sampled[i]) if i is not None and i < len(sampled) else []
             if payload.capture_hidden_states:
                 step["hidden_states"] = hidden
             if payload.capture_token_ids:
-                i = index.get(req_id)
-                tokens = list(sampled[i]) if i is not None and i < len(sampled) else []
                 step["token_ids"] = torch.tensor(tokens, dtype=torch.int64)
-            self.kvbridge_add_step_output(req_id, step)
+            self.kvbridge_add_step_output(req_id, step, num_tokens=len(tokens))
 
 
 class KVBridgeARModelRunner(_VLLMRunnerHooks, GPUModelRunner):
@@ -202,4 +221,4 @@ class KVBridgeCPUModelRunner(_VLLMRunnerHooks, CPUModelRunner):
         self._kvbridge_setup_from_vllm()
 
 
-__all__ = ["KVBridgeARModelRunner", "KVBridgeCPUModelRunner"]
+__all__ = ["KVBridgeARModelRunner", "KVBridgeCPUModelRunner", "check_capture_supported"]

@@ -96,16 +96,18 @@ class PayloadAccumulator:
         self.replace_keys = tuple(replace_keys)
         self._parts: list[dict[str, Any]] = []
         self.steps = 0  # steps added since the last take()
+        self.tokens = 0  # tokens those steps generated
 
-    def add(self, step_output: Mapping[str, Any]) -> None:
+    def add(self, step_output: Mapping[str, Any], tokens: int = 1) -> None:
         self._parts.append(dict(step_output))
         self.steps += 1
+        self.tokens += tokens
 
     def __bool__(self) -> bool:
         return bool(self._parts)
 
     def take(self) -> dict[str, Any]:
-        parts, self._parts, self.steps = self._parts, [], 0
+        parts, self._parts, self.steps, self.tokens = self._parts, [], 0, 0
         return merge_payloads(parts, self.replace_keys)
 
 

@@ -6,9 +6,11 @@ the host calls :meth:`kvbridge_add_step_output` with a request's outputs of one 
 :meth:`kvbridge_mark_finished` when it ends.
 
 * ``full`` edges accumulate every step and put one payload when the request finishes.
-* ``async_chunk`` edges put a chunk every ``chunk_size`` steps (the first chunk starts with
-  the prefill step, so it also carries the prompt's rows), ordered chunk ids, and the rest
-  with the finish marker when the request finishes.
+* ``async_chunk`` edges put a chunk once the steps since the last one generated
+  ``chunk_size`` tokens (the host says how many each step generated: none for a
+  chunked-prefill step, several for a multi-token step; the first chunk starts with the
+  prefill, so it also carries the prompt's rows), ordered chunk ids, and the rest with the
+  finish marker when the request finishes.
 * An aborted request: queued puts are dropped and an abort envelope tells the receiver.
 
 ``custom_process_next_stage_input_func(payload, request_id=..., final=...)`` turns each
@@ -120,8 +122,14 @@ class _PayloadTransportMixin(_ConnectorRuntimeMixin):
         return receiver
 
     # -- sender side -------------------------------------------------------------------------
-    def kvbridge_add_step_output(self, request_id: str, outputs: Mapping[str, Any]) -> None:
-        """Add one step's outputs of a captured request; puts a chunk when one is due."""
+    def kvbridge_add_step_output(
+        self, request_id: str, outputs: Mapping[str, Any], *, num_tokens: int = 1
+    ) -> None:
+        """Add one step's outputs of a captured request; puts a chunk when one is due.
+
+        ``num_tokens``: how many tokens the request generated in this step (0 for a step
+        that only advanced a chunked prefill); ``chunk_size`` counts these.
+        """
         if not self._kvb_settings.payload.outputs or not self.kvbridge_is_payload_rank:
             return
         state = self.kvbridge_register_request(request_id, capture=True)
@@ -131,8 +139,8 @@ class _PayloadTransportMixin(_ConnectorRuntimeMixin):
             acc = accs.get(peer)
             if acc is None:
                 acc = accs[peer] = PayloadAccumulator(self._kvb_settings.payload.replace_keys)
-            acc.add(outputs)
-            if edge.mode == "async_chunk" and acc.steps >= edge.chunk_size:
+            acc.add(outputs, num_tokens)
+            if edge.mode == "async_chunk" and acc.tokens >= edge.chunk_size:
                 self._kvbridge_put(state, edge, acc.take(), final=False)
 
     def kvbridge_fail_capture(self, request_id: str, reason: str) -> None:
