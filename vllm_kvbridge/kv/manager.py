@@ -273,6 +273,10 @@ class KVTransferManager:
         """``(done, failed)`` request ids since the last call; each id is reported once."""
         return self._sends.get_finished()
 
+    def send_failure_reason(self, request_id: str) -> str | None:
+        """Why the send of ``request_id`` (an id :meth:`get_finished` reported failed) failed."""
+        return self._sends.failure_reason(request_id)
+
     def get_sender_info(self, request_id: str) -> dict[str, Any] | None:
         """The put metadata of a sent request, for the receiver (engine's or transfer id).
 

@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,9 @@ from vllm_kvbridge.wire.kv_format import KVCacheTransferData
 logger = logging.getLogger(__name__)
 
 __all__ = ["KVSendQueue", "SendJob", "gather_job", "layout_for"]
+
+#: How many failure reasons :meth:`KVSendQueue.failure_reason` remembers.
+_MAX_REASONS = 1024
 
 
 @dataclass
@@ -161,6 +165,7 @@ class KVSendQueue:
         self._pending: set[str] = set()
         self._done: list[str] = []
         self._failed: dict[str, str] = {}
+        self._reasons: OrderedDict[str, str] = OrderedDict()  # bounded by _MAX_REASONS
 
     def submit(self, job: SendJob) -> None:
         with self._lock:
@@ -178,12 +183,23 @@ class KVSendQueue:
             self._failed[engine_id] = reason
 
     def get_finished(self) -> tuple[set[str], set[str]]:
-        """``(done, failed)`` engine ids since the last call; each id is reported once."""
+        """``(done, failed)`` engine ids since the last call; each id is reported once.
+        Why each failed stays readable with :meth:`failure_reason` (the newest ids only)."""
         with self._lock:
             done, self._done = set(self._done), []
             failed = set(self._failed)
+            for rid, why in self._failed.items():
+                self._reasons[rid] = why
+                self._reasons.move_to_end(rid)
+            while len(self._reasons) > _MAX_REASONS:
+                self._reasons.popitem(last=False)
             self._failed.clear()
         return done, failed
+
+    def failure_reason(self, engine_id: str) -> str | None:
+        """Why the send of ``engine_id`` failed (once reported by :meth:`get_finished`)."""
+        with self._lock:
+            return self._reasons.get(engine_id)
 
     def pending(self) -> int:
         with self._lock:

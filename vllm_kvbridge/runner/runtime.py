@@ -407,7 +407,8 @@ class _ConnectorRuntimeMixin:
         if not (done or failed):
             return
         with self._kvb_lock:
-            for rid, status in [(r, DONE) for r in done] + [(r, FAILED) for r in failed]:
+            failed_why = [(r, f"{FAILED}: {manager.send_failure_reason(r) or 'unknown'}") for r in failed]
+            for rid, status in [(r, DONE) for r in done] + failed_why:
                 state = self._kvb_requests.get(rid)
                 if state is not None:
                     state.kv = status
