@@ -23,7 +23,10 @@ Ceilings, measured in the same run on the same bytes:
   ``blob_ratio`` is ``gbps / memcpy_blob_gbps``.
 * ``ceiling_gbps``, the transport's own: for ZMQ a bare pyzmq send/recv of one frame
   between two processes over TCP loopback; for shared memory one write into and one
-  read out of an already-mapped segment, in two processes.
+  read out of an already-mapped segment, in two processes. Connectors listed in
+  :data:`CEILING_PROBES` (one-sided engines) get a raw-engine probe that is sampled right
+  before every transfer, interleaved like the memcpy (``ceiling_min_gbps`` /
+  ``ceiling_max_gbps`` give its spread; ``gbps_min`` / ``gbps_max`` the connector's).
 """
 
 from __future__ import annotations
@@ -99,6 +102,27 @@ class Row:
     ceiling_ratio: float
     memcpy_blob_gbps: float
     blob_ratio: float
+    gbps_min: float = float("nan")
+    gbps_max: float = float("nan")
+    ceiling_min_gbps: float = float("nan")
+    ceiling_max_gbps: float = float("nan")
+
+
+#: Raw-engine ceilings sampled between transfers: ``"module:Class"``, the class taking the
+#: byte count and offering ``sample() -> seconds``, ``samples``, ``gbps()`` and ``close()``.
+CEILING_PROBES: dict[str, str] = {
+    "MooncakeTransferEngineConnector": "vllm_kvbridge.bench.mooncake_te:TeReadProbe",
+}
+
+
+def _ceiling_probe(name: str, nbytes: int) -> Any | None:
+    ref = CEILING_PROBES.get(name)
+    if ref is None:
+        return None
+    import importlib
+
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)(nbytes)
 
 
 # -- child processes ------------------------------------------------------------------
@@ -278,10 +302,11 @@ def measure_connector(
     repeat: int,
     config: dict[str, Any] | None = None,
     probe: MemcpyProbe | None = None,
+    ceiling: Any | None = None,
 ) -> tuple[float, float, list[float], list[float], list[float]]:
     """(median put_s, median get_s, e2e times, memcpy times, blob memcpy times) over ``repeat``
     transfers after a warm-up; the memcpy times (empty without ``probe``) are sampled right
-    before each timed transfer."""
+    before each timed transfer, like ``ceiling.sample()`` when a raw-engine probe is given."""
     from vllm_kvbridge.connectors import create_connector, payload_key
 
     config = config if config is not None else _connector_config(name)
@@ -297,6 +322,8 @@ def measure_connector(
                 if probe is not None and i:
                     copies.append(probe.tensors())
                     blobs.append(probe.blob())
+                if ceiling is not None:
+                    ceiling.sample()  # the first one warms the raw engine, like the connector's
                 key = payload_key(f"bench{i}", 0, 1)
                 start = time.perf_counter()
                 result = sender.put(0, 1, key, payload)
@@ -345,7 +372,24 @@ def run_connector_bench(connectors: Sequence[str], sizes: Sequence[int], repeat:
                 ceiling = measure_mooncake_ceiling(nbytes, repeat)
             else:
                 ceiling = float("nan")
-            put_s, get_s, e2e, copies, blobs = measure_connector(name, payload, repeat, probe=probe)
+            raw = _ceiling_probe(name, nbytes)
+            try:
+                put_s, get_s, e2e, copies, blobs = measure_connector(
+                    name, payload, repeat, probe=probe, ceiling=raw
+                )
+            finally:
+                if raw is not None:
+                    raw.close()
+            spread: dict[str, float] = {
+                "gbps_min": nbytes / max(e2e) / 1e9,
+                "gbps_max": nbytes / min(e2e) / 1e9,
+            }
+            if raw is not None:
+                raw_s = raw.samples[1:]
+                ceiling = _median_gbps(nbytes, raw_s)
+                spread.update(
+                    ceiling_min_gbps=nbytes / max(raw_s) / 1e9, ceiling_max_gbps=nbytes / min(raw_s) / 1e9
+                )
             e2e_s = statistics.median(e2e)
             gbps = nbytes / e2e_s / 1e9
             memcpy = _median_gbps(nbytes, copies)
@@ -366,6 +410,7 @@ def run_connector_bench(connectors: Sequence[str], sizes: Sequence[int], repeat:
                     gbps / ceiling,
                     blob,
                     gbps / blob,
+                    **spread,
                 )
             )
     return rows
@@ -375,15 +420,18 @@ def format_table(rows: Sequence[Row]) -> str:
     header = (
         f"{'connector':<10} {'bytes':>12} {'put ms':>9} {'get ms':>9} {'e2e p50':>9} {'p99 ms':>9} "
         f"{'GB/s':>7} {'memcpy':>7} {'ratio':>6} {'ceiling':>8} {'c.ratio':>7} "
-        f"{'blob':>7} {'b.ratio':>7}"
+        f"{'blob':>7} {'b.ratio':>7} {'GB/s min-max':>13} {'ceil min-max':>13}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
+        spread = f"{r.gbps_min:.2f}-{r.gbps_max:.2f}"
+        ceiling_spread = f"{r.ceiling_min_gbps:.2f}-{r.ceiling_max_gbps:.2f}"
         lines.append(
             f"{r.connector:<10} {r.bytes:>12} {r.put_s * 1e3:>9.3f} {r.get_s * 1e3:>9.3f} "
             f"{r.e2e_s * 1e3:>9.3f} "
             f"{r.e2e_p99_s * 1e3:>9.3f} {r.gbps:>7.2f} {r.memcpy_gbps:>7.2f} {r.ratio:>6.2f} "
-            f"{r.ceiling_gbps:>8.2f} {r.ceiling_ratio:>7.2f} {r.memcpy_blob_gbps:>7.2f} {r.blob_ratio:>7.2f}"
+            f"{r.ceiling_gbps:>8.2f} {r.ceiling_ratio:>7.2f} {r.memcpy_blob_gbps:>7.2f} {r.blob_ratio:>7.2f} "
+            f"{spread:>13} {ceiling_spread:>13}"
         )
     return "\n".join(lines)
 

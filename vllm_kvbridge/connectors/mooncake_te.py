@@ -72,6 +72,10 @@ from vllm_kvbridge.errors import (
 )
 
 _MAX_KEY = 512
+#: Default read split (``piece_bytes``, ``max_batch_pieces``): 4 MiB pieces keep several TCP
+#: lanes busy; 256 pieces per batch stay far below the engine's per-peer queue (~4,096).
+PIECE_BYTES = 4 << 20
+MAX_BATCH_PIECES = 256
 
 
 def _opt(config: Mapping[str, Any], name: str, default: float, kind: type = float) -> Any:
@@ -135,8 +139,8 @@ class MooncakeTransferEngineConnector(Connector):
         self.device_name = str(cfg.get("device_name", "") or "")
         self.ttl_s = _opt(cfg, "ttl_s", 300.0)
         self.lease_s = _opt(cfg, "lease_s", 120.0)
-        self.piece_bytes = max(1, _opt(cfg, "piece_bytes", 4 << 20, int))
-        self.max_batch_pieces = max(1, _opt(cfg, "max_batch_pieces", 256, int))
+        self.piece_bytes = max(1, _opt(cfg, "piece_bytes", PIECE_BYTES, int))
+        self.max_batch_pieces = max(1, _opt(cfg, "max_batch_pieces", MAX_BATCH_PIECES, int))
         self.max_queued_pieces = max(self.max_batch_pieces, _opt(cfg, "max_queued_pieces", 1024, int))
         self.max_payload_bytes = _opt(cfg, "max_payload_bytes", 64 << 30, int)
         self.max_held_bytes = _opt(cfg, "max_held_bytes", 8 << 30, int)
@@ -489,4 +493,4 @@ class MooncakeTransferEngineConnector(Connector):
             self._ctx.term()
 
 
-__all__ = ["MooncakeTransferEngineConnector"]
+__all__ = ["MAX_BATCH_PIECES", "PIECE_BYTES", "MooncakeTransferEngineConnector"]
