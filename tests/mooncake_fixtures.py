@@ -7,7 +7,7 @@ process that started it). This module only adds the pytest side.
 The ``mooncake_master`` fixture is function-scoped on purpose: tests run ``--forked``,
 and a session fixture would be set up again (and never torn down) in every forked child.
 It also exports the addresses as ``KVB_TEST_MOONCAKE_*`` environment variables, which
-spawned children inherit and connector configs reference as ``${KVB_TEST_MOONCAKE_MASTER}``.
+spawned children inherit; :func:`env_config` reads them (connectors take plain values).
 
 Imports nothing from Mooncake's Python binding: only the master binary is used here.
 """
@@ -34,10 +34,11 @@ def keys_in_env_master(prefix: str) -> list[str]:
 
 
 def env_config(namespace: str, **overrides: Any) -> dict[str, Any]:
-    """Connector config that finds the test master through the environment (``${ENV}`` expansion)."""
+    """Connector config that finds the test master through the environment (read now, so it
+    works in spawned children too: they inherit the variables)."""
     return {
-        "master_server_address": "${" + ENV_MASTER + "}",
-        "metadata_server": "${" + ENV_METADATA + "}",
+        "master_server_address": os.environ[ENV_MASTER],
+        "metadata_server": os.environ[ENV_METADATA],
         "local_hostname": "127.0.0.1",
         "namespace": namespace,
         "global_segment_size": "1536MiB",

@@ -8,14 +8,17 @@ masters at construction, config parsing.
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from mooncake_fixtures import MooncakeMaster, free_port
 
+from vllm_kvbridge.config import resolve
 from vllm_kvbridge.connectors import create_connector, payload_key
 from vllm_kvbridge.connectors.mooncake_store import MooncakeStoreConnector, parse_size
 from vllm_kvbridge.errors import ConfigError, TransferCorrupt, TransferError, TransferRefused, TransferTimeout
@@ -24,6 +27,7 @@ pytest_plugins = ["mooncake_fixtures"]
 pytestmark = [pytest.mark.forked, pytest.mark.mooncake]
 
 NS = "mctest"
+STAGE_CONFIGS = Path(__file__).resolve().parent.parent / "stage_configs"
 
 
 def key(i: int | str = 0) -> str:
@@ -77,21 +81,27 @@ def test_bytes_fallback_roundtrip(mooncake_master: MooncakeMaster):
     assert mooncake_master.keys(NS) == []
 
 
-def test_env_expansion_of_config(mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("MC_TEST_NS", "fromenv")
-    cfg = {
-        "master_server_address": "${KVB_TEST_MOONCAKE_MASTER}",
-        "metadata_server": "${KVB_TEST_MOONCAKE_METADATA}",
-        "namespace": "${MC_TEST_NS}",
-        "global_segment_size": "${MC_TEST_SEG:-64MiB}",
-        "protocol": "${MC_TEST_PROTO:-tcp}",
-    }
-    with MooncakeStoreConnector(cfg) as conn:
-        assert conn.master_server_address == mooncake_master.master_address
-        assert conn.namespace == "fromenv" and conn.global_segment_size == 64 << 20
+def test_env_is_expanded_when_the_stage_config_loads_not_by_the_connector(
+    mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch
+):
+    # The shipped Mooncake stage config, resolved with the test master in its variables:
+    # every connector config the stages get is plain (nothing left for a transport to expand).
+    monkeypatch.setenv("KVB_MOONCAKE_MASTER", mooncake_master.master_address)
+    monkeypatch.setenv("KVB_MOONCAKE_METADATA", mooncake_master.metadata_server)
+    monkeypatch.setenv("KVB_MOONCAKE_SEGMENT", "64MiB")
+    plan = resolve(STAGE_CONFIGS / "ar_to_dit_mooncake.yaml")
+    configs = [e.connector.config for s in plan.stages for e in (*s.inputs, *s.outputs)]
+    assert configs and "${" not in json.dumps(configs)
+    sender_cfg = plan.stage(0).outputs[0].connector.config
+    assert sender_cfg["master_server_address"] == mooncake_master.master_address
+    with MooncakeStoreConnector({**sender_cfg, "namespace": "fromcfg"}) as conn:
+        assert conn.global_segment_size == 64 << 20
         assert conn.put(0, 1, key(), payload(0)).ok
-        assert mooncake_master.keys("fromenv/") == [f"fromenv/{key()}"]
+        assert mooncake_master.keys("fromcfg/") == [f"fromcfg/{key()}"]
     assert mooncake_master.keys() == []
+    # Handed an unexpanded reference, the connector takes it literally: a clear config error.
+    with pytest.raises(ConfigError, match=r"master_server_address must be 'host:port'.*\$\{KVB_MOONCAKE"):
+        MooncakeStoreConnector({"master_server_address": "${KVB_MOONCAKE_MASTER}"})
 
 
 @pytest.mark.parametrize(
@@ -103,7 +113,6 @@ def test_env_expansion_of_config(mooncake_master: MooncakeMaster, monkeypatch: p
         {"pin": "maybe"},
         {"ttl_s": -1},
         {"master_server_address": "nohost"},
-        {"master_server_address": "${KVB_UNSET_VAR}"},
     ],
 )
 def test_bad_config_is_a_config_error(bad: dict):

@@ -139,7 +139,7 @@ def test_ar_to_dit_zmq_through_the_cli() -> None:
     # The PNG holds the image the DiT paints from exactly this KV (8-bit quantised).
     import numpy as np
 
-    from vllm_kvbridge.cli.run import encode_png
+    from vllm_kvbridge.pipeline.images import encode_png
 
     assert png == encode_png(np.asarray(_expected_image(kv)))
     assert processes_using(out_dir) == []

@@ -146,7 +146,7 @@ def test_run_starts_and_stops_its_own_mooncake_master() -> None:
     kv = _dumped_kv(out_dir / "dump" / f"stage1_{encode_request_id('req-1')}_kv.safetensors")
     import numpy as np
 
-    from vllm_kvbridge.cli.run import encode_png
+    from vllm_kvbridge.pipeline.images import encode_png
 
     assert Path(req["outputs"][0]).read_bytes() == encode_png(np.asarray(_expected_image(kv)))
     assert processes_using(out_dir) == []  # stages and master are gone

@@ -124,6 +124,17 @@ class Connector(ABC):
     def _close(self) -> None:
         """Release resources; called once by :meth:`close`."""
 
+    @classmethod
+    def reap_dead(cls, config: Mapping[str, Any], from_stage: int | str, to_stage: int | str) -> list[str]:
+        """Remove the named OS resources (files, segments) that processes which are gone left
+        on the edge ``from_stage -> to_stage`` with this ``config``; return their names.
+
+        Must be safe while live processes use the edge (only a dead owner's names go). The
+        default: this connector keeps no named OS resources that outlive a process. Callers
+        use :func:`vllm_kvbridge.connectors.leftovers.reap_dead_leftovers`.
+        """
+        return []
+
     # -- helpers for subclasses ---------------------------------------------------------
     @property
     def closed(self) -> bool:

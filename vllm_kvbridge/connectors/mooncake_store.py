@@ -47,7 +47,8 @@ Failures:
   * store full / key already stored / payload too big: ``put`` returns ``ok=False`` with
     ``error`` (it never raises for transport failures, like the other connectors).
 
-Config keys (string values get ``${ENV}`` / ``${ENV:-default}`` expansion):
+Config keys (plain values: ``${ENV}`` references in a stage config are expanded when the
+config is loaded, :func:`vllm_kvbridge.config.load_spec`, not here):
   ``local_hostname`` (``127.0.0.1``; the address other clients reach this one at; without
   ``:port`` Mooncake picks a free port per client, so several connectors in one host or
   process never collide), ``metadata_server`` (``http://127.0.0.1:8080/metadata``),
@@ -200,9 +201,7 @@ class MooncakeStoreConnector(Connector):
     name = "MooncakeStoreConnector"
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
-        from vllm_kvbridge.config.loader import expand_env
-
-        super().__init__(expand_env(dict(config or {})))
+        super().__init__(config)
         # Everything _close() touches exists before anything can fail.
         self._store: Any = None
         self._pool: RegisteredBufferPool | None = None

@@ -130,6 +130,15 @@ class SharedMemoryConnector(Connector):
             name = "h" + hashlib.sha256(name.encode()).hexdigest()[:32]  # meets a readable one
         return seg.check_namespace(name)
 
+    @classmethod
+    def reap_dead(cls, config: Mapping[str, Any], from_stage: int | str, to_stage: int | str) -> list[str]:
+        """Unlink the edge's pool, claim and published names whose owner process is gone."""
+        conn = cls(config)  # no threads, no segments until first used: naming only
+        try:
+            return seg.reap_stale(conn.namespace(from_stage, to_stage), shm_dir=conn.shm_dir)
+        finally:
+            conn.close()
+
     def _use_namespace(self, namespace: str) -> None:
         if namespace not in self._namespaces:
             self._namespaces.add(namespace)

@@ -300,6 +300,15 @@ def read_generation(mm: mmap.mmap) -> tuple[int, int]:
     return state, gen
 
 
+def list_names(namespace_prefix: str = "", *, shm_dir: str = SHM_DIR) -> list[str]:
+    """Sorted names in ``shm_dir`` of namespaces starting with ``namespace_prefix``."""
+    try:
+        names = os.listdir(shm_dir)
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if n.startswith(f"{PREFIX}.{namespace_prefix}"))
+
+
 def reap_stale(namespace: str | None = None, older_than: float = 0.0, *, shm_dir: str = SHM_DIR) -> list[str]:
     """Remove ``kvbridge.*`` leftovers of processes that are gone; returns the names removed.
 

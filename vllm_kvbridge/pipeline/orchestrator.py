@@ -20,8 +20,8 @@ Failure and shutdown contract:
   alone (the stages are told to abort it);
 * :meth:`Pipeline.close` (also on Ctrl-C / exceptions through the context manager) sends
   ``Shutdown``, waits ``runtime.shutdown_timeout``, then SIGTERM and finally SIGKILL to
-  each stage's process group, and removes any shared-memory segment of this run's
-  namespaces whose owner is gone.
+  each stage's process group, and reaps what dead processes left on the run's edges
+  (:func:`~vllm_kvbridge.connectors.leftovers.reap_dead_leftovers`).
 """
 
 from __future__ import annotations
@@ -341,17 +341,14 @@ class Pipeline:
                 h.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
 
     def _sweep_shm(self) -> None:
-        from vllm_kvbridge.connectors import shm_segments as seg
+        """Reap what the stopped stages' processes left on every edge of the run."""
+        from vllm_kvbridge.connectors.leftovers import reap_dead_leftovers
 
-        namespaces = {
-            e.connector.config.get("namespace")
+        reap_dead_leftovers(
+            (e.from_stage, e.to_stage, e.connector.name, e.connector.config)
             for s in self.plan.stages
             for e in (*s.inputs, *s.outputs)
-            if e.connector.name == "SharedMemoryConnector"
-        }
-        for ns in sorted(n for n in namespaces if n and n.startswith(self.run_id)):
-            with contextlib.suppress(OSError):
-                seg.reap_stale(ns)
+        )
 
     def __enter__(self) -> Pipeline:
         self.start()

@@ -80,32 +80,17 @@ def _stage_edges(settings: RunnerSettings) -> list[tuple[Any, Any, str, dict[str
 
 
 def reap_stage_leftovers(settings: RunnerSettings | Mapping[str, Any]) -> list[str]:
-    """Remove what dead processes left on this stage's shared-memory edges; return the names.
+    """Remove what dead processes left on this stage's edges; return the names.
 
-    Only names whose owner process is gone are touched (pool and claim names carry the
-    pid, published keys name it in their header), so it is safe while live processes use
-    the same edges. Other connectors keep no named OS resources to reap.
+    The connector layer decides what that is
+    (:func:`~vllm_kvbridge.connectors.leftovers.reap_dead_leftovers`): only names whose
+    owner process is gone, so it is safe while live processes use the same edges.
     """
     if not isinstance(settings, RunnerSettings):
         settings = RunnerSettings.from_dict(dict(settings))
-    from vllm_kvbridge.connectors import shm_segments
-    from vllm_kvbridge.connectors.registry import get_connector_factory
-    from vllm_kvbridge.connectors.shm import SharedMemoryConnector
+    from vllm_kvbridge.connectors.leftovers import reap_dead_leftovers
 
-    removed: list[str] = []
-    for from_stage, to_stage, name, config in _stage_edges(settings):
-        try:
-            cls = get_connector_factory(name)
-        except Exception:  # an unknown connector cannot have shm leftovers of ours
-            continue
-        if not (isinstance(cls, type) and issubclass(cls, SharedMemoryConnector)):
-            continue
-        conn = cls(config)  # no threads, no segments until first used: naming only
-        try:
-            namespace = conn.namespace(from_stage, to_stage)
-            removed += shm_segments.reap_stale(namespace, shm_dir=conn.shm_dir)
-        finally:
-            conn.close()
+    removed = reap_dead_leftovers(_stage_edges(settings))
     if removed:
         logger.info("kvbridge: removed %d shared-memory names of dead processes: %s", len(removed), removed)
     return removed

@@ -22,7 +22,6 @@ import asyncio
 import base64
 import contextlib
 import json
-import os
 import re
 import time
 import uuid
@@ -349,10 +348,10 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/debug/state")
     async def debug_state() -> dict[str, Any]:
-        from vllm_kvbridge.connectors.shm_segments import PREFIX, SHM_DIR
+        from vllm_kvbridge.connectors.leftovers import shared_memory_names
 
         run = state.service.pipeline.run_id
-        names = sorted(n for n in os.listdir(SHM_DIR) if n.startswith(f"{PREFIX}.{run}"))
+        names = shared_memory_names(run)
         return {
             "run_id": run,
             "in_flight": state.service.in_flight(),
@@ -373,7 +372,7 @@ def build_app(state: ServerState) -> FastAPI:
     # -- generation ----------------------------------------------------------------------
     @app.post("/v1/images/generations")
     async def images(body: ImageRequest, request: Request) -> dict[str, Any]:
-        from vllm_kvbridge.cli.run import encode_png
+        from vllm_kvbridge.pipeline.images import encode_png
 
         t0 = time.perf_counter()
         state.check_model(body.model)

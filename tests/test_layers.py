@@ -1,0 +1,75 @@
+"""Imports only point down the layers (docs/architecture.md, section 2), read from the code.
+
+cli > bench > server > pipeline > runner > models > kv > connectors > wire > config > errors.
+Every ``import`` of the package is checked, including the lazy ones inside functions.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import vllm_kvbridge
+
+PKG = Path(vllm_kvbridge.__file__).parent
+ORDER = [
+    "errors",
+    "config",
+    "wire",
+    "connectors",
+    "kv",
+    "models",
+    "runner",
+    "pipeline",
+    "server",
+    "bench",
+    "cli",
+]
+RANK = {name: i for i, name in enumerate(ORDER)}
+#: Known upward arrows, each with why it is still there (remove the entry with the fix).
+KNOWN_UP = {
+    # The resolver checks connector names against the registry (lazy import).
+    ("vllm_kvbridge/config/resolve.py", "vllm_kvbridge.connectors.registry"),
+}
+#: Connector internals nothing above the connector layer may import.
+PRIVATE = ("vllm_kvbridge.connectors.shm_segments",)
+
+
+def _imports() -> list[tuple[str, str, int]]:
+    out = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG.parent).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            out += [(rel, n, node.lineno) for n in names if n.startswith("vllm_kvbridge.")]
+    return out
+
+
+def _layer(module_path: str) -> str:
+    return module_path.split("/")[1].removesuffix(".py") if "/" in module_path else module_path.split(".")[1]
+
+
+def test_imports_point_down() -> None:
+    up = []
+    for rel, target, line in _imports():
+        src, dst = _layer(rel), target.split(".")[1]
+        if src == dst or src == "__init__" or (rel, target) in KNOWN_UP:
+            continue
+        assert src in RANK and dst in RANK, f"{rel}: a layer the test does not know ({src} or {dst})"
+        if RANK[dst] > RANK[src]:
+            up.append(f"{rel}:{line} ({src}) imports {target} ({dst})")
+    assert up == []
+
+
+def test_connector_internals_stay_in_the_connector_layer() -> None:
+    reach = [
+        f"{rel}:{line} imports {target}"
+        for rel, target, line in _imports()
+        if target.startswith(PRIVATE) and _layer(rel) != "connectors"
+    ]
+    assert reach == []
