@@ -19,7 +19,7 @@ import torch
 from runner_fixtures import HFReference, prompt_ids, shm_entries, shm_namespace, start_engine, stop_engine
 
 from vllm_kvbridge.connectors.registry import create_connector
-from vllm_kvbridge.runner.payload_stream import PayloadAborted, PayloadReceiver
+from vllm_kvbridge.runner.payload_stream import SEND_WORKERS, PayloadAborted, PayloadReceiver
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -137,11 +137,10 @@ def test_aborted_request_fails_receivers_and_leaves_nothing(engine) -> None:
     assert state["requests"] == [] and state["accumulators"] == [], state
     assert state["payload_in_flight"] == {"1": 0, "2": 0}
     assert state["payload_tracked"] == {"1": [], "2": []}
-    # Only the two long-lived sender threads (+ the shm reapers), nothing per request.
-    assert sorted(t for t in state["threads"] if "payload" in t) == [
-        "kvbridge-payload-send-1",
-        "kvbridge-payload-send-2",
-    ]
+    # Only the two edges' long-lived sender pools (+ the shm reapers), nothing per request.
+    senders = sorted(t for t in state["threads"] if "payload" in t)
+    assert {t.rsplit("-", 1)[0] for t in senders} == {"kvbridge-payload-send-1", "kvbridge-payload-send-2"}
+    assert len(senders) == 2 * SEND_WORKERS, senders
     assert llm.collective_rpc("kvbridge_transfer_status", args=(["ab"],))[0]["ab"]["payload"] == "aborted"
     for ns in (NS_FULL, NS_CHUNK):
         assert [e for e in shm_entries(ns) if ".k." in e] == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -289,3 +290,42 @@ def test_async_chunks_count_generated_tokens_not_engine_steps() -> None:
         producer.kvbridge_shutdown()
         consumer.kvbridge_shutdown()
     assert shm_entries(ns) == []
+
+
+class _GateOneRequest:
+    """Wraps a real connector: puts of keys containing ``marker`` wait for ``gate``."""
+
+    def __init__(self, conn, marker: str) -> None:
+        self.conn, self.marker = conn, marker
+        self.gate = threading.Event()
+
+    def put(self, from_stage, to_stage, key, payload):
+        if self.marker in key and not self.gate.wait(30):
+            raise TimeoutError("gate never opened")
+        return self.conn.put(from_stage, to_stage, key, payload)
+
+
+def test_a_slow_request_does_not_hold_up_the_others_on_its_edge(edge) -> None:
+    """Issue 11, case 8: one FIFO thread per edge made every request wait behind one slow
+    put (and its sleeping retries), tripping their stall timeouts."""
+    _, out, inp = edge
+    gated = _GateOneRequest(out, "islow")
+    sender = PayloadSender(gated, 0, 1)
+    chunks_rx = PayloadReceiver(inp, 0, 1, mode="async_chunk", recv_timeout_s=20, stall_timeout_s=20)
+    try:
+        for rid in ("slow", "fast"):
+            chunks_rx.expect(rid)
+        for i in range(4):  # interleaved, as a batch's steps would be
+            for rid in ("slow", "fast"):
+                sender.send_chunk(rid, {"i": torch.tensor([i])}, final=i == 3)
+        # The fast request arrives whole, in order, while the slow one's first put waits.
+        assert [c["i"].item() for c in chunks_rx.iter_chunks("fast", timeout=10)] == [0, 1, 2, 3]
+        assert sender.status("slow") == "pending" and sender.in_flight("slow") == 4
+        gated.gate.set()
+        assert [c["i"].item() for c in chunks_rx.iter_chunks("slow", timeout=10)] == [0, 1, 2, 3]
+        _wait(lambda: sender.status("slow") == sender.status("fast") == "done")
+    finally:
+        gated.gate.set()
+        sender.close()
+        chunks_rx.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvbridge-payload-send")]

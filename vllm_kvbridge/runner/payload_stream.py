@@ -25,9 +25,12 @@ Ordering contract (sender and receiver alike)
 ---------------------------------------------
 * One lock per object (``self._lock``) guards its per-request state; connector I/O is never
   done while holding it, so ``cancel``/``result``/``status`` never wait on the network.
-* Sender: one I/O thread consumes one FIFO queue, so the puts of a request happen in the
-  order they were submitted (chunk ``i`` lands before chunk ``i+1``); ``abort`` removes the
-  request's queued puts and enqueues the abort envelope after the put in progress.
+* Sender: a few I/O threads share one FIFO queue; a thread takes the oldest job whose
+  request has no put running, so the puts of a request happen one at a time in the order
+  they were submitted (chunk ``i`` lands before chunk ``i+1``) while a slow put of one
+  request (a slow link, sleeping retries) never holds up the other requests of the edge;
+  ``abort`` removes the request's queued puts and enqueues the abort envelope after the
+  put in progress.
 * Receiver: only the receive thread appends chunks, in chunk-id order; a request's terminal
   state (done, failed, cancelled) is set once, under the lock, and nothing is appended
   after it. Waiters are woken through one condition variable on that lock.
@@ -56,6 +59,10 @@ from vllm_kvbridge.errors import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: I/O threads per payload sender (per edge): enough that a few slow requests do not hold
+#: up the rest of the edge; a request's own puts still run one at a time.
+SEND_WORKERS = 4
 
 ENVELOPE_KEY = "kvbridge"
 ENVELOPE_VERSION = 1
@@ -168,7 +175,8 @@ class _PutJob:
 
 
 class PayloadSender:
-    """Puts payload envelopes of one edge on a background thread (see the ordering contract).
+    """Puts payload envelopes of one edge on ``workers`` background threads (see the ordering
+    contract: in order within a request, independent across requests).
 
     ``status(request_id)`` is ``"pending"`` while puts are queued or running, then ``"done"``
     once the final put landed, or ``"failed: <reason>"``; :meth:`forget` drops it.
@@ -185,7 +193,10 @@ class PayloadSender:
         retries: int = 3,
         backoff_s: float = 0.05,
         max_backoff_s: float = 1.0,
+        workers: int = SEND_WORKERS,
     ) -> None:
+        if workers < 1:
+            raise ConfigError(f"payload sender needs at least one worker, got {workers}")
         self.connector = connector
         self.from_stage, self.to_stage = from_stage, to_stage
         self.from_rank, self.to_rank = from_rank, to_rank
@@ -194,15 +205,18 @@ class PayloadSender:
         self._wake = threading.Condition(self._lock)
         self._queue: deque[_PutJob] = deque()
         self._queued: dict[str, int] = {}  # request id -> queued or running jobs
+        self._running: set[str] = set()  # requests with a put in progress
         self._status: dict[str, str] = {}
         self._final_seen: set[str] = set()
         self._next_chunk: dict[str, int] = {}
         self._closed = False
         self.last_metadata: dict[str, Any] = {}
-        self._thread = threading.Thread(
-            target=self._loop, name=f"kvbridge-payload-send-{to_stage}", daemon=True
-        )
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._loop, name=f"kvbridge-payload-send-{to_stage}-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def key(self, request_id: str, chunk: int | None) -> str:
         return payload_key(
@@ -308,48 +322,74 @@ class PayloadSender:
             error = result.error or "put returned ok=False"
         return f"put of {job.key} failed after {self.retries + 1} attempts: {error}"
 
+    def _take_locked(self) -> _PutJob | None:
+        """The oldest queued job whose request has no put running (called with the lock)."""
+        for i, job in enumerate(self._queue):
+            if job.request_id not in self._running:
+                del self._queue[i]
+                self._running.add(job.request_id)
+                return job
+        return None
+
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._queue and not self._closed:
+                job = self._take_locked()
+                while job is None:
+                    # Closed: the jobs left belong to requests another thread is putting;
+                    # that thread takes them when its put returns.
+                    if self._closed:
+                        return
                     self._wake.wait()
-                if self._closed and not self._queue:
-                    return
-                job = self._queue.popleft()
-            error = self._put(job)
-            kind = job.envelope[ENVELOPE_KEY]["kind"]
-            final = job.envelope[ENVELOPE_KEY]["final"]
-            abort_after = False
-            with self._lock:
-                self._queued[job.request_id] -= 1
-                if error is not None:
-                    logger.error("payload send of request %s failed: %s", job.request_id, error)
-                    self._status[job.request_id] = f"failed: {error}"
-                    # Later puts of this request would leave a hole in the stream.
-                    self._queue = deque(j for j in self._queue if j.request_id != job.request_id)
-                    self._queued[job.request_id] = 0
-                    abort_after = kind != ABORT
-                elif kind == ABORT:
-                    self._status[job.request_id] = f"failed: {job.envelope[ENVELOPE_KEY]['error']}"
-                elif final and not self._status[job.request_id].startswith("failed"):
-                    self._status[job.request_id] = "done"
-            if abort_after:
-                # Best effort: tell the receiver now instead of letting it stall.
-                chunk = job.envelope[ENVELOPE_KEY]["chunk"]
-                env = make_envelope(ABORT, job.request_id, None, chunk=chunk, final=True, error=error)
-                try:
-                    self.connector.put(self.from_stage, self.to_stage, job.key, env)
-                except Exception:
-                    pass
+                    job = self._take_locked()
+            try:
+                self._run(job)
+            finally:
+                with self._lock:
+                    self._running.discard(job.request_id)
+                    self._wake.notify_all()
+
+    def _run(self, job: _PutJob) -> None:
+        error = self._put(job)
+        kind = job.envelope[ENVELOPE_KEY]["kind"]
+        final = job.envelope[ENVELOPE_KEY]["final"]
+        abort_after = False
+        with self._lock:
+            self._queued[job.request_id] -= 1
+            if error is not None:
+                logger.error("payload send of request %s failed: %s", job.request_id, error)
+                self._status[job.request_id] = f"failed: {error}"
+                # Later puts of this request would leave a hole in the stream.
+                self._queue = deque(j for j in self._queue if j.request_id != job.request_id)
+                self._queued[job.request_id] = 0
+                abort_after = kind != ABORT
+            elif kind == ABORT:
+                self._status[job.request_id] = f"failed: {job.envelope[ENVELOPE_KEY]['error']}"
+            elif final and not self._status[job.request_id].startswith("failed"):
+                self._status[job.request_id] = "done"
+        if abort_after:
+            # Best effort: tell the receiver now instead of letting it stall.
+            chunk = job.envelope[ENVELOPE_KEY]["chunk"]
+            env = make_envelope(ABORT, job.request_id, None, chunk=chunk, final=True, error=error)
+            try:
+                self.connector.put(self.from_stage, self.to_stage, job.key, env)
+            except Exception:
+                pass
+
+    def threads_alive(self) -> int:
+        return sum(t.is_alive() for t in self._threads)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Finish the queued puts (up to ``timeout``), stop the thread. Idempotent."""
+        """Finish the queued puts (up to ``timeout``), stop the threads. Idempotent."""
         with self._lock:
             self._closed = True
             self._wake.notify_all()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            logger.warning("payload sender thread did not stop within %.1f s", timeout)
+        end = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, end - time.monotonic()))
+        alive = sum(t.is_alive() for t in self._threads)
+        if alive:
+            logger.warning("%d payload sender threads did not stop within %.1f s", alive, timeout)
 
 
 # -- receiver ----------------------------------------------------------------------------------
@@ -590,6 +630,9 @@ class PayloadReceiver:
             self._wake.wait(interval if active else 0.1)
             self._wake.clear()
             interval = min(interval * 2, self.max_poll_interval_s)
+
+    def threads_alive(self) -> int:
+        return int(self._thread.is_alive())
 
     def close(self, timeout: float = 5.0) -> None:
         """Fail every pending request, stop the thread (and close the connector if owned)."""

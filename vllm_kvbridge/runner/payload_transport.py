@@ -299,4 +299,4 @@ class _PayloadTransportMixin(_ConnectorRuntimeMixin):
         """Background payload threads still running (0 after shutdown); for tests and health."""
         with self._kvb_lock:
             objs = list(self._kvb_senders.values()) + list(self._kvb_receivers.values())
-        return sum(1 for o in objs if o._thread.is_alive())
+        return sum(o.threads_alive() for o in objs)
