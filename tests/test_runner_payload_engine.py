@@ -19,7 +19,8 @@ import torch
 from runner_fixtures import HFReference, prompt_ids, shm_entries, shm_namespace, start_engine, stop_engine
 
 from vllm_kvbridge.connectors.registry import create_connector
-from vllm_kvbridge.runner.payload_stream import SEND_WORKERS, PayloadAborted, PayloadReceiver
+from vllm_kvbridge.runner.payload_receiver import PayloadReceiver
+from vllm_kvbridge.runner.payload_stream import SEND_WORKERS, PayloadAborted
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

@@ -12,9 +12,9 @@ from runner_fixtures import shm_entries, shm_namespace
 from vllm_kvbridge.connectors.registry import create_connector
 from vllm_kvbridge.errors import ConfigError, TransferCorrupt, TransferError, TransferTimeout
 from vllm_kvbridge.runner.mixin import KVBridgeModelRunnerMixin
+from vllm_kvbridge.runner.payload_receiver import PayloadReceiver
 from vllm_kvbridge.runner.payload_stream import (
     PayloadAborted,
-    PayloadReceiver,
     PayloadSender,
     make_envelope,
     merge_payloads,

@@ -9,7 +9,7 @@ which the orchestrator forwards to the next stage. The transfer id of every requ
 the orchestrator's request id (``extra_args["kvbridge"]["request_id"]``).
 
 A stage with an incoming payload edge (a talker) receives the producer's payload on a
-:class:`~vllm_kvbridge.runner.payload_stream.PayloadReceiver` and submits its
+:class:`~vllm_kvbridge.runner.payload_receiver.PayloadReceiver` and submits its
 ``hidden_states`` to vLLM as prompt embeddings (``enable_prompt_embeds``).
 
 A request submitted with ``stream`` gets a :class:`~vllm_kvbridge.pipeline.messages.StageProgress`
@@ -80,7 +80,7 @@ class LLMStageEngine(StageEngine):
             if e.payload_mode == "none":
                 continue
             from vllm_kvbridge.connectors.registry import create_connector
-            from vllm_kvbridge.runner.payload_stream import PayloadReceiver
+            from vllm_kvbridge.runner.payload_receiver import PayloadReceiver
 
             self._receivers[e.from_stage] = PayloadReceiver(
                 create_connector(e.connector.name, e.connector.config),

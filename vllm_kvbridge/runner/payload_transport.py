@@ -32,9 +32,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from vllm_kvbridge.errors import ConfigError, KVBridgeError
+from vllm_kvbridge.runner.payload_receiver import PayloadReceiver
 from vllm_kvbridge.runner.payload_stream import (
     PayloadAccumulator,
-    PayloadReceiver,
     PayloadSender,
     broadcast_payload,
 )
