@@ -275,15 +275,21 @@ def killed_sender_child(ns: str, report: Any) -> None:
 
 # -- 2-rank diffusion stage (CFG-parallel), run in spawned processes ----------------------------
 def cfg_stage(
-    namespace: str, *, num_ranks: int = 1, recv_timeout: float = 10.0, guidance: float = 3.0
+    namespace: str, *, num_ranks: int = 1, recv_timeout: float = 10.0, guidance: float = 3.0, from_tp: int = 1
 ) -> Any:
-    """The resolved diffusion stage of a tiny AR -> DiT config over shm in ``namespace``."""
+    """The resolved diffusion stage of a tiny AR (TP ``from_tp``) -> DiT config over shm."""
     from vllm_kvbridge.config import resolve_spec, spec_from_dict
 
     cfg = {
         "connectors": {"shm": {"name": "shm", "extra": {"namespace": namespace}}},
         "stages": [
-            {"stage_id": 0, "kind": "llm_ar", "model": "m", "kv_transfer": {"need_send_cache": True}},
+            {
+                "stage_id": 0,
+                "kind": "llm_ar",
+                "model": "m",
+                "tensor_parallel_size": from_tp,
+                "kv_transfer": {"need_send_cache": True},
+            },
             {
                 "stage_id": 1,
                 "kind": "diffusion",
@@ -301,9 +307,12 @@ def cfg_stage(
     return resolve_spec(spec_from_dict(cfg)).stage(1)
 
 
-def send_cfg_kv(namespace: str, caches: list[torch.Tensor], plans: dict[str, Any]) -> Any:
-    """A sender-side KV manager that sent ``plans`` (engine id -> plan with optional
-    ``purpose`` / ``companion_of``); returned open (the caller closes it: segments stay
+def send_cfg_kv(
+    namespace: str, caches: list[torch.Tensor], plans: dict[str, Any], *, tp_rank: int = 0, from_tp: int = 1
+) -> Any:
+    """A sender-side KV manager (TP rank ``tp_rank`` of ``from_tp``, 2 KV heads in all) that
+    sent ``plans`` (engine id -> plan with optional ``purpose`` / ``companion_of``) from
+    ``caches`` (this rank's heads); returned open (the caller closes it: segments stay
     published until consumed)."""
     import time
 
@@ -318,6 +327,8 @@ def send_cfg_kv(namespace: str, caches: list[torch.Tensor], plans: dict[str, Any
         to_stage=1,
         connector="SharedMemoryConnector",
         connector_config={"namespace": namespace},
+        from_tp=from_tp,
+        tp_rank=tp_rank,
     )
     sender = KVTransferManager(cfg, num_kv_heads=2)
     sender.handle_finished_requests_kv_transfer(plans, caches, BLOCK, "auto", request_id_resolver=lambda i: i)
@@ -337,7 +348,9 @@ def _shm_maps() -> list[str]:
         return sorted({line.split()[-1] for line in f if "/dev/shm/kvbridge" in line})
 
 
-def dit_rank_worker(rank: int, port: int, namespace: str, jobs: list[dict[str, Any]], out_dir: str) -> None:
+def dit_rank_worker(
+    rank: int, port: int, namespace: str, jobs: list[dict[str, Any]], out_dir: str, from_tp: int = 1
+) -> None:
     """Rank 0: the stage's DiffusionRunner (LEADER) executing ``jobs``; rank 1: run_follower.
 
     Writes ``rank<r>.json`` (outcomes, the follower's /dev/shm mappings) and rank 0's images
@@ -354,7 +367,7 @@ def dit_rank_worker(rank: int, port: int, namespace: str, jobs: list[dict[str, A
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     group = dist.group.WORLD
-    stage = cfg_stage(namespace, num_ranks=2, recv_timeout=2.0)
+    stage = cfg_stage(namespace, num_ranks=2, recv_timeout=2.0, from_tp=from_tp)
     report: dict[str, Any] = {}
     try:
         if rank == 1:

@@ -165,34 +165,45 @@ def _free_port() -> int:
 
 @pytest.mark.forked
 @pytest.mark.timeout(180)
-def test_two_ranks_cfg_parallel_equal_one_rank_and_follower_never_touches_connector() -> None:
-    ns = f"dit2r{os.getpid()}"
+@pytest.mark.parametrize("sender_tp", [1, 2])
+def test_two_ranks_cfg_parallel_equal_one_rank_and_follower_never_touches_connector(sender_tp: int) -> None:
+    """Rank 0 receives (from a TP-1 sender, or merging the heads of a TP-2 sender), rank 1
+    gets the KV through distribute_kv_cache; the images equal the 1-rank run bit for bit."""
+    ns = f"dit2r{sender_tp}{os.getpid()}"
     out = Path(tempfile.mkdtemp(prefix="kvb-dit2r-"))
-    caches = fake_cpu_caches(2, seed=5)
+    heads = 2 // sender_tp
+    caches = [fake_cpu_caches(heads, seed=5 + r) for r in range(sender_tp)]
     plans = _plans()
     cid = companion_request_id("a-1", CFG_NEGATIVE)
-    sender = send_cfg_kv(ns, caches, plans)
+    senders = [send_cfg_kv(ns, caches[r], plans, tp_rank=r, from_tp=sender_tp) for r in range(sender_tp)]
+
+    def info(rid: str) -> dict:
+        keys = {k: v for s in senders for k, v in s.get_sender_info(rid)["keys"].items()}
+        return {"keys": keys, "num_kv_heads": 2}
+
+    def ref(plan: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        parts = [_ref(c, plan) for c in caches]  # each rank's heads, merged in head order
+        return [
+            (torch.cat([p[i][0] for p in parts], 1), torch.cat([p[i][1] for p in parts], 1)) for i in range(3)
+        ]
+
     try:
-        info_a, info_c = sender.get_sender_info("a-1"), sender.get_sender_info(cid)
+        merged = {"keys": {**info("a-1")["keys"], **info(cid)["keys"]}, "num_kv_heads": 2}
         jobs = [
-            {
-                "id": "a-1",
-                "sender_info": {"keys": {**info_a["keys"], **info_c["keys"]}},
-                "scale": 3.0,
-                "purposes": [CFG_NEGATIVE],
-            },
+            {"id": "a-1", "sender_info": merged, "scale": 3.0, "purposes": [CFG_NEGATIVE]},
             {"id": "missing", "sender_info": {}, "scale": 3.0, "purposes": [CFG_NEGATIVE]},  # leader fails
-            {"id": "b-2", "sender_info": sender.get_sender_info("b-2"), "scale": 1.0, "purposes": []},
+            {"id": "b-2", "sender_info": info("b-2"), "scale": 1.0, "purposes": []},
         ]
         mp.start_processes(
             dit_rank_worker,
-            args=(_free_port(), ns, jobs, str(out)),
+            args=(_free_port(), ns, jobs, str(out), sender_tp),
             nprocs=2,
             join=True,
             start_method="spawn",
         )
     finally:
-        sender.shutdown()
+        for s in senders:
+            s.shutdown()
     leader = json.loads((out / "rank0.json").read_text())
     follower = json.loads((out / "rank1.json").read_text())
     assert "exception" not in leader and "exception" not in follower, (leader, follower)
@@ -207,14 +218,9 @@ def test_two_ranks_cfg_parallel_equal_one_rank_and_follower_never_touches_connec
     torch.set_num_threads(1)  # as the ranks ran: same ops, same threads -> bit-exact
     module = TinyKVDiT(image_size=16, seed=0).eval()
     one_rank = denoise(
-        module,
-        _ref(caches, plans["a-1"]),
-        num_steps=3,
-        seed=0,
-        uncond_kv=_ref(caches, plans[cid]),
-        guidance_scale=3.0,
+        module, ref(plans["a-1"]), num_steps=3, seed=0, uncond_kv=ref(plans[cid]), guidance_scale=3.0
     )[0]
     assert torch.equal(load_file(str(out / "a-1.safetensors"))["image"], one_rank)
-    plain = denoise(module, _ref(caches, plans["b-2"]), num_steps=3, seed=0)[0]
+    plain = denoise(module, ref(plans["b-2"]), num_steps=3, seed=0)[0]
     assert torch.equal(load_file(str(out / "b-2.safetensors"))["image"], plain)
     assert _leftovers(ns) == []
