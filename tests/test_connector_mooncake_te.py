@@ -158,6 +158,17 @@ def test_a_claim_whose_lease_expired_fails_instead_of_reading_stale_memory():
         assert receiver.get(0, 1, key(), result.metadata) is None  # nobody else reads it either
 
 
+def test_a_read_longer_than_the_lease_renews_it_between_batches():
+    """Without renewal the sender's sweeper (every lease_s/4) drops the claim mid-read and the
+    read fails; 256 MiB over TCP here takes several lease periods."""
+    nbytes = 256 << 20
+    with te(lease_s=0.15) as sender, te(max_batch_pieces=2) as receiver:  # the sender's lease rules
+        result = sender.put(0, 1, key(), make_payload(6, nbytes))
+        got = receiver.get(0, 1, key(), result.metadata, deadline=deadline(60))
+        assert same(got, make_payload(6, nbytes))
+        assert receiver.health()["lease_renewals"] >= 1 and sender.health()["lease_expired"] == 0
+
+
 def test_a_claimed_key_is_invisible_to_other_receivers():
     with te() as sender, te() as first, te() as second:
         result = sender.put(0, 1, key(), make_payload(3))

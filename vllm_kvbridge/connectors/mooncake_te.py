@@ -20,7 +20,8 @@ its address ``endpoint`` in the put metadata beside the engine's ``segment``): t
 CLAIMs a key and gets ``(address, nbytes, lease)``; it reads; it sends DONE, and the sender
 returns the slab to its pool. A claimed key is invisible to other receivers (destructive
 read). The sender releases a slab when the receiver confirms, when an unclaimed key's
-``ttl_s`` passes, or when a claim's ``lease_s`` passes; a slab whose lease expired is
+``ttl_s`` passes, or when a claim's ``lease_s`` passes (a long read renews its claim between
+batches once a third of ``lease_s`` has gone); a slab whose lease expired is
 unregistered and never reused (a late reader's read fails instead of reading another
 payload), and the late reader's DONE is answered EXPIRED, which fails its get.
 
@@ -52,7 +53,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,7 +127,7 @@ class MooncakeTransferEngineConnector(Connector):
         self._reads_done = threading.Condition(self._lock)
         self._queued = 0  # pieces queued in the engine by this connector
         self._queue_room = threading.Condition(threading.Lock())
-        self._counters = {"read_batches": 0, "expired": 0, "lease_expired": 0}
+        self._counters = {"read_batches": 0, "expired": 0, "lease_expired": 0, "lease_renewals": 0}
         self.endpoint: str | None = None
 
         cfg = self.config
@@ -273,9 +274,11 @@ class MooncakeTransferEngineConnector(Connector):
                 if not held.lease:
                     self._next_lease += 1
                     held.lease, held.claimer = self._next_lease, claimer
-                    held.expires = time.monotonic() + self.lease_s
+                # Claiming again renews the lease: a long read keeps its slab alive.
+                held.expires = time.monotonic() + self.lease_s
                 addr = held.slab.ctypes.data
-                return [ctl.OK, ctl.U64.pack(addr), ctl.U64.pack(held.nbytes), ctl.U64.pack(held.lease)]
+                fields = (addr, held.nbytes, held.lease, int(self.lease_s * 1000))
+                return [ctl.OK, *(ctl.U64.pack(v) for v in fields)]
         if op == ctl.DONE and len(request) == 3 and len(request[2]) == 8:
             key, lease = request[1].decode("ascii", "replace"), ctl.U64.unpack(request[2])[0]
             with self._lock:
@@ -343,16 +346,17 @@ class MooncakeTransferEngineConnector(Connector):
         self.stats.add(gets=1, get_bytes=nbytes, get_seconds=time.perf_counter() - start)
         return payload
 
-    def _claim(self, endpoint: str, key: str, deadline: float | None) -> tuple[int, int, int] | None:
+    def _claim(self, endpoint: str, key: str, deadline: float | None) -> tuple[int, int, int, int] | None:
+        """``(address, nbytes, lease, lease_ms)`` of the claimed key, ``None`` if missing (no deadline)."""
         request = [ctl.CLAIM, key.encode("ascii"), self._receiver_id, ctl.U64.pack(self.max_payload_bytes)]
         delay = 0.001
         while True:
             wait_until = deadline if deadline is not None else time.monotonic() + self.request_timeout_s
             answer = self._client.request(endpoint, request, wait_until)
             status = answer[0] if answer else b""
-            if status == ctl.OK and len(answer) == 4:
-                addr, nbytes, lease = (ctl.U64.unpack(a)[0] for a in answer[1:])
-                return addr, nbytes, lease
+            if status == ctl.OK and len(answer) == 5:
+                addr, nbytes, lease, lease_ms = (ctl.U64.unpack(a)[0] for a in answer[1:])
+                return addr, nbytes, lease, lease_ms
             if status == ctl.TOOBIG:
                 raise TransferRefused(
                     f"{key!r} at {endpoint} is {ctl.U64.unpack(answer[1])[0]} bytes, over "
@@ -370,7 +374,7 @@ class MooncakeTransferEngineConnector(Connector):
             self._check_open()
 
     def _read(
-        self, endpoint: str, segment: str, key: str, addr: int, nbytes: int, lease: int
+        self, endpoint: str, segment: str, key: str, addr: int, nbytes: int, lease: int, lease_ms: int
     ) -> tuple[Any, int]:
         from vllm_kvbridge.wire import decode_packed
 
@@ -380,7 +384,17 @@ class MooncakeTransferEngineConnector(Connector):
         try:
             slab, _ = self._pool.acquire(nbytes)
             try:
-                self._transfer(segment, slab.ctypes.data, addr, nbytes, key)
+                # Renew well before the sender's lease (it says how long) runs out.
+                renew_every = max(0.001, lease_ms / 3000)
+                self._transfer(
+                    segment,
+                    slab.ctypes.data,
+                    addr,
+                    nbytes,
+                    key,
+                    lambda: self._renew(endpoint, key),
+                    renew_every,
+                )
                 # The sender may reuse its slab only after this; an expired lease means the
                 # bytes we read may not be the payload any more.
                 answer = self._client.request(
@@ -389,7 +403,7 @@ class MooncakeTransferEngineConnector(Connector):
                 if answer != [ctl.DONE]:
                     raise TransferError(
                         f"{key!r}: the sender's lease ran out during the read ({answer!r}); "
-                        f"raise lease_s (now {self.lease_s} s)"
+                        f"the sender's lease_s is {lease_ms / 1000} s"
                     )
             except BaseException:
                 self._pool.release(slab)
@@ -404,11 +418,34 @@ class MooncakeTransferEngineConnector(Connector):
         except PayloadError as exc:
             raise TransferCorrupt(f"{key!r} from {segment} does not decode: {exc}") from exc
 
-    def _transfer(self, segment: str, dst: int, src: int, nbytes: int, key: str) -> None:
-        """Read ``nbytes`` from ``segment:src`` into ``dst``, in batches the engine accepts."""
+    def _renew(self, endpoint: str, key: str) -> None:
+        """Claim again (same receiver: same lease, new expiry); fails if the claim is gone."""
+        with self._lock:
+            self._counters["lease_renewals"] += 1
+        request = [ctl.CLAIM, key.encode("ascii"), self._receiver_id, ctl.U64.pack(self.max_payload_bytes)]
+        answer = self._client.request(endpoint, request, time.monotonic() + self.request_timeout_s)
+        if not answer or answer[0] != ctl.OK:
+            raise TransferError(f"{key!r}: the claim at {endpoint} was lost during the read ({answer!r})")
+
+    def _transfer(
+        self,
+        segment: str,
+        dst: int,
+        src: int,
+        nbytes: int,
+        key: str,
+        renew: Callable[[], None],
+        renew_every: float,
+    ) -> None:
+        """Read ``nbytes`` from ``segment:src`` into ``dst``, in batches the engine accepts,
+        calling ``renew`` between batches once ``renew_every`` seconds have passed."""
         piece = self.piece_bytes
         offsets = list(range(0, nbytes, piece))
+        renewed = time.monotonic()
         for first in range(0, len(offsets), self.max_batch_pieces):
+            if time.monotonic() - renewed > renew_every:
+                renew()
+                renewed = time.monotonic()
             batch = offsets[first : first + self.max_batch_pieces]
             lengths = [min(piece, nbytes - off) for off in batch]
             self._reserve(len(batch))
@@ -427,7 +464,8 @@ class MooncakeTransferEngineConnector(Connector):
                 raise TransferError(
                     f"transfer-engine read of {key!r} ({nbytes} bytes, "
                     f"pieces {first}..{first + len(batch) - 1}) "
-                    f"from {segment} failed (rc={rc}); the peer died, or a batch exceeded its queue "
+                    f"from {segment} failed (rc={rc}); the peer died, dropped the claim (lease), or a batch "
+                    f"exceeded its queue "
                     f"(max_batch_pieces={self.max_batch_pieces})"
                 )
 

@@ -1,7 +1,8 @@
-"""The small control channel of the transfer-engine connector (ZeroMQ, TCP).
+"""The small control channel of the one-sided connectors (ZeroMQ, TCP).
 
-The bytes move one-sided over the transfer engine; this channel only says *where* a key's
-bytes are and *when* the receiver is done with them. The sender's :class:`ControlServer`
+Used by the Mooncake transfer-engine connector (and the NIXL connector). The bytes move
+one-sided over the engine; this channel only says *where* a key's bytes are and *when* the
+receiver is done with them. The sender's :class:`ControlServer`
 owns a ROUTER socket on a background thread; receivers talk to it through
 :class:`ControlClient` (DEALER sockets pooled per endpoint, one thread at a time each).
 
@@ -9,15 +10,18 @@ Messages (multipart; ``nonce`` pairs an answer with its request, so a late answe
 timed-out request is never taken for the answer to the next one)::
 
     [b"CLAIM", nonce(8), key, receiver(8), max_bytes(u64)]
-        -> [nonce, b"OK", addr(u64), nbytes(u64), lease(u64)]
+        -> [nonce, b"OK", addr(u64), nbytes(u64), lease(u64), lease_ms(u64)]
          | [nonce, b"MISSING"] | [nonce, b"TOOBIG", nbytes(u64)]
     [b"DONE", nonce(8), key, lease(u64)]
         -> [nonce, b"DONE"] | [nonce, b"EXPIRED"]
     anything else -> [nonce, b"BAD"]
 
-A CLAIM by the receiver that already holds the claim answers the same lease again, so a
-claim whose answer arrived after the receiver's deadline is simply re-issued by its next
-get (nothing is lost between a timed-out claim and the next poll).
+A CLAIM by the receiver that already holds the claim answers the same lease again and
+renews it for ``lease_ms``, so a claim whose answer arrived after the receiver's deadline
+is simply re-issued by its next get (nothing is lost between a timed-out claim and the next
+poll), and a long read keeps its claim by claiming again between batches. (These are the
+transfer-engine connector's messages; the NIXL connector speaks its own over the same
+server and client.)
 """
 
 from __future__ import annotations
