@@ -52,6 +52,13 @@ def _stage_lines(s: ResolvedStage) -> list[str]:
         )
         if d.get("kwargs"):
             lines.append(f"  kwargs: {json.dumps(d['kwargs'], sort_keys=True)}")
+        if float(d.get("guidance_scale", 1.0)) != 1.0:
+            lines.append(
+                f"  guidance: scale {d['guidance_scale']}, negative prompt {d.get('negative_prompt', '')!r} "
+                "(its KV comes as the 'cfg_neg' companion)"
+            )
+        if int(d.get("num_ranks", 1)) > 1:
+            lines.append(f"  ranks: {d['num_ranks']}, CFG-parallel (rank 0 receives and distributes the KV)")
     kv = s.kv_transfer
     if kv.get("need_send_cache"):
         extra = f", token {kv['trigger_token_id']}" if kv.get("trigger_token_id") is not None else ""
