@@ -224,3 +224,35 @@ def test_two_ranks_cfg_parallel_equal_one_rank_and_follower_never_touches_connec
     plain = denoise(module, ref(plans["b-2"]), num_steps=3, seed=0)[0]
     assert torch.equal(load_file(str(out / "b-2.safetensors"))["image"], plain)
     assert _leftovers(ns) == []
+
+
+def test_external_llm_stage_fails_a_guided_request_at_once() -> None:
+    """An external ``vllm serve`` stage cannot run companions: the request fails at submit,
+    naming them, instead of the DiT waiting its deadline for a KV that never comes."""
+    from vllm_kvbridge.config import resolve_spec, spec_from_dict
+    from vllm_kvbridge.pipeline import messages as m
+    from vllm_kvbridge.pipeline.http_engine import HTTPStageEngine
+
+    cfg = {
+        "stages": [
+            {
+                "stage_id": 0,
+                "kind": "llm_ar",
+                "model": "m",
+                "url": "http://127.0.0.1:9",
+                "kv_transfer": {"need_send_cache": True},
+            },
+            {"stage_id": 1, "kind": "diffusion", "kv_transfer": {"need_recv_cache": True}},
+        ],
+        "connectors": {"zmq": {"name": "zmq"}},
+        "edges": [{"from_stage": 0, "to_stage": 1, "connector": "zmq"}],
+    }
+    engine = HTTPStageEngine(resolve_spec(spec_from_dict(cfg)).stage(0))
+    try:
+        engine.submit(m.Submit("r-1", prompt="a cat", companions={CFG_NEGATIVE: ""}))
+        assert engine.busy()
+        [out] = engine.step()
+        assert isinstance(out, m.RequestFailed) and out.request_id == "r-1"
+        assert "CFG companions ['cfg_neg']" in out.error
+    finally:
+        engine.close()

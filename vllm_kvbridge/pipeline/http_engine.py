@@ -109,6 +109,12 @@ class HTTPStageEngine(StageEngine):
     def submit(self, msg: m.Submit) -> None:
         if msg.prompt is None:
             raise ValueError(f"external stage {self.stage.stage_id} needs a text prompt ({msg.request_id!r})")
+        if msg.companions:
+            # An external server cannot key a companion's KV under the primary's id: fail now
+            # rather than let the DiT wait its deadline for a companion that never comes.
+            why = f"CFG companions {sorted(msg.companions)} need a kvbridge LLM stage, not an external server"
+            self._done.put(m.RequestFailed(msg.request_id, self.stage.stage_id, why))
+            return
         params = {**self.stage.default_sampling_params, **msg.sampling_params}
         body: dict[str, Any] = {k: params[k] for k in _OPENAI_PARAMS if k in params}
         body.update(model=self.model, prompt=msg.prompt, request_id=msg.request_id, return_token_ids=True)
