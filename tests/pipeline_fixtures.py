@@ -37,6 +37,15 @@ class DieInForward(TinyKVDiT):
         os._exit(17)
 
 
+class DieOnRank1(TinyKVDiT):
+    """Rank 1 of a 2-rank diffusion stage dies without a word on its first forward."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if os.environ.get("KVBRIDGE_DIT_RANK") == "1":
+            os._exit(17)
+        return super().forward(*args, **kwargs)
+
+
 def shm_segments(prefix: str = "kvbridge.r") -> list[str]:
     """Segments of pipeline runs (orchestrator namespaces start with ``r<hex>``)."""
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))

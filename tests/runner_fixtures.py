@@ -275,7 +275,13 @@ def killed_sender_child(ns: str, report: Any) -> None:
 
 # -- 2-rank diffusion stage (CFG-parallel), run in spawned processes ----------------------------
 def cfg_stage(
-    namespace: str, *, num_ranks: int = 1, recv_timeout: float = 10.0, guidance: float = 3.0, from_tp: int = 1
+    namespace: str,
+    *,
+    num_ranks: int = 1,
+    recv_timeout: float = 10.0,
+    guidance: float = 3.0,
+    from_tp: int = 1,
+    class_path: str = "vllm_kvbridge.models.tiny_dit.TinyKVDiT",
 ) -> Any:
     """The resolved diffusion stage of a tiny AR (TP ``from_tp``) -> DiT config over shm."""
     from vllm_kvbridge.config import resolve_spec, spec_from_dict
@@ -295,6 +301,7 @@ def cfg_stage(
                 "kind": "diffusion",
                 "kv_transfer": {"need_recv_cache": True, "recv_timeout": recv_timeout, "prefetch": True},
                 "diffusion": {
+                    "class_path": class_path,
                     "kwargs": {"image_size": 16},
                     "num_steps": 3,
                     "guidance_scale": guidance,

@@ -256,3 +256,40 @@ def test_external_llm_stage_fails_a_guided_request_at_once() -> None:
         assert "CFG companions ['cfg_neg']" in out.error
     finally:
         engine.close()
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(180)
+def test_rank1_dying_fails_the_stage_and_leaves_nothing_behind() -> None:
+    """The stage engine with its real rank-1 process: rank 1 dies in its first forward; the
+    request fails, the stage reports rank 1's exit status, close leaves no process/segment."""
+    from pipeline_fixtures import TESTS_DIR
+
+    from vllm_kvbridge.pipeline import messages as m
+    from vllm_kvbridge.pipeline.engines import DiffusionStageEngine
+
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
+    ns = f"dit2rdie{os.getpid()}"
+    caches = fake_cpu_caches(2, seed=5)
+    plans = _plans()
+    cid = companion_request_id("a-1", CFG_NEGATIVE)
+    sender = send_cfg_kv(ns, caches, plans)
+    stage = cfg_stage(ns, num_ranks=2, recv_timeout=5.0, class_path="pipeline_fixtures.DieOnRank1")
+    engine = DiffusionStageEngine(stage)
+    rank1 = engine.info()["rank_pids"][1]
+    try:
+        info = {"keys": {**sender.get_sender_info("a-1")["keys"], **sender.get_sender_info(cid)["keys"]}}
+        engine.submit(m.Submit("a-1", upstream=[m.Upstream(0, "a-1", info)], companions={CFG_NEGATIVE: ""}))
+        got: list = []
+        deadline = time.monotonic() + 120
+        with pytest.raises(RuntimeError, match="rank 1 of this diffusion stage exited with status 17"):
+            while time.monotonic() < deadline:
+                got += engine.step()
+                time.sleep(0.05)
+        assert all(isinstance(x, m.RequestFailed) for x in got), got  # never a StageDone
+    finally:
+        engine.close()
+        sender.shutdown()
+    with pytest.raises(ProcessLookupError):
+        os.kill(rank1, 0)
+    assert _leftovers(ns) == []

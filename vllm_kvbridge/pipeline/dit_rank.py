@@ -55,7 +55,7 @@ def start_ranks(stage: ResolvedStage) -> tuple[subprocess.Popen, Any]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm_kvbridge.pipeline.dit_rank", "--init-method", init_method],
         stdin=subprocess.PIPE,
-        env={**os.environ, "KVBRIDGE_DIT_RANK": "1"},
+        env={**os.environ, "KVBRIDGE_DIT_RANK": "1"},  # lets a model (or a test) tell its rank
     )
     assert proc.stdin is not None
     proc.stdin.write(msgspec.json.encode(stage))
