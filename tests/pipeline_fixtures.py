@@ -115,7 +115,6 @@ def check_dumped_kv_is_transformers_kv(
     assert torch.allclose(torch.from_numpy(result.image), expected, atol=1e-5)
 
 
-
 def processes_using(path: str | Path) -> list[int]:
     """Pids of live processes with an open file under ``path`` (stage logs live there)."""
     root = str(Path(path).resolve())
@@ -135,3 +134,65 @@ def processes_using(path: str | Path) -> list[int]:
             except OSError:
                 continue
     return found
+
+
+# -- CFG companion fault injection (AR stage) -------------------------------------------
+#: Requests whose id starts with this get their CFG companion's KV put refused.
+FAIL_COMPANION_PREFIX = "fail"
+
+
+def _fail_companion_classes() -> dict[str, Any]:
+    """Built on first use: importing vLLM's worker classes is slow, most tests never need them."""
+    from vllm_kvbridge.connectors.base import Connector, PutResult
+    from vllm_kvbridge.connectors.keys import encode_request_id
+    from vllm_kvbridge.connectors.registry import create_connector
+    from vllm_kvbridge.runner.ar_runner import KVBridgeCPUModelRunner
+    from vllm_kvbridge.runner.worker import KVBridgeCPUWorker
+
+    class FailCompanionPuts(Connector):
+        """The stage's real connector, except that a ``cfg_neg`` put of a ``fail*`` request
+        is refused (as a full store or a dead peer would): the KV manager retries, then
+        reports that companion's send failed."""
+
+        name = "FailCompanionPuts"
+
+        def __init__(self, inner: Connector) -> None:
+            super().__init__({})
+            self.inner = inner
+
+        def put(self, from_stage: Any, to_stage: Any, key: str, payload: Any) -> PutResult:
+            if ".cfg_neg." in key and f".{encode_request_id(FAIL_COMPANION_PREFIX)}" in key:
+                return PutResult(ok=False, error="injected: the store refused the CFG companion")
+            return self.inner.put(from_stage, to_stage, key, payload)
+
+        def get(self, *args: Any, **kwargs: Any) -> Any:
+            return self.inner.get(*args, **kwargs)
+
+        def cleanup(self, key: str) -> None:
+            self.inner.cleanup(key)
+
+        def health(self) -> dict[str, Any]:
+            return self.inner.health()
+
+        def _close(self) -> None:
+            self.inner.close()
+
+    class FailCompanionRunner(KVBridgeCPUModelRunner):
+        def kvbridge_kv_manager_kwargs(self) -> dict[str, Any]:
+            kwargs = super().kvbridge_kv_manager_kwargs()
+            cfg = self.kvbridge_settings.kv_transfer_config()
+            kwargs["connector"] = FailCompanionPuts(create_connector(cfg.connector, cfg.connector_config))
+            return kwargs
+
+    class FailCompanionWorker(KVBridgeCPUWorker):
+        runner_cls = FailCompanionRunner
+
+    return {"FailCompanionPuts": FailCompanionPuts, "FailCompanionWorker": FailCompanionWorker}
+
+
+def __getattr__(name: str) -> Any:
+    # ``worker_cls: pipeline_fixtures.FailCompanionWorker`` in a stage config lands here.
+    if name in ("FailCompanionPuts", "FailCompanionWorker"):
+        globals().update(_fail_companion_classes())  # built once, then plain attributes
+        return globals()[name]
+    raise AttributeError(name)
