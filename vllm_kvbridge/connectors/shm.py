@@ -74,22 +74,16 @@ def _release_claimed(mapping: seg.ReceiverMapping, generation: int) -> None:
     """Finalizer of a claimed payload: hand the segment back to the sender's pool.
 
     Runs in whichever thread frees the last view, so it takes no lock: it writes the
-    state word and clears ``busy`` (a single attribute store); a detached mapping is
+    state word, then drops the claim lock and clears ``busy``; a detached mapping is
     unmapped here, a cached one stays mapped for the next get.
     """
-    mm = mapping.mm
     try:
-        state, gen = seg.read_generation(mm)
+        state, gen = seg.read_generation(mapping.mm)
         if state == seg.CLAIMED and gen == generation:
-            seg.set_state_word(mm, seg.FREE, claimer_pid=0)
+            seg.set_state_word(mapping.mm, seg.FREE, claimer_pid=0)
     except ValueError:  # mapping already closed
         return
-    mapping.busy = False
-    if mapping.detached:
-        try:
-            mm.close()
-        except BufferError:  # the view is still being torn down; GC unmaps
-            pass
+    mapping.release()
 
 
 class SharedMemoryConnector(Connector):
@@ -259,7 +253,7 @@ class SharedMemoryConnector(Connector):
                 self._lent.append(segment)
         for segment in list(self._lent):
             state = segment.state
-            if state == seg.FREE or (state == seg.CLAIMED and not seg.pid_alive(segment.claimer_pid)):
+            if state == seg.FREE or (state == seg.CLAIMED and not segment.claim_held()):
                 self._lent.remove(segment)
                 segment.state = seg.FREE
                 segment.key = None
@@ -422,6 +416,7 @@ class SharedMemoryConnector(Connector):
         from vllm_kvbridge.wire import decode_packed
 
         mm = mapping.mm
+        mapping.hold_claim()  # before CLAIMED: the sender never sees CLAIMED unlocked
         seg.set_state_word(mm, seg.CLAIMED, claimer_pid=os.getpid())
         view = np.frombuffer(mm, dtype=np.uint8, count=header.payload_size, offset=seg.HEADER_SIZE)
         # The payload's tensors view `view`; when the last goes, the segment goes home.

@@ -8,9 +8,20 @@ Layout of a segment (a file in ``/dev/shm``)::
 
 Names (every one starts with ``kvbridge.`` so an operator can tell them apart)::
 
-    kvbridge.<ns>.p.<pid>.<n>     a pool segment owned by process <pid> (sender side)
+    kvbridge.<ns>.p.<pid>.<tag>   a pool segment created by process <pid> (sender side)
     kvbridge.<ns>.k.<key>         a published payload: a second hard link to a pool segment
-    kvbridge.<ns>.c.<pid>.<n>     a receiver's claim name, alive for two syscalls
+    kvbridge.<ns>.c.<pid>.<tag>   a receiver's claim name, alive for two syscalls
+
+(``<tag>`` is random per process plus a counter: pids repeat across PID namespaces.)
+
+Liveness (why it works across PID namespaces, e.g. the containers of one Kubernetes pod,
+which share ``/dev/shm`` but not their pids): a pid in a name or header means nothing to a
+peer in another namespace, so nothing is decided from pids. A segment's owner holds an
+open-file-description lock (``F_OFD_SETLK``) on byte 0 of the segment for as long as it
+lives, and every receiver holding a claimed payload a read lock on byte 1; the kernel drops
+them when the process dies (a zombie included), and every namespace sees them
+(``F_OFD_GETLK``). A pool segment is created unnamed (``O_TMPFILE``), locked, then linked
+under its name, so no name is ever seen unlocked while its owner lives.
 
 Protocol (why it is leak-free and needs no lock files):
 
@@ -24,18 +35,22 @@ Protocol (why it is leak-free and needs no lock files):
   place. When the last tensor viewing the mapping is freed, a finalizer writes FREE and
   the sender reuses the segment.
 * The sender reaps a published segment after its TTL by unlinking the key name (whoever
-  unlinks/renames the key name first owns the segment). A segment CLAIMED by a process
-  that died is taken back. ``close()`` unlinks every name the connector owns.
-* A crashed process leaves pool names (owner pid in the name) and published key names
-  (owner pid in the header); :func:`reap_stale` removes those whose owner is gone.
+  unlinks/renames the key name first owns the segment). A segment CLAIMED whose claim lock
+  nobody holds (its receiver died) is taken back. ``close()`` unlinks every name the
+  connector owns.
+* A crashed process leaves pool names and published key names whose owner lock nobody
+  holds, or a claim name; :func:`reap_stale` removes those (claim names once older than
+  :data:`CLAIM_NAME_GRACE_S`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import mmap
 import os
 import re
+import secrets
 import struct
 import time
 from dataclasses import dataclass
@@ -56,10 +71,15 @@ _CLAIMER_WORD = 5
 
 FREE, WRITING, READY, CLAIMED, RETIRED = 0, 1, 2, 3, 4
 
+#: A claim name exists for two syscalls of a live receiver; one older than this is a leftover.
+CLAIM_NAME_GRACE_S = 30.0
+_OWNER_BYTE, _CLAIM_BYTE = 0, 1
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock: l_type, l_whence, l_start, l_len, l_pid
+
 _NAMESPACE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _KEY = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 _NAME = re.compile(
-    r"kvbridge\.(?P<ns>[A-Za-z0-9_-]{1,64})\.(?:(?P<kind>[pc])\.(?P<pid>\d+)\.\d+|k\.(?P<key>[A-Za-z0-9_.-]+))"
+    r"kvbridge\.(?P<ns>[A-Za-z0-9_-]{1,64})\.(?:(?P<kind>[pc])\.(?P<pid>\d+)\.[0-9a-f]+|k\.(?P<key>[A-Za-z0-9_.-]+))"
 )
 _counter = itertools.count()
 
@@ -80,31 +100,78 @@ def key_path(namespace: str, key: str, shm_dir: str = SHM_DIR) -> str:
     return os.path.join(shm_dir, f"{PREFIX}.{namespace}.k.{key}")
 
 
+_tag = secrets.token_hex(4)
+
+
+def _new_tag() -> None:
+    global _tag
+    _tag = secrets.token_hex(4)
+
+
+os.register_at_fork(after_in_child=_new_tag)
+
+
 def _unique_path(namespace: str, kind: str, shm_dir: str) -> str:
-    return os.path.join(shm_dir, f"{PREFIX}.{namespace}.{kind}.{os.getpid()}.{next(_counter)}")
+    return os.path.join(shm_dir, f"{PREFIX}.{namespace}.{kind}.{os.getpid()}.{_tag}{next(_counter):x}")
 
 
-def pid_alive(pid: int) -> bool:
-    """True when a process with ``pid`` runs.
+def _set_lock(fd: int, byte: int, kind: int) -> None:
+    """Take (``F_WRLCK``/``F_RDLCK``) or drop (``F_UNLCK``) an OFD lock on one byte."""
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, byte, 1, 0))
 
-    A zombie counts as dead: it will never touch a segment again, and in containers whose
-    PID 1 does not reap orphans (a killed vLLM worker's parent died too) it never goes away.
-    """
-    if pid <= 0:
-        return False
+
+def _locked_elsewhere(fd: int, byte: int) -> bool:
+    """Whether another open file description (any process, any namespace) locks ``byte``."""
+    probe = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0))
+    return _FLOCK.unpack(probe)[0] != fcntl.F_UNLCK
+
+
+def claim_held(fd: int) -> bool:
+    """Whether a live receiver still holds a payload claimed from the segment ``fd``."""
+    return _locked_elsewhere(fd, _CLAIM_BYTE)
+
+
+def hold_claim(fd: int) -> None:
+    _set_lock(fd, _CLAIM_BYTE, fcntl.F_RDLCK)
+
+
+def release_claim(fd: int) -> None:
+    _set_lock(fd, _CLAIM_BYTE, fcntl.F_UNLCK)
+
+
+def _create_locked(path: str, shm_dir: str) -> int:
+    """A new segment file under ``path`` whose owner lock is held before the name exists."""
+    fd = _create_unnamed_locked(path, shm_dir)
+    if fd is None:  # no O_TMPFILE or no /proc: lock right after creating (a tiny window)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        _set_lock(fd, _OWNER_BYTE, fcntl.F_WRLCK)
+    return fd
+
+
+def _create_unnamed_locked(path: str, shm_dir: str) -> int | None:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+        fd = os.open(shm_dir, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except (AttributeError, OSError):
+        return None
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            # "pid (comm) state ...": comm may contain spaces or parentheses, so split at the last ")".
-            state = f.read().rpartition(b")")[2].split(None, 1)[0]
-    except (OSError, IndexError):
-        return True  # no procfs: trust kill(0)
-    return state != b"Z"
+        _set_lock(fd, _OWNER_BYTE, fcntl.F_WRLCK)
+        # linkat(AT_SYMLINK_FOLLOW) of /proc/self/fd/N names the unnamed file; os.link only
+        # passes that flag when given a dir fd (plain link() would fail with EXDEV).
+        proc_fds = os.open("/proc/self/fd", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.link(str(fd), path, src_dir_fd=proc_fds, follow_symlinks=True)
+        finally:
+            os.close(proc_fds)
+    except FileExistsError:
+        os.close(fd)
+        raise
+    except OSError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 @dataclass(frozen=True)
@@ -148,19 +215,22 @@ class PoolSegment:
         self.key: str | None = None
         self.published_at = 0.0  # monotonic
         size = HEADER_SIZE + capacity
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        # Kept open for the segment's life: it holds the owner lock (see "Liveness").
+        self.fd = _create_locked(self.path, shm_dir)
         try:
             # fallocate reserves the pages now: writing into a sparse tmpfs file that cannot
             # grow kills the process with SIGBUS, while this raises ENOSPC cleanly.
-            os.posix_fallocate(fd, 0, size)
+            os.posix_fallocate(self.fd, 0, size)
             self.mm = mmap.mmap(
-                fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                self.fd,
+                size,
+                flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
             )
         except BaseException:
             os.unlink(self.path)
+            os.close(self.fd)
             raise
-        finally:
-            os.close(fd)
         self._words = memoryview(self.mm)[: _HDR.size].cast("Q")
         self.payload = memoryview(self.mm)[HEADER_SIZE:]
 
@@ -175,7 +245,11 @@ class PoolSegment:
 
     @property
     def claimer_pid(self) -> int:
+        """The claimer's pid as it saw it (informational: meaningless across namespaces)."""
         return self._words[_CLAIMER_WORD]
+
+    def claim_held(self) -> bool:
+        return claim_held(self.fd)
 
     def begin_write(self) -> None:
         self.generation += 1
@@ -208,6 +282,7 @@ class PoolSegment:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        os.close(self.fd)  # drops the owner lock: nothing of ours is in use any more
         self._words.release()
         self.payload.release()
         try:
@@ -224,11 +299,11 @@ class ReceiverMapping:
     once (``MAP_POPULATE``: page tables filled up front) saves an mmap, a populate and an
     munmap per get (~40 ms per GiB here). ``busy`` is True while a payload decoded from
     it is alive. ``detached`` mappings are not (or no longer) cached: they are unmapped
-    as soon as nothing views them.
+    as soon as nothing views them. Its own file description holds the claim lock while a
+    payload is alive (:meth:`hold_claim`), and shows (fstat) when the sender unlinks it.
     """
 
     def __init__(self, fd: int, size: int, *, detached: bool) -> None:
-        self.fd = -1
         self.size = size
         self.busy = False
         self.detached = detached
@@ -236,8 +311,30 @@ class ReceiverMapping:
         self.mm = mmap.mmap(
             fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
         )
-        if not detached:
-            self.fd = os.dup(fd)  # to see (fstat) when the sender unlinks the segment
+        self.fd = os.dup(fd)
+
+    def hold_claim(self) -> None:
+        """Before marking the segment CLAIMED: tells its sender (in any namespace) we live."""
+        hold_claim(self.fd)
+
+    def release(self) -> None:
+        """After marking it FREE: drop the claim lock; a detached mapping goes away."""
+        try:
+            release_claim(self.fd)
+        except OSError:  # already closed
+            pass
+        self.busy = False
+        if self.detached:
+            self._close_fd()
+            try:
+                self.mm.close()
+            except BufferError:  # the view is still being torn down; GC unmaps
+                pass
+
+    def _close_fd(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     def orphaned(self) -> bool:
         """True once the sender dropped the segment (no name links to it, or it is RETIRED)."""
@@ -247,12 +344,11 @@ class ReceiverMapping:
             return True
 
     def close(self) -> None:
-        """Forget the mapping: unmap now if nothing views it, else when the last view goes."""
+        """Forget the mapping: unmap now if nothing views it, else when the last view goes
+        (its fd, and so the claim lock, stays until then)."""
         self.detached = True
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
         if not self.busy:
+            self._close_fd()
             try:
                 self.mm.close()
             except BufferError:  # a view is still being torn down; GC unmaps
@@ -312,10 +408,11 @@ def list_names(namespace_prefix: str = "", *, shm_dir: str = SHM_DIR) -> list[st
 def reap_stale(namespace: str | None = None, older_than: float = 0.0, *, shm_dir: str = SHM_DIR) -> list[str]:
     """Remove ``kvbridge.*`` leftovers of processes that are gone; returns the names removed.
 
-    A pool or claim name is removed when the pid in its name is gone; a published key when
-    the owner pid in its header is gone (or the header is unreadable) and it is at least
-    ``older_than`` seconds old. Segments of live processes are left to their owner's TTL
-    reaper. ``namespace=None`` scans every namespace.
+    A pool name, or a published key at least ``older_than`` seconds old, is removed when
+    nobody holds its owner lock (or, for a key, its header is unreadable); a claim name
+    once it is :data:`CLAIM_NAME_GRACE_S` old. Segments of live processes, in any PID
+    namespace, are left to their owner's TTL reaper. ``namespace=None`` scans every
+    namespace.
     """
     removed = []
     now = time.time()
@@ -328,11 +425,7 @@ def reap_stale(namespace: str | None = None, older_than: float = 0.0, *, shm_dir
         if match is None or (namespace is not None and match["ns"] != namespace):
             continue
         path = os.path.join(shm_dir, name)
-        if match["kind"] is not None:
-            stale = not pid_alive(int(match["pid"]))
-        else:
-            stale = _published_is_stale(path, now, older_than)
-        if stale:
+        if _is_stale(path, match["kind"], now, older_than):
             try:
                 os.unlink(path)
                 removed.append(name)
@@ -341,18 +434,22 @@ def reap_stale(namespace: str | None = None, older_than: float = 0.0, *, shm_dir
     return removed
 
 
-def _published_is_stale(path: str, now: float, older_than: float) -> bool:
+def _is_stale(path: str, kind: str | None, now: float, older_than: float) -> bool:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except (FileNotFoundError, PermissionError):  # gone, or another user's: not ours to judge
         return False
     try:
-        age = now - os.fstat(fd).st_mtime
-        if age < older_than:
-            return False
-        try:
-            return not pid_alive(parse_header(os.pread(fd, HEADER_SIZE, 0)).owner_pid)
-        except TransferCorrupt:
-            return True
+        age = now - os.fstat(fd).st_ctime
+        if kind == "c":
+            return age >= CLAIM_NAME_GRACE_S
+        if kind is None:  # a published key
+            if age < older_than:
+                return False
+            try:
+                parse_header(os.pread(fd, HEADER_SIZE, 0))
+            except TransferCorrupt:
+                return True
+        return not _locked_elsewhere(fd, _OWNER_BYTE)
     finally:
         os.close(fd)
