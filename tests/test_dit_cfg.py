@@ -163,6 +163,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow
 @pytest.mark.forked
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("sender_tp", [1, 2])
@@ -258,6 +259,7 @@ def test_external_llm_stage_fails_a_guided_request_at_once() -> None:
         engine.close()
 
 
+@pytest.mark.slow
 @pytest.mark.forked
 @pytest.mark.timeout(180)
 def test_rank1_dying_fails_the_stage_and_leaves_nothing_behind() -> None:

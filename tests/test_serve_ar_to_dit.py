@@ -109,6 +109,25 @@ def test_bad_requests_are_4xx_with_a_message(server: Server) -> None:
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_guidance_per_request_through_the_image_api(server: Server) -> None:
+    """guidance_scale / negative_prompt reach the pipeline: the LLM stage computes the negative
+    prompt's KV as a companion and the DiT mixes both branches (this config's default is 1)."""
+    client = _client(server)
+
+    def png(**extra: object) -> bytes:
+        res = client.images.generate(model=MODEL_NAME, prompt="A cute cat", extra_body=extra or None)
+        return base64.b64decode(res.data[0].b64_json or "")
+
+    plain = png()
+    guided = png(guidance_scale=4.0, negative_prompt="blurry")
+    assert _png_size(guided) == (32, 32) and guided != plain
+    assert png(guidance_scale=4.0, negative_prompt="blurry") == guided  # deterministic
+    assert png(guidance_scale=4.0, negative_prompt="a sharp photo") != guided  # the companion matters
+    assert png(guidance_scale=1.0, negative_prompt="blurry") == plain  # 1 = off: no companion
+    r = httpx.post(server.url + "/v1/images/generations", json={"prompt": "a cat", "guidance_scale": -1})
+    assert r.status_code == 400 and "guidance_scale" in r.json()["error"]["message"]
+
+
 def test_32_concurrent_clients(server: Server) -> None:
     results: list[object] = [None] * 32
 
