@@ -158,6 +158,48 @@ def test_a_claim_whose_lease_expired_fails_instead_of_reading_stale_memory():
         assert receiver.get(0, 1, key(), result.metadata) is None  # nobody else reads it either
 
 
+def test_a_claim_dropped_after_the_read_fails_the_get_at_done():
+    """The bytes arrived, but the sender gave the claim up before DONE (lease ran out): the
+    receiver cannot trust them, so the get fails instead of returning them."""
+    with te() as sender, te() as receiver:
+        result = sender.put(0, 1, key(), make_payload(2))
+        read = receiver._transfer
+
+        def read_then_sender_drops_the_claim(*args, **kwargs):
+            read(*args, **kwargs)
+            sender.cleanup(key())  # what the sender's sweep does when the lease expires
+
+        receiver._transfer = read_then_sender_drops_the_claim
+        with pytest.raises(TransferError, match="lease ran out"):
+            receiver.get(0, 1, key(), result.metadata, deadline=deadline(5))
+        assert receiver.health()["lent_buffers"] == 0 and sender.health()["held_payloads"] == 0
+
+
+def test_malformed_control_requests_get_bad_and_the_server_keeps_serving():
+    import zmq
+
+    with te() as sender, te() as receiver:
+        result = sender.put(0, 1, key(), make_payload(1))
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(result.metadata["endpoint"])
+        answers = []
+        for request in (
+            [b"CLAIM", b"\x01" * 8, b"k"],
+            [b"NOPE", b"\x02" * 8],
+            [b"DONE", b"\x03" * 8, b"k", b"x"],
+        ):
+            sock.send_multipart(request)
+            assert sock.poll(5000)
+            answers.append(sock.recv_multipart())
+        sock.send_multipart([b"CLAIM"])  # no nonce: dropped without an answer
+        sock.close()
+        ctx.term()
+        assert [a[-1] for a in answers] == [b"BAD", b"BAD", b"BAD"]
+        assert same(receiver.get(0, 1, key(), result.metadata, deadline=deadline(5)), make_payload(1))
+
+
 def test_a_read_longer_than_the_lease_renews_it_between_batches():
     """Without renewal the sender's sweeper (every lease_s/4) drops the claim mid-read and the
     read fails; 256 MiB over TCP here takes several lease periods."""
