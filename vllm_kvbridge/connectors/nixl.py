@@ -53,11 +53,13 @@ kept registered per side), ``max_payload_bytes`` (64 GiB), ``limits`` (decoding)
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket as pysocket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -95,6 +97,22 @@ _TICK_S = 0.005
 _NACK_WAIT_S = 0.5
 #: The share of a lease a receiver may spend reading (the rest covers clock rate and latency).
 _LEASE_SHARE = 0.8
+
+
+#: Connectors not closed yet. A process that exits with one open closes it at exit, before the
+#: interpreter tears down: an agent destroyed during that teardown (its progress thread
+#: still joinable, or the server thread inside NIXL) aborts the process
+#: ("terminate called without an active exception"; seen here once in ~35 such exits).
+_OPEN: weakref.WeakSet[NixlConnector] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_connectors() -> None:
+    for connector in list(_OPEN):
+        try:
+            connector.close()
+        except Exception:
+            pass
 
 
 def _opt(config: Mapping[str, Any], name: str, default: float, kind: type = float) -> Any:
@@ -173,6 +191,7 @@ class NixlConnector(Connector):
         self._pool = RegisteredBufferPool(
             self._agent.register, self._agent.unregister, pool_bytes, what="NIXL"
         )
+        _OPEN.add(self)
 
     # -- sender -------------------------------------------------------------------------
     def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
@@ -271,8 +290,8 @@ class NixlConnector(Connector):
         if held.nbytes > limit:
             return [_TOOBIG, _U64.pack(held.nbytes)]
         agent = self._agent
-        fields = (held.slab.ctypes.data, held.nbytes, agent.generation, agent.dereg_generation)
-        fields += (int(self.lease_s * 1000),)
+        lease_ms = max(0, int((held.expires - time.monotonic()) * 1000))  # what is left of it
+        fields = (held.slab.ctypes.data, held.nbytes, agent.generation, agent.dereg_generation, lease_ms)
         return [_OK, agent.name.encode(), *(_U64.pack(v) for v in fields), token]
 
     def _tick(self) -> None:
@@ -306,10 +325,12 @@ class NixlConnector(Connector):
             expired = [self._lent.pop(t) for t, h in list(self._lent.items()) if h.expires <= now]
             for held in expired:
                 self._claims.pop((held.receiver, held.key), None)
-            gone += expired
         for held in gone:
-            # Unclaimed, or its reader gave up by now (it never reads past its lease).
             self._pool.release(held.slab)
+        for held in expired:
+            # Its reader died or gave up (a reader never reads past its lease). Never reuse
+            # the slab: unregistered, a late READ fails on RDMA instead of reading another payload.
+            self._pool.discard(held.slab)
 
     # -- receiver -----------------------------------------------------------------------
     def get(
@@ -464,6 +485,8 @@ class NixlConnector(Connector):
         regions, nbytes = agent.registered if agent is not None else (0, 0)
         extra.update(
             agent=agent.name if agent is not None else None,
+            peer_loads=agent.peer_loads if agent is not None else 0,
+            peer_invalidations=agent.peer_invalidations if agent is not None else 0,
             registered_regions=regions,
             registered_bytes=nbytes,
             ucx_env=self.ucx_env,
@@ -471,6 +494,7 @@ class NixlConnector(Connector):
         return {**super().health(), **extra}
 
     def _close(self) -> None:
+        _OPEN.discard(self)
         if self._control is not None:
             self._control.close()  # joins the server thread: no handler runs after this
         with self._lock:

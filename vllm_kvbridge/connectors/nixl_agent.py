@@ -214,6 +214,9 @@ class NixlAgent:
         self._regs: dict[int, tuple[Any, int]] = {}  # ptr -> (nixlRegDList, nbytes)
         self.generation = 0
         self.dereg_generation = 0
+        #: Peer metadata loads, and how many of them dropped the peer first (it deregistered).
+        self.peer_loads = 0
+        self.peer_invalidations = 0
         self._peers: dict[str, tuple[_PeerLock, list[int]]] = {}  # name -> (lock, [gen, dgen])
 
     # -- memory -------------------------------------------------------------------------
@@ -270,7 +273,10 @@ class NixlAgent:
                     return  # another thread loaded it (or newer) meanwhile
                 if gens[0] >= 0 and gens[1] != dereg_generation:
                     self._agent.remove_remote_agent(name)
+                    gens[0] = gens[1] = -1  # not loaded, should the load below fail
+                    self.peer_invalidations += 1
                 loaded = self._agent.add_remote_agent(metadata)
+                self.peer_loads += 1
                 loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
                 if loaded != name:
                     self._agent.remove_remote_agent(loaded)
@@ -310,6 +316,10 @@ class NixlAgent:
                 raise TransferError(f"NIXL READ from {peer!r} could not be set up: {exc}") from exc
             try:
                 self._wait(agent, handle, peer, nbytes, timeout_s)
+            except TransferError:
+                raise
+            except Exception as exc:  # e.g. nixlRemoteDisconnectError: the peer is gone
+                raise TransferError(f"NIXL READ of {nbytes} bytes from {peer!r} failed: {exc!r}") from exc
             finally:
                 self._release(handle)
         finally:
