@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,10 @@ def processes_using(path: str | Path) -> list[int]:
 # -- CFG companion fault injection (AR stage) -------------------------------------------
 #: Requests whose id starts with this get their CFG companion's KV put refused.
 FAIL_COMPANION_PREFIX = "fail"
+#: ... with this one their companion's put is held while the file named by
+#: ``$KVBRIDGE_TEST_COMPANION_GATE`` exists (``<gate>.waiting`` / ``<gate>.done`` mark it).
+HOLD_COMPANION_PREFIX = "hold"
+COMPANION_GATE_ENV = "KVBRIDGE_TEST_COMPANION_GATE"
 
 
 def _fail_companion_classes() -> dict[str, Any]:
@@ -163,7 +168,16 @@ def _fail_companion_classes() -> dict[str, Any]:
         def put(self, from_stage: Any, to_stage: Any, key: str, payload: Any) -> PutResult:
             if ".cfg_neg." in key and f".{encode_request_id(FAIL_COMPANION_PREFIX)}" in key:
                 return PutResult(ok=False, error="injected: the store refused the CFG companion")
-            return self.inner.put(from_stage, to_stage, key, payload)
+            gate = os.environ.get(COMPANION_GATE_ENV)
+            held = gate and ".cfg_neg." in key and f".{encode_request_id(HOLD_COMPANION_PREFIX)}" in key
+            if held:  # hold the put while the gate file exists (the test aborts meanwhile)
+                Path(gate + ".waiting").touch()
+                while os.path.exists(gate):
+                    time.sleep(0.02)
+            result = self.inner.put(from_stage, to_stage, key, payload)
+            if held:
+                Path(gate + ".done").touch()
+            return result
 
         def get(self, *args: Any, **kwargs: Any) -> Any:
             return self.inner.get(*args, **kwargs)

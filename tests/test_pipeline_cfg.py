@@ -12,11 +12,20 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 import torch
-from pipeline_fixtures import ROOT, STAGE_ENV, descendants, hf_reference, load_dump, shm_segments
+from pipeline_fixtures import (
+    COMPANION_GATE_ENV,
+    ROOT,
+    STAGE_ENV,
+    descendants,
+    hf_reference,
+    load_dump,
+    shm_segments,
+)
 
 from vllm_kvbridge.connectors.keys import encode_request_id
 from vllm_kvbridge.models.guidance import CFG_NEGATIVE
@@ -29,6 +38,16 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 DIT_KWARGS = {"image_size": 32, "patch_size": 4, "hidden": 64, "depth": 2, "kv_heads": 2, "kv_head_dim": 32}
 NEGATIVE = "blurry, low quality"  # the config's negative_prompt
+
+
+def _pump_until(pipe: Pipeline, cond: Any, timeout: float = 60.0) -> bool:
+    """Drive the pipeline until ``cond()`` holds (True) or ``timeout`` passed (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        pipe.poll(0.05)
+    return bool(cond())
 
 
 def _layers(dump: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -49,7 +68,9 @@ def _assert_hf(dump: dict[str, torch.Tensor], model: Path, tokens: list[int]) ->
 def test_guided_request_end_to_end_and_failing_companion() -> None:
     model = ensure_tiny_model()
     dump = Path(tempfile.mkdtemp(prefix="kvb-cfg-"))
-    pipe = Pipeline.from_config(ROOT / "stage_configs/ar_to_dit_cfg.yaml", model=str(model), env=STAGE_ENV)
+    gate = dump / "companion-gate"
+    env = {**STAGE_ENV, COMPANION_GATE_ENV: str(gate)}
+    pipe = Pipeline.from_config(ROOT / "stage_configs/ar_to_dit_cfg.yaml", model=str(model), env=env)
     stages = [msgspec.structs.replace(s, debug_dump_dir=str(dump)) for s in pipe.plan.stages]
     stages[0] = msgspec.structs.replace(stages[0], worker_cls="pipeline_fixtures.FailCompanionWorker")
     pipe.plan = msgspec.structs.replace(pipe.plan, stages=stages)
@@ -66,10 +87,23 @@ def test_guided_request_end_to_end_and_failing_companion() -> None:
         plain = []
         while not plain:
             plain = pipe.poll(0.1)
+        # a guided request aborted while its companion's send is held: once the send goes
+        # through, the LLM stage withdraws every KV of the group (nobody will consume it)
+        gate.touch()
+        pipe.submit("A cute cat", request_id="hold-1")
+        assert _pump_until(pipe, lambda: Path(f"{gate}.waiting").exists())
+        assert pipe.abort("hold-1", "client went away")
+        _pump_until(pipe, lambda: False, 1.0)  # the Abort reaches the stage before the put goes on
+        gate.unlink()
+        assert _pump_until(pipe, lambda: Path(f"{gate}.done").exists())
+        held_gone = _pump_until(
+            pipe, lambda: not [n for n in shm_segments(f"kvbridge.{pipe.run_id}") if "ihold-1" in n], 30
+        )
         [again] = pipe.generate(["A cute cat"], request_ids=["ok-2"])  # the engine still serves
         with pytest.raises(ValueError, match="reserved for CFG companions"):
             pipe.generate(["x"], request_ids=["a::cfg_neg"])
 
+    assert held_gone, "the aborted group's KV was not withdrawn"
     # the guided request: both caches arrived and equal transformers' past_key_values
     assert ok.error is None, ok.error
     kv_in = {t.purpose: t for t in ok.transfers if t.what == "kv" and t.side == "receiver"}

@@ -170,15 +170,24 @@ class LLMStageEngine(StageEngine):
 
     def abort(self, request_ids: list[str]) -> None:
         request_ids = list(request_ids)
+        companions: set[str] = set()
         for rid in list(request_ids):
-            request_ids.extend(i for i in self._cfg.fail(rid) if i != rid)
+            members = [i for i in self._cfg.fail(rid) if i != rid]
+            companions.update(members)
+            request_ids.extend(members)
+        give_up = time.monotonic() + DISCARD_WAIT_S
         for rid in request_ids:
             self._aborted.add(rid)
             entry = self._inputs.pop(rid, None)
             if entry is not None:
                 for receiver in self._receivers.values():
                     receiver.cancel(rid)
-            self._awaiting.pop(rid, None)
+            sending = self._awaiting.pop(rid, None) is not None
+            if self.stage.outputs and (sending or rid in companions):
+                # Finished here but never reported (its sends, or its group's, were still in
+                # flight), or a companion that may have sent at prefill: nobody downstream
+                # will consume that KV, so withdraw it once its send settled.
+                self._discard[rid] = (give_up, sending)
             self._streamed.pop(rid, None)
         self.engine.abort_request(list(request_ids))
 
