@@ -295,3 +295,40 @@ def test_rank1_dying_fails_the_stage_and_leaves_nothing_behind() -> None:
     with pytest.raises(ProcessLookupError):
         os.kill(rank1, 0)
     assert _leftovers(ns) == []
+
+
+def test_guidance_settings_are_validated_and_decided_per_request() -> None:
+    from vllm_kvbridge.config import resolve_spec, spec_from_dict
+    from vllm_kvbridge.pipeline.cfg import check_request_id, companions_for
+
+    def plan(**diffusion: object) -> object:
+        cfg = {
+            "stages": [
+                {"stage_id": 0, "kind": "llm_ar", "model": "m", "kv_transfer": {"need_send_cache": True}},
+                {
+                    "stage_id": 1,
+                    "kind": "diffusion",
+                    "kv_transfer": {"need_recv_cache": True},
+                    "diffusion": diffusion,
+                },
+            ],
+            "connectors": {"shm": {"name": "shm"}},
+            "edges": [{"from_stage": 0, "to_stage": 1, "connector": "shm"}],
+        }
+        return resolve_spec(spec_from_dict(cfg))
+
+    with pytest.raises(ConfigError, match=r"stages\[1\]\.diffusion\.num_ranks: 1 or 2"):
+        plan(num_ranks=3)
+    with pytest.raises(ConfigError, match=r"stages\[1\]\.diffusion\.guidance_scale: must be >= 0"):
+        plan(guidance_scale=-1.0)
+    off, on = plan(), plan(guidance_scale=4.0, negative_prompt="blurry")
+    assert companions_for(off, None) == {}
+    assert companions_for(on, None) == {CFG_NEGATIVE: "blurry"}
+    assert companions_for(on, {1: {"guidance_scale": 1.0}}) == {}  # switched off per request
+    assert companions_for(off, {1: {"guidance_scale": 2.0, "negative_prompt": "dark"}}) == {
+        CFG_NEGATIVE: "dark"
+    }
+    with pytest.raises(ValueError, match="guidance_scale must be >= 0"):
+        companions_for(off, {1: {"guidance_scale": -2}})
+    with pytest.raises(ValueError, match="reserved for CFG companions"):
+        check_request_id("a::cfg_neg")
