@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import signal
 import uuid
 from typing import Any
@@ -48,12 +49,27 @@ def _killed_child(edges: list[tuple[str, str, dict[str, Any]]], report: Any) -> 
 
 
 def _run_killed_child(edges: list[tuple[str, str, dict[str, Any]]]) -> int:
+    """The pid of a child that put on ``edges`` and died by SIGKILL.
+
+    Waits for the child's report as long as the child lives (a loaded host can take long to
+    start a spawned interpreter), and fails at once, with its exit code, if it died first.
+    """
     ctx = mp.get_context("spawn")
     report = ctx.Queue()
     child = ctx.Process(target=_killed_child, args=(edges, report))
     child.start()
-    pid = report.get(timeout=60)
-    child.join(60)
+    while True:
+        try:
+            pid = report.get(timeout=1)
+            break
+        except queue.Empty:
+            if not child.is_alive():  # the report was flushed before the kill: one last look
+                try:
+                    pid = report.get(timeout=1)
+                    break
+                except queue.Empty:
+                    pytest.fail(f"the child exited with {child.exitcode} before reporting")
+    child.join(120)
     assert child.exitcode == -signal.SIGKILL
     return pid
 
