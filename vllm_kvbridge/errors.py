@@ -41,3 +41,8 @@ class TransferRefused(TransferError):
 
 class ConnectorClosed(TransferRefused):
     """The connector was used after ``close()``."""
+
+
+class RequestRejected(KVBridgeError):
+    """A stage refused one request for a reason of the request's own (a prompt longer than
+    ``max_model_len``, invalid sampling parameters): that request fails, the stage goes on."""

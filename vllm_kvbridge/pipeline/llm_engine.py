@@ -28,6 +28,7 @@ import msgspec
 
 from vllm_kvbridge.config.resolve import ResolvedStage
 from vllm_kvbridge.config.runner_settings import runner_settings
+from vllm_kvbridge.errors import RequestRejected
 from vllm_kvbridge.pipeline import messages as m
 from vllm_kvbridge.pipeline.cfg import CompanionGroups
 from vllm_kvbridge.pipeline.engines import StageEngine
@@ -36,6 +37,15 @@ from vllm_kvbridge.pipeline.engines import StageEngine
 STATUS_POLL_S = 0.005
 #: Longest wait for a failed CFG group member's send to settle before its KV is withdrawn.
 DISCARD_WAIT_S = 30.0
+#: How long a finished request whose KV send vLLM reported owed may wait for a worker to
+#: start it (it starts in the next engine step) before the request fails.
+SEND_START_TIMEOUT_S = 60.0
+
+
+def _kv_send_owed(output: Any) -> bool:
+    """Whether our connector told vLLM, when ``output``'s request finished, that it sends its KV."""
+    params = getattr(output, "kv_transfer_params", None) or {}
+    return params.get("kvbridge_kv") == "submitted"
 
 
 def _merge_kv_info(per_rank: list[dict[str, Any]], rid: str) -> dict[str, Any]:
@@ -148,6 +158,20 @@ class LLMStageEngine(StageEngine):
             self.engine.add_request(cid, prompt, self._companion_params(msg, cid, purpose))
 
     def submit(self, msg: m.Submit) -> None:
+        """Start ``msg``'s request; :class:`RequestRejected` when vLLM refuses its input."""
+        from vllm.exceptions import VLLMClientError
+
+        try:
+            self._submit(msg)
+        except (VLLMClientError, ValueError, TypeError) as exc:
+            # The request's own fault (validation, bad sampling parameters): forget it (and
+            # its CFG companions) here, fail it alone; the stage keeps serving.
+            self.abort([msg.request_id])
+            self._started.pop(msg.request_id, None)
+            self._aborted.discard(msg.request_id)
+            raise RequestRejected(f"{type(exc).__name__}: {exc}") from exc
+
+    def _submit(self, msg: m.Submit) -> None:
         if msg.companions and (self.settings.get("kv_transfer") or {}).get("need_send_cache"):
             self._submit_companions(msg)
         params = self._params(msg)
@@ -295,6 +319,17 @@ class LLMStageEngine(StageEngine):
                     for k, v in st.items()
                     if k in ("kv", "payload") and str(v).startswith("failed")
                 ]
+                o, finished_at = self._awaiting[rid]
+                if (
+                    not failed
+                    and _kv_send_owed(o)
+                    and any(st.get("kv") in ("none", "unknown") for st in states)
+                ):
+                    # vLLM says a KV send is owed, but a worker has not started it yet (on_finish
+                    # sends in the step after the finish): not done, whatever "unknown" says.
+                    if time.time() - finished_at < SEND_START_TIMEOUT_S:
+                        continue
+                    failed = [f"its KV send was owed but never started within {SEND_START_TIMEOUT_S:g} s"]
                 owner = self._cfg.owner(rid)
                 if (
                     owner is not None

@@ -8,8 +8,9 @@ reports :class:`Ready`, then serves :class:`Submit` messages until :class:`Shutd
 
 Failure contract: an exception while starting or an unexpected one while serving is sent
 as :class:`StageFailed` (with the traceback) and the process exits with status 1; an
-error that concerns one request only is sent as :class:`RequestFailed` and the stage
-keeps serving. The process runs in its own session (the orchestrator kills the whole
+error that concerns one request only (a transfer of its, or its input refused by the
+engine: :class:`~vllm_kvbridge.errors.RequestRejected`) is sent as :class:`RequestFailed`
+and the stage keeps serving. The process runs in its own session (the orchestrator kills the whole
 group, engine-core children included, as a last resort) and kills its group itself when
 the orchestrator disappears, so a stage never outlives its pipeline.
 """
@@ -28,6 +29,7 @@ import msgspec
 import zmq
 
 from vllm_kvbridge.config.resolve import ResolvedStage
+from vllm_kvbridge.errors import RequestRejected
 from vllm_kvbridge.pipeline import messages as m
 from vllm_kvbridge.pipeline.engines import StageEngine, build_engine
 
@@ -83,7 +85,11 @@ def serve(stage: ResolvedStage, address: str) -> int:
                 if isinstance(msg, m.Abort):
                     engine.abort(msg.request_ids)
                 else:
-                    engine.submit(msg)
+                    try:
+                        engine.submit(msg)
+                    except RequestRejected as exc:
+                        failed = m.RequestFailed(msg.request_id, stage.stage_id, f"invalid request: {exc}")
+                        sock.send(m.encode(failed))
                 continue
             for out in engine.step():
                 sock.send(m.encode(out))

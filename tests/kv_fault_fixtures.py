@@ -1,0 +1,78 @@
+"""Fault injection for KV-sending LLM stages, usable as ``worker_cls`` in a stage config.
+
+``kv_fault_fixtures.FaultyKVWorker`` is the kvbridge CPU worker whose runner's KV
+connector is the stage's real connector, except that:
+
+* the KV puts of the requests named in ``KVB_TEST_REFUSE_KV`` (comma-separated transfer
+  ids) are refused, as a full store or a dead peer would refuse them;
+* the first transfer-status query for a request named in ``KVB_TEST_LATE_STATUS`` answers
+  "unknown", as when vLLM runs the status RPC before the step that gathers an ``on_finish``
+  send (the worker has not heard of the send yet).
+
+The stage process imports this module by its dotted path, so ``tests/`` must be on the
+stage's ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vllm_kvbridge.connectors.base import Connector, PutResult
+from vllm_kvbridge.connectors.keys import encode_request_id
+from vllm_kvbridge.connectors.registry import create_connector
+from vllm_kvbridge.runner.ar_runner import KVBridgeCPUModelRunner
+from vllm_kvbridge.runner.worker import KVBridgeCPUWorker
+
+
+def _ids(var: str) -> set[str]:
+    return {i for i in os.environ.get(var, "").split(",") if i}
+
+
+class RefuseKVPuts(Connector):
+    name = "RefuseKVPuts"
+
+    def __init__(self, inner: Connector, refused: set[str]) -> None:
+        super().__init__({})
+        self.inner = inner
+        self.refused = {f".{encode_request_id(rid)}." for rid in refused}
+
+    def put(self, from_stage: Any, to_stage: Any, key: str, payload: Any) -> PutResult:
+        if any(part in key for part in self.refused):
+            return PutResult(ok=False, error="injected: the store refused the KV")
+        return self.inner.put(from_stage, to_stage, key, payload)
+
+    def get(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner.get(*args, **kwargs)
+
+    def cleanup(self, key: str) -> None:
+        self.inner.cleanup(key)
+
+    def health(self) -> dict[str, Any]:
+        return self.inner.health()
+
+    def _close(self) -> None:
+        self.inner.close()
+
+
+class FaultyKVRunner(KVBridgeCPUModelRunner):
+    _late_answered: set[str] = set()
+
+    def kvbridge_kv_manager_kwargs(self) -> dict[str, Any]:
+        kwargs = super().kvbridge_kv_manager_kwargs()
+        cfg = self.kvbridge_settings.kv_transfer_config()
+        inner = create_connector(cfg.connector, cfg.connector_config)
+        kwargs["connector"] = RefuseKVPuts(inner, _ids("KVB_TEST_REFUSE_KV"))
+        return kwargs
+
+    def kvbridge_transfer_status(self, request_ids: Any = None) -> dict[str, dict[str, str]]:
+        out = super().kvbridge_transfer_status(request_ids)
+        for rid in list(out):
+            if rid in _ids("KVB_TEST_LATE_STATUS") and rid not in self._late_answered:
+                self._late_answered.add(rid)
+                out[rid] = {"kv": "unknown", "payload": "unknown", "aborted": "false"}
+        return out
+
+
+class FaultyKVWorker(KVBridgeCPUWorker):
+    runner_cls = FaultyKVRunner
