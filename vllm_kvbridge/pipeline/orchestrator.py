@@ -46,6 +46,7 @@ from vllm_kvbridge.config.resolve import ResolvedConnector, ResolvedPipeline, Re
 from vllm_kvbridge.connectors.keys import edge_name
 from vllm_kvbridge.errors import KVBridgeError
 from vllm_kvbridge.pipeline import messages as m
+from vllm_kvbridge.pipeline.admission import check_sampling_params
 from vllm_kvbridge.pipeline.cfg import check_request_id, companions_for
 
 POLL_S = 0.05
@@ -374,6 +375,7 @@ class Pipeline:
         """
         if isinstance(prompts, str):
             prompts = [prompts]
+        check_sampling_params(self.plan, sampling_params)  # before any stage starts
         self.start()
         if self.failure is not None:
             raise self.failure
@@ -577,8 +579,10 @@ class Pipeline:
         finished (successfully or with ``error``). Not thread-safe: ``submit``, ``poll``
         and ``abort`` must be called from one thread (:class:`PipelineService` does).
         Raises :class:`StageError` when the pipeline already failed, :class:`PipelineError`
-        when it is closed, ``ValueError`` for a duplicate id.
+        when it is closed, ``ValueError`` for a duplicate id or parameters a stage cannot
+        honour (:func:`~vllm_kvbridge.pipeline.admission.check_sampling_params`).
         """
+        check_sampling_params(self.plan, sampling_params, stage_params)  # before any stage starts
         self.start()
         if self.failure is not None:
             raise self.failure
