@@ -9,7 +9,7 @@ import pytest
 import torch
 from runner_fixtures import shm_entries, shm_namespace
 
-from vllm_kvbridge.connectors.registry import create_connector
+from vllm_kvbridge.connectors.registry import create_connector, register_connector
 from vllm_kvbridge.errors import ConfigError, TransferCorrupt, TransferError, TransferTimeout
 from vllm_kvbridge.runner.mixin import KVBridgeModelRunnerMixin
 from vllm_kvbridge.runner.payload_receiver import PayloadReceiver
@@ -329,3 +329,48 @@ def test_a_slow_request_does_not_hold_up_the_others_on_its_edge(edge) -> None:
         sender.close()
         chunks_rx.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("kvbridge-payload-send")]
+
+
+def _connector_that_cannot_start(config):
+    raise TransferError("injected: the store is unreachable")
+
+
+def test_a_connector_error_in_the_step_fails_the_requests_never_the_engine() -> None:
+    """Issue 11, case 9: the connector step runs inside vLLM's ``wait_for_save``; an error
+    there (a connector that cannot be created when an abort needs it, a send that cannot
+    start) took the engine down. Now the requests fail with the reason; the step returns."""
+    register_connector("CannotStart", _connector_that_cannot_start, replace=True)
+    host = _Host()
+    edge = {"to_stage": 1, "mode": "async_chunk", "connector": "CannotStart"}
+    host.kvbridge_init({"stage_id": 0, "payload": {"outputs": [edge]}})
+    try:
+        host.kvbridge_register_request("e1", "r1", capture=True)
+        host.kvbridge_add_step_output("e1", {"h": torch.ones(1, 2)})  # below chunk_size: no put
+        host.kvbridge_connector_step([], {"e1": ("aborted", "r1")})  # must not raise
+        status = host.kvbridge_transfer_status(["r1"])["r1"]
+        assert status["payload"].startswith("failed") and "store is unreachable" in status["payload"]
+        _wait(lambda: host.kvbridge_debug_state()["requests"] == [])
+    finally:
+        host.kvbridge_shutdown()
+
+
+def test_connectors_are_created_at_start_not_on_the_model_thread() -> None:
+    """Issue 11, case 9: a connector created on first use was set up on the model thread
+    in the middle of serving (and failed there); ``kvbridge_connect`` does it at start."""
+    register_connector("CannotStart", _connector_that_cannot_start, replace=True)
+    host = _Host()
+    host.kvbridge_init({"stage_id": 0, "payload": {"outputs": [{"to_stage": 1, "connector": "CannotStart"}]}})
+    try:
+        with pytest.raises(TransferError, match="store is unreachable"):
+            host.kvbridge_connect()
+    finally:
+        host.kvbridge_shutdown()
+    ns = shm_namespace("fconn")
+    host = _Host()
+    host.kvbridge_init(_settings(ns, "full", "out"))
+    try:
+        host.kvbridge_connect()
+        assert host.kvbridge_threads_alive() > 0  # the sender exists before any request
+    finally:
+        host.kvbridge_shutdown()
+    assert shm_entries(ns) == []

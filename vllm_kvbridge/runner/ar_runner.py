@@ -110,6 +110,7 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
         connector = get_kv_transfer_group() if has_kv_transfer_group() else None
         if isinstance(connector, KVBridgeConnector):
             connector.attach_host(self)
+            self.kvbridge_connect()  # now, not on the model thread mid-serving
         elif self._kvb_settings.sends_kv or self._kvb_settings.payload.outputs:
             raise ConfigError(
                 "this stage sends KV or payloads but vLLM's kv_transfer_config does not install "

@@ -39,12 +39,15 @@ connector (:mod:`vllm_kvbridge.runner.vllm_connector`).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from vllm_kvbridge.runner.payload_transport import _PayloadTransportMixin
+
+logger = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -73,23 +76,38 @@ class KVBridgeModelRunnerMixin(_PayloadTransportMixin):
         ``sends``: :class:`~vllm_kvbridge.runner.vllm_connector.KVSendSpec` items; the gather
         happens here, while the scheduler still holds their blocks. ``finished``: internal id ->
         (``"finished"``/``"aborted"``, transfer id) of requests that ended since the last step.
+
+        Runs inside vLLM's ``wait_for_save``: an error here would take the engine down, so it
+        fails the requests it concerns (their status says why) and never propagates.
         """
         if sends:
-            for spec in sends:
-                self.kvbridge_register_request(spec.req_id, spec.transfer_id)
-            self.kvbridge_send_kv(
-                [
-                    (
-                        s.req_id,
-                        s.block_ids,
-                        s.num_tokens,
-                        {"purpose": s.purpose, "companion_of": s.companion_of},
-                    )
-                    for s in sends
-                ]
-            )
+            try:
+                for spec in sends:
+                    self.kvbridge_register_request(spec.req_id, spec.transfer_id)
+                self.kvbridge_send_kv(
+                    [
+                        (
+                            s.req_id,
+                            s.block_ids,
+                            s.num_tokens,
+                            {"purpose": s.purpose, "companion_of": s.companion_of},
+                        )
+                        for s in sends
+                    ]
+                )
+            except Exception as exc:
+                logger.exception("kvbridge: KV sends of this step could not start")
+                why = f"KV send could not start: {type(exc).__name__}: {exc}"
+                for spec in sends:
+                    self.kvbridge_fail_request(spec.req_id, "kv", why)
         for req_id, (kind, _transfer_id) in finished.items():
-            self.kvbridge_mark_finished(req_id, aborted=kind == "aborted")
+            aborted = kind == "aborted"
+            try:
+                self.kvbridge_mark_finished(req_id, aborted=aborted)
+            except Exception as exc:
+                logger.exception("kvbridge: finishing request %s failed", req_id)
+                why = f"{type(exc).__name__}: {exc}"
+                self.kvbridge_fail_request(req_id, "payload", why, finished=True, aborted=aborted)
 
     def kvbridge_debug_state(self) -> dict[str, Any]:
         """Live per-request state, in-flight puts and background threads (tests, health)."""

@@ -79,6 +79,12 @@ class _PayloadTransportMixin(_ConnectorRuntimeMixin):
                     self._kvb_senders[peer] = sender
         return sender
 
+    def kvbridge_connect(self) -> None:
+        super().kvbridge_connect()
+        if self.kvbridge_is_payload_rank:
+            for edge in self._kvb_settings.payload.outputs:
+                self._kvbridge_sender(edge)
+
     def _kvbridge_input_edge(self, from_stage: int | str | None) -> PayloadEdgeSettings:
         inputs = self._kvb_settings.payload.inputs
         if not inputs:

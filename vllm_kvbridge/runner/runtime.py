@@ -266,6 +266,24 @@ class _ConnectorRuntimeMixin:
         with self._kvb_lock:
             return list(self._kvb_requests)
 
+    def kvbridge_fail_request(
+        self, request_id: str, what: str, reason: str, *, finished: bool = False, aborted: bool = False
+    ) -> None:
+        """Fail ``request_id``'s ``what`` (``"kv"`` or ``"payload"``): its status reads
+        ``failed: reason``. ``finished``: the request also ended (its state goes once
+        nothing is in flight)."""
+        state = self.kvbridge_register_request(request_id)
+        with self._kvb_lock:
+            if what == "kv":
+                state.kv = f"{FAILED}: {reason}"
+            elif state.capture:
+                state.payload = f"{FAILED}: {reason}"
+                state.capture = False
+            state.finished = state.finished or finished
+            state.aborted = state.aborted or aborted
+        if finished:
+            self.kvbridge_reap()
+
     def kvbridge_mark_finished(self, request_id: str, *, aborted: bool = False) -> None:
         """The request ended (finished or aborted); its state goes once nothing is in flight."""
         with self._kvb_lock:
@@ -344,6 +362,13 @@ class _ConnectorRuntimeMixin:
                     self._kvb_settings.kv_transfer_config(), **self.kvbridge_kv_manager_kwargs()
                 )
             return self._kvb_kv_manager
+
+    def kvbridge_connect(self) -> None:
+        """Create the connectors this stage moves data through now, at start-up: the model
+        thread then never sets one up mid-serving, and a broken one fails the start."""
+        manager = self.kvbridge_kv_manager
+        if manager is not None:
+            manager.connector  # noqa: B018 - created on first access
 
     def kvbridge_kv_manager_kwargs(self) -> dict[str, Any]:
         """Extra ``KVTransferManager`` arguments (layout, heads, rank, group); hosts override."""
