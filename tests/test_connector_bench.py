@@ -68,3 +68,16 @@ def test_bench_mooncake_te_row_has_an_interleaved_raw_engine_ceiling(tmp_path, c
     assert all(math.isfinite(row[k]) and row[k] > 0 for k in (KEYS | spread) - {"connector"})
     assert row["gbps_min"] <= row["gbps"] <= row["gbps_max"]
     assert row["ceiling_min_gbps"] <= row["ceiling_gbps"] <= row["ceiling_max_gbps"]
+
+
+def test_bench_nixl_row_has_an_interleaved_raw_agent_ceiling(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    args = ["bench", "connectors", "--connectors", "nixl", "--sizes", "256KB", "--repeat", "3"]
+    assert main([*args, "--json", str(out)]) == 0
+    assert capsys.readouterr().out.splitlines()[2].split()[0] == "nixl"
+    (row,) = json.loads(out.read_text())
+    spread = {"gbps_min", "gbps_max", "ceiling_min_gbps", "ceiling_max_gbps"}
+    assert row.keys() >= KEYS | spread
+    assert all(math.isfinite(row[k]) and row[k] > 0 for k in (KEYS | spread) - {"connector"})
+    assert row["gbps_min"] <= row["gbps"] <= row["gbps_max"]
+    assert row["ceiling_min_gbps"] <= row["ceiling_gbps"] <= row["ceiling_max_gbps"]

@@ -112,6 +112,7 @@ class Row:
 #: byte count and offering ``sample() -> seconds``, ``samples``, ``gbps()`` and ``close()``.
 CEILING_PROBES: dict[str, str] = {
     "MooncakeTransferEngineConnector": "vllm_kvbridge.bench.mooncake_te:TeReadProbe",
+    "NixlConnector": "vllm_kvbridge.bench.nixl:NixlReadProbe",
 }
 
 

@@ -1,0 +1,129 @@
+"""NIXL pieces of ``vllm-kvbridge bench connectors``: the raw-agent ceiling of the NIXL connector.
+
+:class:`NixlReadProbe` is NIXL's own Python API (``nixl._api.nixl_agent``, no kvbridge code
+on the data path) doing what the connector's receiver does, on the same number of bytes:
+another (spawned) process holds a registered, pre-faulted source buffer, this process READs
+it into its own registered, pre-faulted buffer with a notification back to the source.
+:meth:`NixlReadProbe.sample` times one READ (post to DONE); the connector bench samples it
+right before every connector transfer, so ceiling and connector see the same load on a
+shared machine. Both sides use the UCX environment the connector sets
+(:func:`~vllm_kvbridge.connectors.nixl_agent.prepare_ucx_env`), so ``UCX_TLS`` is the same.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from vllm_kvbridge.connectors.nixl_agent import import_nixl, prepare_ucx_env
+
+
+def _source(nbytes: int, pipe: Any) -> None:
+    """Child: a raw agent with ``nbytes`` registered; drains notifications until told to stop."""
+    prepare_ucx_env()
+    api = import_nixl()
+    agent = api.nixl_agent(f"kvbridge-bench-src-{os.getpid()}", api.nixl_agent_config(backends=["UCX"]))
+    buf = np.ones(nbytes, dtype=np.uint8)  # written: faulted in before timing
+    reg = agent.register_memory([(buf.ctypes.data, nbytes, 0, "")], "DRAM")
+    pipe.send((agent.get_agent_metadata(), buf.ctypes.data))
+    notes = 0
+    while not pipe.poll(0.002):
+        notes += sum(len(v) for v in agent.get_new_notifs().values())
+    pipe.recv()
+    agent.deregister_memory(reg)
+    pipe.send(notes)
+
+
+class NixlReadProbe:
+    """Times raw NIXL READs of ``nbytes`` from another process (see the module docstring)."""
+
+    def __init__(self, nbytes: int, *, timeout_s: float = 120.0) -> None:
+        self.nbytes = nbytes
+        self.timeout_s = timeout_s
+        self.ucx_env = prepare_ucx_env()
+        api = import_nixl()
+        ctx = mp.get_context("spawn")
+        self._pipe, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_source, args=(nbytes, child), daemon=True)
+        self._proc.start()
+        try:
+            if not self._pipe.poll(60):
+                raise RuntimeError("the NIXL bench source process did not start")
+            metadata, self._remote_addr = self._pipe.recv()
+            self._agent = api.nixl_agent(
+                f"kvbridge-bench-dst-{os.getpid()}", api.nixl_agent_config(backends=["UCX"])
+            )
+            self._dst = np.zeros(nbytes, dtype=np.uint8)
+            self._reg = self._agent.register_memory([(self._dst.ctypes.data, nbytes, 0, "")], "DRAM")
+            self._peer = self._agent.add_remote_agent(metadata)
+        except BaseException:
+            self._stop_source()
+            raise
+        self.samples: list[float] = []
+
+    def sample(self) -> float:
+        """Seconds of one READ of the source's ``nbytes`` (with a notification), appended to ``samples``."""
+        agent = self._agent
+        local = agent.get_xfer_descs([(self._dst.ctypes.data, self.nbytes, 0)], "DRAM")
+        remote = agent.get_xfer_descs([(self._remote_addr, self.nbytes, 0)], "DRAM")
+        start = time.perf_counter()
+        handle = agent.initialize_xfer("READ", local, remote, self._peer, b"bench")
+        state = agent.transfer(handle)
+        while state == "PROC":
+            if time.perf_counter() - start > self.timeout_s:
+                raise RuntimeError(f"raw NIXL READ of {self.nbytes} bytes took over {self.timeout_s} s")
+            state = agent.check_xfer_state(handle)
+        elapsed = time.perf_counter() - start
+        handle.release()
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL READ of {self.nbytes} bytes failed: {state}")
+        self.samples.append(elapsed)
+        return elapsed
+
+    def gbps(self) -> float:
+        """Median GB/s of the samples so far."""
+        return self.nbytes / statistics.median(self.samples) / 1e9
+
+    def _stop_source(self) -> None:
+        try:
+            self._pipe.send(None)
+            if self._pipe.poll(30):
+                self._pipe.recv()
+        except (OSError, EOFError):
+            pass
+        self._proc.join(30)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+
+    def close(self) -> None:
+        agent, self._agent = getattr(self, "_agent", None), None
+        if agent is not None:
+            agent.remove_remote_agent(self._peer)
+            agent.deregister_memory(self._reg)
+            del agent
+        self._stop_source()
+
+    def __enter__(self) -> NixlReadProbe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def measure_nixl_ceiling(nbytes: int, repeat: int) -> float:
+    """GB/s (median of ``repeat`` after one warm-up) of a raw NIXL READ of ``nbytes``."""
+    with NixlReadProbe(nbytes) as probe:
+        probe.sample()
+        probe.samples.clear()
+        for _ in range(repeat):
+            probe.sample()
+        return probe.gbps()
+
+
+__all__ = ["NixlReadProbe", "measure_nixl_ceiling"]
