@@ -47,6 +47,18 @@ class DieOnRank1(TinyKVDiT):
         return super().forward(*args, **kwargs)
 
 
+class RaiseOnceOnRank1(TinyKVDiT):
+    """Rank 1 of a 2-rank diffusion stage raises in its first forward (then works)."""
+
+    raised = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if os.environ.get("KVBRIDGE_DIT_RANK") == "1" and not RaiseOnceOnRank1.raised:
+            RaiseOnceOnRank1.raised = True
+            raise ValueError("injected: rank 1's branch failed")
+        return super().forward(*args, **kwargs)
+
+
 def shm_segments(prefix: str = "kvbridge.r") -> list[str]:
     """Segments of pipeline runs (orchestrator namespaces start with ``r<hex>``)."""
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))

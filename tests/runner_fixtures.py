@@ -356,7 +356,13 @@ def _shm_maps() -> list[str]:
 
 
 def dit_rank_worker(
-    rank: int, port: int, namespace: str, jobs: list[dict[str, Any]], out_dir: str, from_tp: int = 1
+    rank: int,
+    port: int,
+    namespace: str,
+    jobs: list[dict[str, Any]],
+    out_dir: str,
+    from_tp: int = 1,
+    class_path: str = "vllm_kvbridge.models.tiny_dit.TinyKVDiT",
 ) -> None:
     """Rank 0: the stage's DiffusionRunner (LEADER) executing ``jobs``; rank 1: run_follower.
 
@@ -374,7 +380,8 @@ def dit_rank_worker(
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     group = dist.group.WORLD
-    stage = cfg_stage(namespace, num_ranks=2, recv_timeout=2.0, from_tp=from_tp)
+    os.environ["KVBRIDGE_DIT_RANK"] = str(rank)  # as pipeline/dit_rank.py sets it for rank 1
+    stage = cfg_stage(namespace, num_ranks=2, recv_timeout=2.0, from_tp=from_tp, class_path=class_path)
     report: dict[str, Any] = {}
     try:
         if rank == 1:

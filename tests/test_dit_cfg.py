@@ -332,3 +332,58 @@ def test_guidance_settings_are_validated_and_decided_per_request() -> None:
         companions_for(off, {1: {"guidance_scale": -2}})
     with pytest.raises(ValueError, match="reserved for CFG companions"):
         check_request_id("a::cfg_neg")
+
+
+@pytest.mark.slow
+@pytest.mark.forked
+@pytest.mark.timeout(180)
+def test_a_branch_failing_on_one_rank_fails_the_request_and_the_ranks_stay_in_step() -> None:
+    """Rank 1's forward raises once: that request fails on rank 0 (no hang in a collective the
+    other rank left), and the next guided request on the same group is exact."""
+    ns = f"dit2rraise{os.getpid()}"
+    out = Path(tempfile.mkdtemp(prefix="kvb-dit2r-"))
+    caches = fake_cpu_caches(2, seed=5)
+    plans = {}
+    for i, rid in ((1, "a-1"), (4, "c-3")):
+        plans[rid] = request_plan(i)
+        plans[companion_request_id(rid, CFG_NEGATIVE)] = {
+            **request_plan(i + 2),
+            "purpose": CFG_NEGATIVE,
+            "companion_of": rid,
+        }
+    sender = send_cfg_kv(ns, caches, plans)
+    try:
+        jobs = []
+        for rid in ("a-1", "c-3"):
+            cid = companion_request_id(rid, CFG_NEGATIVE)
+            keys = {**sender.get_sender_info(rid)["keys"], **sender.get_sender_info(cid)["keys"]}
+            jobs.append({"id": rid, "sender_info": {"keys": keys}, "scale": 3.0, "purposes": [CFG_NEGATIVE]})
+        mp.start_processes(
+            dit_rank_worker,
+            args=(_free_port(), ns, jobs, str(out), 1, "pipeline_fixtures.RaiseOnceOnRank1"),
+            nprocs=2,
+            join=True,
+            start_method="spawn",
+        )
+    finally:
+        sender.shutdown()
+    leader = json.loads((out / "rank0.json").read_text())
+    follower = json.loads((out / "rank1.json").read_text())
+    assert "exception" not in leader and "exception" not in follower, (leader, follower)
+    assert not leader["a-1"]["ok"] and "other rank's guidance branch failed" in leader["a-1"]["error"]
+    assert leader["c-3"]["ok"] and follower["served"] == 2
+    from safetensors.torch import load_file
+
+    torch.set_num_threads(1)
+    module = TinyKVDiT(image_size=16, seed=0).eval()
+    cid = companion_request_id("c-3", CFG_NEGATIVE)
+    want = denoise(
+        module,
+        _ref(caches, plans["c-3"]),
+        num_steps=3,
+        seed=0,
+        uncond_kv=_ref(caches, plans[cid]),
+        guidance_scale=3.0,
+    )[0]
+    assert torch.equal(load_file(str(out / "c-3.safetensors"))["image"], want)
+    assert _leftovers(ns) == []

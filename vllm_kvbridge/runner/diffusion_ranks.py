@@ -106,7 +106,8 @@ def run_follower(stage: Any, group: Any = None) -> int:
     """Rank 1's loop: take each request's KV from rank 0, denoise the unconditional branch.
 
     Returns the number of requests served when rank 0 says stop. Errors of one request
-    (the leader failed to receive) skip that request; anything else propagates.
+    (the leader failed to receive, a branch's forward raised on either rank) skip that
+    request; anything else propagates.
     """
     from vllm_kvbridge.config.runner_settings import kv_transfer_config_dict
     from vllm_kvbridge.kv.config import KVTransferConfig
@@ -148,12 +149,17 @@ def run_follower(stage: Any, group: Any = None) -> int:
             served += 1
             if not ctl.denoise or CFG_NEGATIVE not in rec.companions:
                 continue  # unguided: rank 0 denoises alone
-            denoise(
-                module,
-                kv_layers(rec.data),
-                num_steps=ctl.num_steps,
-                seed=ctl.seed,
-                uncond_kv=kv_layers(rec.companions[CFG_NEGATIVE]),
-                guidance_scale=ctl.guidance_scale,
-                cfg_group=group,
-            )
+            try:
+                denoise(
+                    module,
+                    kv_layers(rec.data),
+                    num_steps=ctl.num_steps,
+                    seed=ctl.seed,
+                    uncond_kv=kv_layers(rec.companions[CFG_NEGATIVE]),
+                    guidance_scale=ctl.guidance_scale,
+                    cfg_group=group,
+                )
+            except Exception:
+                # Both ranks left the loop at the same step (see _cfg_parallel_step): rank 0
+                # fails the request; this rank logs why and serves the next one.
+                logger.exception("rank 1: denoising request %s failed", ctl.request_id)

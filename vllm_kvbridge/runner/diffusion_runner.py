@@ -136,13 +136,42 @@ def denoise(
         elif rank < 0:
             v = cfg_combine(module(x, t, kv, payload), module(x, t, uncond_kv, payload), guidance_scale)
         else:
-            mine = module(x, t, kv if rank == 0 else uncond_kv, payload).contiguous()
-            both = [torch.empty_like(mine), torch.empty_like(mine)]
-            dist.all_gather(both, mine, group=cfg_group)
-            v = cfg_combine(both[0], both[1], guidance_scale)
+            v = _cfg_parallel_step(
+                module, x, t, kv if rank == 0 else uncond_kv, payload, guidance_scale, cfg_group
+            )
         x = x - v / num_steps
     decode = getattr(module, "decode", None)
     return (decode(x) if callable(decode) else x).float()
+
+
+def _cfg_parallel_step(
+    module: nn.Module,
+    x: torch.Tensor,
+    t: torch.Tensor,
+    kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    payload: Mapping[str, Any] | None,
+    guidance_scale: float,
+    group: Any,
+) -> torch.Tensor:
+    """This rank's branch, shared with the other rank. Whether each forward succeeded is
+    gathered first, so a branch that raises on one rank fails the step on both (the other
+    rank never waits in a collective the failed one left; the group stays in step)."""
+    import torch.distributed as dist
+
+    error: Exception | None = None
+    try:
+        mine = module(x, t, kv, payload).contiguous()
+    except Exception as exc:
+        error, mine = exc, torch.zeros_like(x)
+    oks = [torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
+    dist.all_gather(oks, torch.tensor([0 if error else 1], dtype=torch.int64), group=group)
+    if error is not None:
+        raise error
+    if not all(int(o.item()) for o in oks):
+        raise TransferError("the other rank's guidance branch failed in the model's forward (see its log)")
+    both = [torch.empty_like(mine), torch.empty_like(mine)]
+    dist.all_gather(both, mine, group=group)
+    return cfg_combine(both[0], both[1], guidance_scale)
 
 
 @dataclass
