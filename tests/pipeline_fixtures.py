@@ -128,6 +128,57 @@ def check_dumped_kv_is_transformers_kv(
     assert torch.allclose(torch.from_numpy(result.image), expected, atol=1e-5)
 
 
+#: The tiny DiT of the ``ar_to_dit_*.yaml`` configs (without its seed).
+AR_TO_DIT_KWARGS = {
+    "image_size": 32,
+    "patch_size": 4,
+    "hidden": 64,
+    "depth": 2,
+    "kv_heads": 2,
+    "kv_head_dim": 32,
+}
+
+
+def run_ar_to_dit_over(config: Path, connector: str) -> dict[str, Any]:
+    """Run an ``ar_to_dit_*.yaml`` pipeline whose every edge end is a ``connector`` on the tiny
+    model and check it: two prompts, KV exact against transformers, different images, no stage
+    process left. Returns the plan's connector ends by role (``sender``/``receiver``), for the
+    caller's connector-specific checks."""
+    import tempfile
+
+    import msgspec
+
+    from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+    from vllm_kvbridge.pipeline import Pipeline
+
+    model = ensure_tiny_model()
+    dump = Path(tempfile.mkdtemp(prefix="kvb-dump-"))
+    prompts = ["A cute cat", "The quick brown fox jumps over the lazy dog. " * 3]
+    pipe = Pipeline.from_config(config, model=str(model))
+    pipe.plan = msgspec.structs.replace(
+        pipe.plan, stages=[msgspec.structs.replace(s, debug_dump_dir=str(dump)) for s in pipe.plan.stages]
+    )
+    ends = {e.role: e.connector for s in pipe.plan.stages for e in (*s.inputs, *s.outputs)}
+    assert {c.name for c in ends.values()} == {connector}
+    with pipe:
+        pids = pipe.stage_pids()
+        results = pipe.generate(prompts)
+    for r in results:
+        assert r.error is None and r.image.shape == (3, 32, 32)
+        kv = [t for t in r.transfers if t.what == "kv"]
+        assert kv and all(t.nbytes > 0 for t in kv)
+        check_dumped_kv_is_transformers_kv(model, r, dump, {**AR_TO_DIT_KWARGS, "seed": 0})
+    assert not torch.equal(torch.from_numpy(results[0].image), torch.from_numpy(results[1].image))
+    for pid in pids.values():
+        assert not descendants(pid)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        raise AssertionError(f"stage process {pid} is still alive")
+    return ends
+
+
 def processes_using(path: str | Path) -> list[int]:
     """Pids of live processes with an open file under ``path`` (stage logs live there)."""
     root = str(Path(path).resolve())
