@@ -116,14 +116,4 @@ class NixlReadProbe:
         self.close()
 
 
-def measure_nixl_ceiling(nbytes: int, repeat: int) -> float:
-    """GB/s (median of ``repeat`` after one warm-up) of a raw NIXL READ of ``nbytes``."""
-    with NixlReadProbe(nbytes) as probe:
-        probe.sample()
-        probe.samples.clear()
-        for _ in range(repeat):
-            probe.sample()
-        return probe.gbps()
-
-
-__all__ = ["NixlReadProbe", "measure_nixl_ceiling"]
+__all__ = ["NixlReadProbe"]
