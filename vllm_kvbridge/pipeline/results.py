@@ -1,0 +1,76 @@
+"""What a pipeline run produces per request, and the errors it raises.
+
+Plain data, no processes: :class:`~vllm_kvbridge.pipeline.orchestrator.Pipeline` fills
+these in (and re-exports them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_kvbridge.errors import KVBridgeError
+from vllm_kvbridge.pipeline import messages as m
+
+__all__ = ["PipelineError", "RequestError", "RequestResult", "StageError", "StageRecord"]
+
+
+class PipelineError(KVBridgeError):
+    """The pipeline cannot serve (a stage failed or the pipeline is closed)."""
+
+
+class StageError(PipelineError):
+    """A stage failed to start or died; ``stage_id`` and ``error`` say which and why."""
+
+    def __init__(self, stage_id: int, kind: str, error: str, log_tail: str = "") -> None:
+        self.stage_id, self.kind, self.error, self.log_tail = stage_id, kind, error, log_tail
+        super().__init__(f"stage {stage_id} ({kind}) failed: {error}")
+
+
+class RequestError(PipelineError):
+    """One or more requests failed; ``results`` holds every result, failed ones with ``error``."""
+
+    def __init__(self, results: list[RequestResult]) -> None:
+        self.results = results
+        failed = [r for r in results if r.error]
+        super().__init__("; ".join(f"request {r.request_id}: {r.error}" for r in failed))
+
+
+@dataclass
+class StageRecord:
+    stage_id: int
+    kind: str
+    submitted: float  # time.time() when the orchestrator sent it
+    done: float = 0.0
+    started: float = 0.0  # as the stage reported
+    finished: float = 0.0
+    output: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def wall_s(self) -> float:
+        return max(0.0, self.done - self.submitted)
+
+
+@dataclass
+class RequestResult:
+    """Everything one request produced, stage by stage."""
+
+    request_id: str
+    prompt: str
+    stages: list[StageRecord] = field(default_factory=list)
+    transfers: list[m.TransferStat] = field(default_factory=list)
+    text: str | None = None
+    token_ids: list[int] | None = None
+    image: Any = None  # numpy [3, H, W] float32 in [0, 1] when the last stage is diffusion
+    error: str | None = None
+    finished: bool = False
+
+    def edge_totals(self) -> dict[tuple[int, int, str, str], tuple[int, float]]:
+        """(from, to, what, purpose) -> (bytes, seconds), measured on the receiving side when
+        it reported; ``purpose`` is ``"kv"`` for the primary KV, else the CFG companion's."""
+        out: dict[tuple[int, int, str, str], tuple[int, float]] = {}
+        for side in ("sender", "receiver"):
+            for t in self.transfers:
+                if t.side == side:
+                    out[(t.from_stage, t.to_stage, t.what, t.purpose)] = (t.nbytes, t.seconds)
+        return out
