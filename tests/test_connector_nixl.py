@@ -89,8 +89,10 @@ _ENV_CHILD = textwrap.dedent(
         ({"UCX_TLS": "shm"}, "shm,tcp", "^ib", "no tcp transport"),  # broken: repaired
         ({"UCX_MODULES": "all"}, "cma,tcp", "^ib", "segfaults at exit"),  # broken here
         ({"UCX_MODULES": "^ib,rdmacm"}, "cma,tcp", "^ib,rdmacm", None),
+        ({"UCX_MODULES": "^rdmacm"}, "cma,tcp", "^rdmacm,ib", "segfaults at exit"),  # gains ib
+        ({"UCX_TLS": "^tcp"}, "cma,tcp", "^ib", "no tcp transport"),  # excludes tcp: default
     ],
-    ids=["unset", "user-tcp", "shm-only", "modules-all", "user-modules"],
+    ids=["unset", "user-tcp", "shm-only", "modules-all", "user-modules", "modules-excl", "tls-excl"],
 )
 def test_connector_sets_the_ucx_env_and_processes_exit_cleanly(env, tls, modules, warning, close):
     proc = subprocess.run(

@@ -8,11 +8,14 @@ here; on hosts with RDMA NICs the same code reads over ``rc`` (see docs/multi_ho
 Sender (:meth:`NixlConnector.put`): the payload is encoded and packed with one copy
 (:meth:`Encoded.pack_into`) straight into a slab of a pool of registered host buffers
 (:class:`~vllm_kvbridge.connectors.registered_pool.RegisteredBufferPool`), and *published*
-under ``key``. A server thread owns a ZMQ ROUTER socket (the side channel; its address is
-``PutResult.metadata["endpoint"]``, next to the agent name) and the agent's notifications.
+under ``key``. The side channel is :class:`~vllm_kvbridge.connectors.te_control.ControlServer`
+(a ZMQ ROUTER on a server thread, shared with the transfer-engine connector; its address is
+``PutResult.metadata["endpoint"]``, next to the agent name); its tick every 5 ms takes the
+agent's notifications and expires payloads.
 
 Receiver (:meth:`NixlConnector.get`): asks the side channel for ``key``. The answer claims
-the payload (a key is read once) and gives ``(address, nbytes, lease, token)`` plus the
+the payload for this receiver (a key is read once; the same receiver asking again gets the
+same claim) and gives ``(address, nbytes, lease left, token)`` plus the
 generation of the sender's registrations; the receiver (re)loads the sender's NIXL agent
 metadata when it is older than that, READs the bytes into a slab of its own registered
 pool with the token as the transfer's notification, and decodes them in place: the
@@ -22,14 +25,17 @@ is freed. When the notification arrives, the sender returns its slab to its pool
 Lifetimes (nothing stays registered or held):
   * a published payload nobody claims is released after ``ttl_s``; ``cleanup(key)``
     releases it at once;
-  * a claimed payload stays registered until its notification arrives, or until its lease
-    (``lease_s``) ends (a receiver that died mid-read). The receiver never reads past the
-    lease it was given: a READ that has not finished by then fails (and its local slab is
-    never reused), so the sender cannot reuse memory a reader is still copying;
+  * a claimed payload stays registered until its notification (or the reader's NACK)
+    arrives, or until its lease (``lease_s``) ends (a receiver that died mid-read): its slab
+    is then unregistered and never reused. The receiver never reads past 80% of the lease
+    it was given (nor past ``transfer_timeout_s``): a READ that has not finished by then
+    fails (and its local slab is never reused), so the sender cannot reuse memory a reader
+    is still copying;
   * ``close()`` stops the server, deregisters every slab and destroys the agent. Tensors
     a get returned stay valid (their memory is plain host memory).
 
-Failures: a peer that does not answer the side channel (dead, stopped, unreachable) gives
+Failures: a sender that is gone (its side channel refuses connections) is a
+:class:`TransferError` at once; one that does not answer (stopped, unreachable) a
 :class:`TransferTimeout` at the deadline (``request_timeout_s`` without one); a READ that
 NIXL fails (the peer died after the claim) raises :class:`TransferError`; an oversize
 payload is refused before any byte moves (:class:`TransferRefused`); bytes that do not
@@ -37,10 +43,13 @@ decode raise :class:`TransferCorrupt`.
 
 Side channel (ZMQ multipart; ``nonce`` pairs a reply with its request; integers u64 le)::
 
-    [b"GET", nonce, key, max_bytes]  -> [nonce, b"OK", agent, addr, nbytes, gen, dgen, lease_ms, token]
-                                        | [nonce, b"MISSING"] | [nonce, b"TOOBIG", nbytes] | [nonce, b"BAD"]
-    [b"MD", nonce]                   -> [nonce, b"MD", agent, metadata, gen, dgen]
-    [b"NACK", nonce, token]          -> (no reply) the claimed READ failed: release it now
+    [b"GET", nonce, key, receiver(8), max_bytes]
+        -> [nonce, b"OK", agent, addr, nbytes, gen, dgen, lease_left_ms, token]
+         | [nonce, b"MISSING"] | [nonce, b"TOOBIG", nbytes] | [nonce, b"BAD"]
+    [b"MD", nonce]           -> [nonce, b"MD", agent, metadata, gen, dgen]
+    [b"NACK", nonce, token]  -> [nonce, b"OK"]  (the claimed READ failed: release it now)
+
+``metadata`` is NIXL's own agent metadata (NIXL parses it; no pickle crosses processes).
 
 Config keys: ``host`` (127.0.0.1; where the side channel binds), ``port`` (0: ephemeral),
 ``advertise_host`` (address put in the metadata; default ``host``, or this host's name when

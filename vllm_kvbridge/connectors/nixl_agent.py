@@ -1,4 +1,4 @@
-"""One NIXL agent (UCX backend by default) as the NIXL connector and its bench use it.
+"""One NIXL agent (UCX backend by default) as the NIXL connector uses it, and the UCX environment.
 
 What this module owns:
 
@@ -92,7 +92,10 @@ def prepare_ucx_env(
         if ucx_tls is not None:
             os.environ["UCX_TLS"] = ucx_tls
     elif not _tls_has_tcp(tls):
-        fixed = f"{tls},tcp" if tls.strip() else DEFAULT_UCX_TLS
+        # An inclusion list gains tcp; an exclusion list that excludes tcp (or nothing at
+        # all) is replaced by the default.
+        plain = tls.strip() and not tls.strip().startswith("^")
+        fixed = f"{tls},tcp" if plain else DEFAULT_UCX_TLS
         warnings.warn(
             f"UCX_TLS={tls!r} has no tcp transport: NIXL's UCX backend then fails to start "
             f"(NIXL_ERR_BACKEND); using UCX_TLS={fixed!r}",
@@ -105,9 +108,9 @@ def prepare_ucx_env(
         if ucx_modules is not None:
             os.environ["UCX_MODULES"] = ucx_modules
     elif _loads_ib(modules) and not _has_ib_devices():
-        fixed = DEFAULT_UCX_MODULES if not modules.strip() else f"{modules},^ib"
-        if not modules.strip().startswith("^"):
-            fixed = DEFAULT_UCX_MODULES
+        # An exclusion list ("^a,b": the caret applies to the whole list) gains ib; an
+        # inclusion list (or "all") becomes "^ib".
+        fixed = f"{modules},ib" if modules.strip().startswith("^") else DEFAULT_UCX_MODULES
         warnings.warn(
             f"UCX_MODULES={modules!r} loads UCX's ib module on a host without InfiniBand devices: "
             f"every process that made a NIXL agent then segfaults at exit; using UCX_MODULES={fixed!r}",
