@@ -29,17 +29,16 @@ def _ids(var: str) -> set[str]:
     return {i for i in os.environ.get(var, "").split(",") if i}
 
 
-class RefuseKVPuts(Connector):
-    name = "RefuseKVPuts"
+class WrappedConnector(Connector):
+    """A stage's real connector behind a wrapper whose ``put`` a fault injector overrides."""
 
-    def __init__(self, inner: Connector, refused: set[str]) -> None:
+    name = "WrappedConnector"
+
+    def __init__(self, inner: Connector) -> None:
         super().__init__({})
         self.inner = inner
-        self.refused = {f".{encode_request_id(rid)}." for rid in refused}
 
     def put(self, from_stage: Any, to_stage: Any, key: str, payload: Any) -> PutResult:
-        if any(part in key for part in self.refused):
-            return PutResult(ok=False, error="injected: the store refused the KV")
         return self.inner.put(from_stage, to_stage, key, payload)
 
     def get(self, *args: Any, **kwargs: Any) -> Any:
@@ -55,15 +54,37 @@ class RefuseKVPuts(Connector):
         self.inner.close()
 
 
-class FaultyKVRunner(KVBridgeCPUModelRunner):
-    _late_answered: set[str] = set()
+class WrappedKVConnectorRunner(KVBridgeCPUModelRunner):
+    """The kvbridge CPU runner whose KV manager sends through ``wrap(real connector)``."""
+
+    def wrap(self, inner: Connector) -> Connector:
+        return WrappedConnector(inner)
 
     def kvbridge_kv_manager_kwargs(self) -> dict[str, Any]:
         kwargs = super().kvbridge_kv_manager_kwargs()
         cfg = self.kvbridge_settings.kv_transfer_config()
-        inner = create_connector(cfg.connector, cfg.connector_config)
-        kwargs["connector"] = RefuseKVPuts(inner, _ids("KVB_TEST_REFUSE_KV"))
+        kwargs["connector"] = self.wrap(create_connector(cfg.connector, cfg.connector_config))
         return kwargs
+
+
+class RefuseKVPuts(WrappedConnector):
+    name = "RefuseKVPuts"
+
+    def __init__(self, inner: Connector, refused: set[str]) -> None:
+        super().__init__(inner)
+        self.refused = {f".{encode_request_id(rid)}." for rid in refused}
+
+    def put(self, from_stage: Any, to_stage: Any, key: str, payload: Any) -> PutResult:
+        if any(part in key for part in self.refused):
+            return PutResult(ok=False, error="injected: the store refused the KV")
+        return super().put(from_stage, to_stage, key, payload)
+
+
+class FaultyKVRunner(WrappedKVConnectorRunner):
+    _late_answered: set[str] = set()
+
+    def wrap(self, inner: Connector) -> Connector:
+        return RefuseKVPuts(inner, _ids("KVB_TEST_REFUSE_KV"))
 
     def kvbridge_transfer_status(self, request_ids: Any = None) -> dict[str, dict[str, str]]:
         out = super().kvbridge_transfer_status(request_ids)

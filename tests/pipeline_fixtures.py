@@ -211,22 +211,18 @@ COMPANION_GATE_ENV = "KVBRIDGE_TEST_COMPANION_GATE"
 
 def _fail_companion_classes() -> dict[str, Any]:
     """Built on first use: importing vLLM's worker classes is slow, most tests never need them."""
-    from vllm_kvbridge.connectors.base import Connector, PutResult
+    from kv_fault_fixtures import WrappedConnector, WrappedKVConnectorRunner
+
+    from vllm_kvbridge.connectors.base import PutResult
     from vllm_kvbridge.connectors.keys import encode_request_id
-    from vllm_kvbridge.connectors.registry import create_connector
-    from vllm_kvbridge.runner.ar_runner import KVBridgeCPUModelRunner
     from vllm_kvbridge.runner.worker import KVBridgeCPUWorker
 
-    class FailCompanionPuts(Connector):
+    class FailCompanionPuts(WrappedConnector):
         """The stage's real connector, except that a ``cfg_neg`` put of a ``fail*`` request
         is refused (as a full store or a dead peer would): the KV manager retries, then
         reports that companion's send failed."""
 
         name = "FailCompanionPuts"
-
-        def __init__(self, inner: Connector) -> None:
-            super().__init__({})
-            self.inner = inner
 
         def put(self, from_stage: Any, to_stage: Any, key: str, payload: Any) -> PutResult:
             if ".cfg_neg." in key and f".{encode_request_id(FAIL_COMPANION_PREFIX)}" in key:
@@ -237,29 +233,14 @@ def _fail_companion_classes() -> dict[str, Any]:
                 Path(gate + ".waiting").touch()
                 while os.path.exists(gate):
                     time.sleep(0.02)
-            result = self.inner.put(from_stage, to_stage, key, payload)
+            result = super().put(from_stage, to_stage, key, payload)
             if held:
                 Path(gate + ".done").touch()
             return result
 
-        def get(self, *args: Any, **kwargs: Any) -> Any:
-            return self.inner.get(*args, **kwargs)
-
-        def cleanup(self, key: str) -> None:
-            self.inner.cleanup(key)
-
-        def health(self) -> dict[str, Any]:
-            return self.inner.health()
-
-        def _close(self) -> None:
-            self.inner.close()
-
-    class FailCompanionRunner(KVBridgeCPUModelRunner):
-        def kvbridge_kv_manager_kwargs(self) -> dict[str, Any]:
-            kwargs = super().kvbridge_kv_manager_kwargs()
-            cfg = self.kvbridge_settings.kv_transfer_config()
-            kwargs["connector"] = FailCompanionPuts(create_connector(cfg.connector, cfg.connector_config))
-            return kwargs
+    class FailCompanionRunner(WrappedKVConnectorRunner):
+        def wrap(self, inner: Any) -> Any:
+            return FailCompanionPuts(inner)
 
     class FailCompanionWorker(KVBridgeCPUWorker):
         runner_cls = FailCompanionRunner

@@ -319,6 +319,8 @@ class LLMStageEngine(StageEngine):
                     for k, v in st.items()
                     if k in ("kv", "payload") and str(v).startswith("failed")
                 ]
+                if rid not in self._awaiting:
+                    continue  # its CFG group failed while this loop ran
                 o, finished_at = self._awaiting[rid]
                 if (
                     not failed
