@@ -289,8 +289,13 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 if index is not None:
                     n = req.num_prompt_tokens + index
             if n is not None:
-                # Sent after this step's forward; the request still holds its blocks.
+                # Sent after this step's forward, from the blocks the request holds now. A
+                # preempted request holds none (or fewer, while it recomputes): wait until
+                # its KV up to n is in the cache again; the trigger stays found.
                 blocks = self._blocks_for(req_id, n)
+                computed = req.num_computed_tokens + scheduled.get(req_id, 0)
+                if computed < n or len(blocks) < math.ceil(n / self.block_size):
+                    continue
                 sends.append(tracked.spec(blocks, n, False))
                 tracked.sent = True
         finished, self._finished = self._finished, {}
