@@ -297,3 +297,22 @@ def test_default_namespaces_of_edges_sharing_a_dash_differ():
         assert conn.namespace(0, 1) == "0-1"
         long_a, long_b = "a-" * 16, "-b" * 16
         assert conn.namespace(long_a, long_b) != conn.namespace(long_b, long_a)  # hashed, still distinct
+
+
+def test_a_segment_whose_receiver_died_while_claiming_is_taken_back(token):
+    """Issue 11, case 10: a receiver that renamed a key to its claim name and died before
+    opening it left the segment READY in the sender's lent list forever (and its claim
+    name in /dev/shm)."""
+    with SHM.make(token, ttl_s=0.2, reap_interval_s=0.05, claim_grace_s=0.3) as sender:
+        result = sender.put(0, 1, key(1), make_payload(1))
+        assert result.ok
+        # What a receiver does first when it claims; then it "dies".
+        claim_name = os.path.join(seg.SHM_DIR, f"{seg.PREFIX}.{token}.c.999999.dead0")
+        os.rename(seg.key_path(token, key(1)), claim_name)
+        end = time.monotonic() + 10
+        while time.monotonic() < end and (sender.health()["lent"] or os.path.exists(claim_name)):
+            time.sleep(0.05)
+        assert sender.health()["lent"] == 0 and not os.path.exists(claim_name)
+        pool = [n for n in seg.list_names(token) if ".p." in n]
+        assert sender.put(0, 1, key(2), make_payload(1)).ok  # the segment is reused
+        assert [n for n in seg.list_names(token) if ".p." in n] == pool

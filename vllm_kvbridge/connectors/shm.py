@@ -27,6 +27,8 @@ Config keys (all optional):
   segments are destroyed.
 * ``max_payload_bytes`` (default 64 GiB): larger puts are refused, larger segments rejected.
 * ``reap_interval_s`` (default ``min(ttl_s/4, 1)``): how often the background reaper runs.
+* ``claim_grace_s`` (default 30): a segment still READY this long after a receiver took its
+  key name belonged to a receiver that died claiming it: the sender takes it back.
 * ``map_cache_bytes`` (default 4 GiB): receiver side, the most segment bytes kept mapped
   between gets (0: map and unmap per get).
 * ``shm_dir`` (default ``/dev/shm``): for tests on another tmpfs.
@@ -102,6 +104,7 @@ class SharedMemoryConnector(Connector):
         self.pool_keep_bytes = _opt(cfg, "pool_keep_bytes", 2 << 30, int)
         self.max_payload_bytes = _opt(cfg, "max_payload_bytes", 64 << 30, int)
         self.reap_interval_s = _opt(cfg, "reap_interval_s", min(self.ttl_s / 4, 1.0)) or 0.05
+        self.claim_grace_s = _opt(cfg, "claim_grace_s", seg.CLAIM_NAME_GRACE_S)
         self.map_cache_bytes = _opt(cfg, "map_cache_bytes", 4 << 30, int)
         self.shm_dir = str(cfg.get("shm_dir", seg.SHM_DIR))
         self._limits = cfg.get("limits")
@@ -250,15 +253,28 @@ class SharedMemoryConnector(Connector):
                 segment.state = seg.FREE
                 self._free.append(segment)
             else:
-                self._lent.append(segment)
+                self._lend_locked(segment)
+        died_claiming: set[str] = set()
         for segment in list(self._lent):
             state = segment.state
-            if state == seg.FREE or (state == seg.CLAIMED and not segment.claim_held()):
+            # READY long after its key name went: the receiver died between its rename and
+            # its open (a claim takes two syscalls); nobody can reach the segment any more.
+            stuck = state == seg.READY and now - segment.lent_at >= self.claim_grace_s
+            if stuck:
+                died_claiming.add(segment.namespace)
+            if stuck or state == seg.FREE or (state == seg.CLAIMED and not segment.claim_held()):
                 self._lent.remove(segment)
                 segment.state = seg.FREE
                 segment.key = None
                 self._free.append(segment)
+        for namespace in died_claiming:  # and its claim name, a link to the segment
+            seg.reap_stale(namespace, claim_grace_s=self.claim_grace_s, shm_dir=self.shm_dir)
         self._trim_locked()
+
+    def _lend_locked(self, segment: seg.PoolSegment) -> None:
+        """A segment whose key name someone else took: it comes back when released."""
+        segment.lent_at = time.monotonic()
+        self._lent.append(segment)
 
     def _start_reaper_locked(self) -> None:
         if self._reaper is None:
@@ -464,7 +480,7 @@ class SharedMemoryConnector(Connector):
                     segment.key = None
                     self._free.append(segment)
                 else:
-                    self._lent.append(segment)
+                    self._lend_locked(segment)
                 self.stats.add(cleanups=1)
             self._trim_locked()
 

@@ -214,6 +214,7 @@ class PoolSegment:
         self.generation = 0
         self.key: str | None = None
         self.published_at = 0.0  # monotonic
+        self.lent_at = 0.0  # monotonic: when a receiver took its key name
         size = HEADER_SIZE + capacity
         # Kept open for the segment's life: it holds the owner lock (see "Liveness").
         self.fd = _create_locked(self.path, shm_dir)
@@ -405,12 +406,18 @@ def list_names(namespace_prefix: str = "", *, shm_dir: str = SHM_DIR) -> list[st
     return sorted(n for n in names if n.startswith(f"{PREFIX}.{namespace_prefix}"))
 
 
-def reap_stale(namespace: str | None = None, older_than: float = 0.0, *, shm_dir: str = SHM_DIR) -> list[str]:
+def reap_stale(
+    namespace: str | None = None,
+    older_than: float = 0.0,
+    *,
+    shm_dir: str = SHM_DIR,
+    claim_grace_s: float = CLAIM_NAME_GRACE_S,
+) -> list[str]:
     """Remove ``kvbridge.*`` leftovers of processes that are gone; returns the names removed.
 
     A pool name, or a published key at least ``older_than`` seconds old, is removed when
     nobody holds its owner lock (or, for a key, its header is unreadable); a claim name
-    once it is :data:`CLAIM_NAME_GRACE_S` old. Segments of live processes, in any PID
+    once it is ``claim_grace_s`` (:data:`CLAIM_NAME_GRACE_S`) old. Segments of live processes, in any PID
     namespace, are left to their owner's TTL reaper. ``namespace=None`` scans every
     namespace.
     """
@@ -425,7 +432,7 @@ def reap_stale(namespace: str | None = None, older_than: float = 0.0, *, shm_dir
         if match is None or (namespace is not None and match["ns"] != namespace):
             continue
         path = os.path.join(shm_dir, name)
-        if _is_stale(path, match["kind"], now, older_than):
+        if _is_stale(path, match["kind"], now, older_than, claim_grace_s):
             try:
                 os.unlink(path)
                 removed.append(name)
@@ -434,7 +441,7 @@ def reap_stale(namespace: str | None = None, older_than: float = 0.0, *, shm_dir
     return removed
 
 
-def _is_stale(path: str, kind: str | None, now: float, older_than: float) -> bool:
+def _is_stale(path: str, kind: str | None, now: float, older_than: float, claim_grace_s: float) -> bool:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except (FileNotFoundError, PermissionError):  # gone, or another user's: not ours to judge
@@ -442,7 +449,7 @@ def _is_stale(path: str, kind: str | None, now: float, older_than: float) -> boo
     try:
         age = now - os.fstat(fd).st_ctime
         if kind == "c":
-            return age >= CLAIM_NAME_GRACE_S
+            return age >= claim_grace_s
         if kind is None:  # a published key
             if age < older_than:
                 return False
