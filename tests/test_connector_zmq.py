@@ -220,3 +220,24 @@ def test_a_confirm_for_an_unknown_key_is_harmless():
         sock.close()
         ctx.term()
         assert same(receiver.get(0, 1, key(), result.metadata, deadline=deadline(5)), make_payload(6))
+
+
+def test_tp_ranks_with_a_fixed_port_bind_one_port_each():
+    """Issue 11, case 7: every TP rank of a KV-sending stage made its connector from the
+    same edge config, so with a fixed ``port`` all ranks bound the same port (the second
+    rank's sends failed). A fixed port P means rank r binds P + r."""
+    import socket
+
+    with socket.socket() as s:  # two free ports in a row are likely; retry a few bases
+        s.bind(("127.0.0.1", 0))
+        base = s.getsockname()[1]
+    ranks = [create_connector("zmq", {"host": "127.0.0.1", "port": base}, rank=r) for r in (0, 1)]
+    try:
+        results = [conn.put(0, 1, key(r), make_payload(r)) for r, conn in enumerate(ranks)]
+        assert all(r.ok for r in results), [r.error for r in results]
+        assert [r.metadata["endpoint"] for r in results] == [f"tcp://127.0.0.1:{base + i}" for i in (0, 1)]
+    finally:
+        for conn in ranks:
+            conn.close()
+    with create_connector("zmq", {"host": "127.0.0.1", "port": 0}, rank=3) as any_port:
+        assert any_port.port == 0  # ephemeral ports need no offset

@@ -473,3 +473,16 @@ def test_sender_info_does_not_grow_with_the_number_of_requests() -> None:
         assert sender.get_sender_info("ttl") is None and sender.health()["sender_info_entries"] == 0
     with pytest.raises(ConfigError):
         KVTransferManager(cfg, max_sender_info=0)
+
+
+def test_each_tp_rank_makes_its_connector_for_its_rank() -> None:
+    # Issue 11, case 7: a fixed ZMQ port in the edge config, one KV manager per TP rank.
+    cfg = KVTransferConfig(
+        need_send_cache=True, stage_id=0, to_stage=1, connector="zmq", connector_config={"port": 47000}
+    )
+    managers = [KVTransferManager(cfg, num_kv_heads=2, tp_rank=r) for r in (0, 1)]
+    try:
+        assert [m.connector.port for m in managers] == [47000, 47001]
+    finally:
+        for m in managers:
+            m.shutdown()

@@ -75,6 +75,14 @@ class ConnectorStats:
             return dict(self._values)
 
 
+def offset_port(config: Mapping[str, Any], key: str, rank: int) -> dict[str, Any]:
+    """``config`` with a fixed (non-zero) ``config[key]`` port moved up by ``rank``."""
+    out = dict(config)
+    if out.get(key):
+        out[key] = int(out[key]) + rank
+    return out
+
+
 class Connector(ABC):
     """Base class of every transport. Subclasses implement the ``_``-free abstract methods."""
 
@@ -123,6 +131,13 @@ class Connector(ABC):
     @abstractmethod
     def _close(self) -> None:
         """Release resources; called once by :meth:`close`."""
+
+    @classmethod
+    def config_for_rank(cls, config: Mapping[str, Any], rank: int) -> dict[str, Any]:
+        """The config TP rank ``rank`` of a stage uses when every rank makes a connector from
+        the edge's one config (KV moves per rank). Override where ranks must differ (a
+        fixed port: rank r binds port + r, :func:`offset_port`); the default: the same config."""
+        return dict(config)
 
     @classmethod
     def reap_dead(cls, config: Mapping[str, Any], from_stage: int | str, to_stage: int | str) -> list[str]:

@@ -61,7 +61,7 @@ import numpy as np
 import zmq
 
 from vllm_kvbridge.connectors import te_control as ctl
-from vllm_kvbridge.connectors.base import Connector, PutResult
+from vllm_kvbridge.connectors.base import Connector, PutResult, offset_port
 from vllm_kvbridge.connectors.registered_pool import RegisteredBufferPool
 from vllm_kvbridge.errors import (
     ConfigError,
@@ -178,6 +178,11 @@ class MooncakeTransferEngineConnector(Connector):
         self._client = ctl.ControlClient(self._ctx, lambda: self._closed)
 
     # -- sender -------------------------------------------------------------------------
+    @classmethod
+    def config_for_rank(cls, config: Mapping[str, Any], rank: int) -> dict[str, Any]:
+        """A fixed ``control_port`` P: TP rank r binds P + r (all ranks of a stage share one config)."""
+        return offset_port(config, "control_port", rank)
+
     def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
         """Pack ``payload`` into a registered slab and hold it under ``key`` for a receiver.
 

@@ -76,7 +76,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from vllm_kvbridge.connectors.base import Connector, PutResult
+from vllm_kvbridge.connectors.base import Connector, PutResult, offset_port
 from vllm_kvbridge.connectors.mooncake_store import parse_size
 from vllm_kvbridge.connectors.nixl_agent import (
     DEFAULT_UCX_MODULES,
@@ -203,6 +203,11 @@ class NixlConnector(Connector):
         _OPEN.add(self)
 
     # -- sender -------------------------------------------------------------------------
+    @classmethod
+    def config_for_rank(cls, config: Mapping[str, Any], rank: int) -> dict[str, Any]:
+        """A fixed ``port`` P: TP rank r binds P + r (all ranks of a stage share one config)."""
+        return offset_port(config, "port", rank)
+
     def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
         """Pack ``payload`` into a registered slab and publish it under ``key``.
 

@@ -93,9 +93,15 @@ def get_connector_factory(name: str) -> ConnectorFactory:
     return factory
 
 
-def create_connector(name: str, config: Mapping[str, Any] | None = None) -> Connector:
-    """Instantiate the connector registered under ``name`` with ``config``."""
-    connector = get_connector_factory(name)(dict(config or {}))
+def create_connector(name: str, config: Mapping[str, Any] | None = None, *, rank: int = 0) -> Connector:
+    """Instantiate the connector registered under ``name`` with ``config`` (as TP rank
+    ``rank`` of its stage sees it: :meth:`Connector.config_for_rank`)."""
+    factory = get_connector_factory(name)
+    config = dict(config or {})
+    for_rank = getattr(factory, "config_for_rank", None)
+    if rank and for_rank is not None:
+        config = for_rank(config, rank)
+    connector = factory(config)
     if not isinstance(connector, Connector):
         raise ConfigError(f"connector factory {name!r} returned {type(connector).__name__}, not a Connector")
     return connector

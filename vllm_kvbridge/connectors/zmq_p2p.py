@@ -63,7 +63,7 @@ from typing import Any
 
 import zmq
 
-from vllm_kvbridge.connectors.base import Connector, PutResult
+from vllm_kvbridge.connectors.base import Connector, PutResult, offset_port
 from vllm_kvbridge.errors import (
     ConfigError,
     ConnectorClosed,
@@ -167,6 +167,11 @@ class ZmqConnector(Connector):
         self._wake_send: zmq.Socket | None = None
         self._auth: Any = None
         self.endpoint: str | None = None
+
+    @classmethod
+    def config_for_rank(cls, config: Mapping[str, Any], rank: int) -> dict[str, Any]:
+        """A fixed ``port`` P: TP rank r binds P + r (all ranks of a stage share one config)."""
+        return offset_port(config, "port", rank)
 
     # -- sender -------------------------------------------------------------------------
     def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:

@@ -202,7 +202,9 @@ class KVTransferManager:
             if self._closed:
                 raise TransferError("KV transfer manager is shut down")
             if self._connector is None:
-                self._connector = create_connector(self.config.connector, self.config.connector_config)
+                self._connector = create_connector(
+                    self.config.connector, self.config.connector_config, rank=self.tp_rank
+                )
             return self._connector
 
     def _get_connector(self) -> Connector:
