@@ -13,6 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+import yaml
 from pipeline_fixtures import ROOT, hf_reference, load_dump, processes_using, shm_segments
 
 from vllm_kvbridge.connectors.keys import encode_request_id
@@ -23,7 +24,19 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 PROMPTS = ["A cute cat", "Once upon a time there was a tiny model"]
 
 
-def _run(config: str, dump: Path) -> tuple[list, str]:
+def _zmq_async_chunk_config() -> Path:
+    """The shipped async-chunk config with its edge over ZMQ: the talker starts receiving
+    before the thinker put any chunk, so it must learn the thinker's endpoint up front
+    (issue 11, case 7: it was started with empty sender info and failed at once)."""
+    config = yaml.safe_load((ROOT / "stage_configs/thinker_talker_async_chunk.yaml").read_text())
+    config["connectors"] = {"zmq": {"name": "ZmqConnector"}}
+    config["edges"] = [{"from_stage": 0, "to_stage": 1, "connector": "zmq"}]
+    path = Path(tempfile.mkdtemp(prefix="kvb-tt-zmq-")) / "thinker_talker_async_chunk_zmq.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _run(config: str | Path, dump: Path) -> tuple[list, str]:
     pipe = Pipeline.from_config(
         ROOT / "stage_configs" / config, model=str(ensure_tiny_model()), log_dir=dump / "logs"
     )
@@ -36,11 +49,16 @@ def _run(config: str, dump: Path) -> tuple[list, str]:
 
 
 @pytest.mark.forked
-@pytest.mark.timeout(500)
+@pytest.mark.timeout(750)
 def test_thinker_talker_full_payload_and_async_chunk_agree() -> None:
     model = ensure_tiny_model()
     received: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
-    for config in ("thinker_talker_full_payload.yaml", "thinker_talker_async_chunk.yaml"):
+    configs = (
+        "thinker_talker_full_payload.yaml",
+        "thinker_talker_async_chunk.yaml",
+        _zmq_async_chunk_config(),
+    )
+    for config in configs:
         dump = Path(tempfile.mkdtemp(prefix="kvb-tt-"))
         results, run_id = _run(config, dump)
         received[config] = {}
@@ -58,7 +76,8 @@ def test_thinker_talker_full_payload_and_async_chunk_agree() -> None:
             assert any(t.what == "payload" and t.nbytes > 0 for t in r.transfers)
         assert processes_using(dump) == []
         assert shm_segments(f"kvbridge.{run_id}") == []
-    full, chunked = received.values()
+    full, chunked, chunked_zmq = received.values()
     for rid in full:
         for key in ("hidden_states", "token_ids"):
             assert torch.equal(full[rid][key], chunked[rid][key]), (rid, key)
+            assert torch.equal(full[rid][key], chunked_zmq[rid][key]), (rid, key)

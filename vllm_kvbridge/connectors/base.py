@@ -132,6 +132,12 @@ class Connector(ABC):
     def _close(self) -> None:
         """Release resources; called once by :meth:`close`."""
 
+    def receiver_metadata(self) -> dict[str, Any]:
+        """What a receiver needs to reach this sender before any put, the same for every
+        key (a consumer that starts receiving while the producer is still generating has
+        no put metadata yet); ``{}`` when the receiver finds payloads without it."""
+        return {}
+
     @classmethod
     def config_for_rank(cls, config: Mapping[str, Any], rank: int) -> dict[str, Any]:
         """The config TP rank ``rank`` of a stage uses when every rank makes a connector from

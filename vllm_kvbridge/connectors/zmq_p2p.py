@@ -168,6 +168,13 @@ class ZmqConnector(Connector):
         self._auth: Any = None
         self.endpoint: str | None = None
 
+    def receiver_metadata(self) -> dict[str, Any]:
+        """The server's endpoint (it binds now if it has not yet) and its CURVE key."""
+        metadata = {"endpoint": self._ensure_server()}
+        if self._public is not None:
+            metadata["server_key"] = self._public.decode("ascii")
+        return metadata
+
     @classmethod
     def config_for_rank(cls, config: Mapping[str, Any], rank: int) -> dict[str, Any]:
         """A fixed ``port`` P: TP rank r binds P + r (all ranks of a stage share one config)."""

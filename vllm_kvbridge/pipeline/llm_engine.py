@@ -69,6 +69,14 @@ def _merge_kv_info(per_rank: list[dict[str, Any]], rid: str) -> dict[str, Any]:
     return out
 
 
+def _payload_meta(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Peer stage -> what its receiver needs from this stage's payload sender (rank 0's)."""
+    out: dict[str, Any] = {}
+    for info in per_rank:
+        out.update({str(k): v for k, v in (info.get("payload") or {}).items()})
+    return out
+
+
 class LLMStageEngine(StageEngine):
     def __init__(self, stage: ResolvedStage) -> None:
         super().__init__(stage)
@@ -116,7 +124,13 @@ class LLMStageEngine(StageEngine):
         self._discard: dict[str, tuple[float, bool]] = {}
 
     def info(self) -> dict[str, Any]:
-        return {"kind": self.stage.kind, "model": self.stage.model, "pid_engine": None}
+        info: dict[str, Any] = {"kind": self.stage.kind, "model": self.stage.model, "pid_engine": None}
+        if any(e.payload_mode == "async_chunk" for e in self.stage.outputs):
+            # Async-chunk consumers start before any chunk is put: they reach the payload
+            # senders with what those can say up front (e.g. a ZMQ endpoint).
+            payload = _payload_meta(self.llm.collective_rpc("kvbridge_sender_info"))
+            info["sender_info"] = {"payload": payload} if payload else {}
+        return info
 
     # -- requests --------------------------------------------------------------------------
     def _params(self, msg: m.Submit) -> Any:
@@ -367,9 +381,7 @@ class LLMStageEngine(StageEngine):
             sender_info: dict[str, Any] = {}
             if infos:
                 sender_info = _merge_kv_info(infos, rid)
-                payload_meta = {}
-                for info in infos:
-                    payload_meta.update({str(k): v for k, v in (info.get("payload") or {}).items()})
+                payload_meta = _payload_meta(infos)
                 if payload_meta:
                     sender_info["payload"] = payload_meta
             transfers = []

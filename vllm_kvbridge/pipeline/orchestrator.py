@@ -494,9 +494,10 @@ class Pipeline:
         start receiving chunks while the producer is still generating."""
         self._submit(stage_id, msg)
         stage = self._stages[stage_id].stage
+        up_front = self._stages[stage_id].info.get("sender_info") or {}  # reported at Ready
         for e in stage.outputs:
             if e.payload_mode == "async_chunk":
-                up = m.Upstream(stage_id, msg.request_id, {}, {})
+                up = m.Upstream(stage_id, msg.request_id, up_front, {})
                 self._submit_chain(e.to_stage, self._downstream_submit(e.to_stage, msg.request_id, [up]))
 
     # -- concurrent submission (driven by one thread; see pipeline/service.py) -----------

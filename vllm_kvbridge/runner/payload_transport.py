@@ -243,7 +243,12 @@ class _PayloadTransportMixin(_ConnectorRuntimeMixin):
     def kvbridge_sender_info(self, request_ids: Any = None) -> dict[str, Any]:
         info = super().kvbridge_sender_info(request_ids)
         with self._kvb_lock:
-            info["payload"] = {peer: dict(s.last_metadata) for peer, s in self._kvb_senders.items()}
+            senders = dict(self._kvb_senders)
+        # Before a sender's first put, what its connector can say up front (a ZMQ endpoint):
+        # async-chunk consumers start receiving before the producer put anything.
+        info["payload"] = {
+            peer: dict(s.last_metadata or s.connector.receiver_metadata()) for peer, s in senders.items()
+        }
         return info
 
     # -- receiver side -----------------------------------------------------------------------
