@@ -486,3 +486,54 @@ def test_each_tp_rank_makes_its_connector_for_its_rank() -> None:
     finally:
         for m in managers:
             m.shutdown()
+
+
+@pytest.mark.forked
+@pytest.mark.slow
+def test_state_stays_bounded_over_ten_thousand_requests() -> None:
+    """Issue 11, case 10: the manager kept every received-but-never-popped KV and every
+    prefetch that nobody consumed (a request aborted downstream), for ever. 10,000
+    requests go through; a third are consumed, a third received and never popped, a third
+    prefetched and never consumed. The state stays bounded and nothing is left in /dev/shm."""
+    ns = "kvtest10k"
+    caches = fake_cpu_caches(2, 7)
+    plan = {"block_ids": [0], "seq_len": 3}
+    send = _send_cfg("SharedMemoryConnector", connector_config={"namespace": ns})
+    recv = _recv_cfg(
+        "SharedMemoryConnector",
+        {"namespace": ns},
+        recv_timeout=10,
+        enable_kv_async_prefetch=True,
+        kv_prefetch_min_free_mem_ratio=0.0,
+        max_unconsumed=64,
+    )
+    peak = {"received_waiting": 0, "prefetched": 0, "sender_info_entries": 0}
+    with (
+        KVTransferManager(send, num_kv_heads=2) as sender,
+        KVTransferManager(recv, num_kv_heads=2) as receiver,
+    ):
+        for batch in range(100):  # 100 x 100 requests, sent in one call per batch
+            ids = [f"r{batch * 100 + j}" for j in range(100)]
+            assert (
+                sender.handle_finished_requests_kv_transfer({rid: plan for rid in ids}, caches, BLOCK, "auto")
+                == ids
+            )
+            assert _wait_finished(sender, len(ids)) == (set(ids), set())
+            for i, rid in enumerate(ids):
+                if i % 3 == 0:
+                    data, _ = receiver.receive_kv_cache_for_request(rid)
+                    assert data.request_id == rid
+                elif i % 3 == 1:
+                    receiver.receive_multi_kv_cache(rid)  # kept for a pop that never comes
+                else:
+                    receiver.start_prefetch([rid])  # consumed by nobody
+            deadline = time.monotonic() + 10
+            while receiver.prefetch_in_flight() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            health = {**receiver.health(), **sender.health()}
+            for name in peak:
+                peak[name] = max(peak[name], health[name])
+        assert peak["received_waiting"] <= 64 and peak["prefetched"] <= 64, peak
+        assert peak["sender_info_entries"] <= 4096, peak
+        assert receiver.health()["metrics"]["recv"]["unconsumed_dropped"] > 0
+    assert _shm_leftovers(ns) == []

@@ -33,6 +33,9 @@ class KVTransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     (monotonic deadline), async prefetch (``enable_kv_async_prefetch``,
     ``max_prefetch_inflight`` receives at once, none started while less than
     ``kv_prefetch_min_free_mem_ratio`` of the target device's memory is free), and
+    ``max_unconsumed`` KVs received (or prefetched) but not yet taken by their request are
+    kept at most, the oldest dropped beyond that (a request that later asks for a dropped
+    KV fails: it was aborted downstream or never asked for in time), and
     ``distribution``: ``"local"`` (every TP rank receives its own heads) or ``"leader"``
     (group rank 0 receives the full KV and broadcasts it to the other ranks of the stage's
     process group, e.g. a diffusion stage whose ranks all need all heads).
@@ -58,6 +61,7 @@ class KVTransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     enable_kv_async_prefetch: bool = False
     kv_prefetch_min_free_mem_ratio: float = 0.1
     max_prefetch_inflight: int = 4
+    max_unconsumed: int = 256
     distribution: Literal["local", "leader"] = "local"
     connector: str = "SharedMemoryConnector"
     connector_config: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -74,7 +78,7 @@ class KVTransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
             raise bad("send_backoff_s", "must be >= 0")
         if self.send_max_backoff_s < self.send_backoff_s:
             raise bad("send_max_backoff_s", "must be >= send_backoff_s")
-        for name in ("from_tp", "to_tp", "max_prefetch_inflight"):
+        for name in ("from_tp", "to_tp", "max_prefetch_inflight", "max_unconsumed"):
             if getattr(self, name) < 1:
                 raise bad(name, "must be >= 1")
         if self.num_kv_heads is not None and self.num_kv_heads < 1:

@@ -138,9 +138,12 @@ class KVTransferManager:
             sender_info=self._stage_info,
             stop=self._stop,
         )
-        self._received = ReceivedStore()
+        dropped = self.metrics.unconsumed_dropped
+        self._received = ReceivedStore(config.max_unconsumed, lambda rid: dropped())
         self._distributor = KVDistributor(config.distribution, process_group)
-        self._prefetcher = KVPrefetcher(config.max_prefetch_inflight)
+        self._prefetcher = KVPrefetcher(
+            config.max_prefetch_inflight, config.max_unconsumed, lambda rid: dropped()
+        )
 
     # -- construction ------------------------------------------------------------------
     @classmethod
@@ -510,6 +513,7 @@ class KVTransferManager:
             "pending_sends": self._sends.pending(),
             "prefetch_in_flight": self._prefetcher.in_flight(),
             "received_waiting": len(self._received),
+            "prefetched": len(self._prefetcher),
             "sender_info_entries": len(self._sent_info),
             "closed": self._closed,
         }

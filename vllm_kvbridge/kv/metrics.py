@@ -35,6 +35,11 @@ def _prometheus() -> dict[str, Any] | None:
             "failures": Counter("kvbridge_kv_transfer_failures", "KV transfers failed", _LABELS),
             "timeouts": Counter("kvbridge_kv_transfer_timeouts", "KV receives that timed out", _LABELS),
             "retries": Counter("kvbridge_kv_transfer_retries", "KV send retries", _LABELS),
+            "unconsumed_dropped": Counter(
+                "kvbridge_kv_unconsumed_dropped",
+                "Received or prefetched KV dropped unconsumed (over max_unconsumed)",
+                _LABELS,
+            ),
             "seconds": Histogram(
                 "kvbridge_kv_transfer_seconds",
                 "Seconds per KV transfer",
@@ -49,7 +54,7 @@ def _prometheus() -> dict[str, Any] | None:
 class KVTransferMetrics:
     """Thread-safe counters of one manager, mirrored into Prometheus."""
 
-    _COUNTERS = ("transfers", "bytes", "failures", "timeouts", "retries")
+    _COUNTERS = ("transfers", "bytes", "failures", "timeouts", "retries", "unconsumed_dropped")
 
     def __init__(self, stage: int | str, connector: str) -> None:
         self._lock = threading.Lock()
@@ -101,6 +106,9 @@ class KVTransferMetrics:
 
     def retry(self, direction: str) -> None:
         self._inc(direction, "retries")
+
+    def unconsumed_dropped(self) -> None:
+        self._inc("recv", "unconsumed_dropped")
 
     def in_flight(self, direction: str) -> int:
         with self._lock:

@@ -45,10 +45,18 @@ def free_memory_ratio(device: torch.device) -> float:
 
 
 class KVPrefetcher:
-    """Background receives by request id, at most ``max_inflight`` at once."""
+    """Background receives by request id, at most ``max_inflight`` at once.
 
-    def __init__(self, max_inflight: int) -> None:
+    At most ``max_kept`` prefetches (running or finished, not yet consumed) are tracked:
+    the oldest finished ones are dropped beyond that (``on_drop`` is told), and while all
+    of them still run no new one starts (its request is received when it is consumed).
+    """
+
+    def __init__(
+        self, max_inflight: int, max_kept: int = 256, on_drop: Callable[[str], None] | None = None
+    ) -> None:
         self._max_inflight = max_inflight
+        self._max_kept, self._on_drop = max_kept, on_drop
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._futures: dict[str, Future[ReceivedKV]] = {}
@@ -67,14 +75,34 @@ class KVPrefetcher:
                 self._executor = ThreadPoolExecutor(
                     self._max_inflight, thread_name_prefix="kvbridge-prefetch"
                 )
+            dropped = []
             for job in jobs:
                 req, info = job if isinstance(job, tuple) else (job, None)
                 rid = request_id_of(req)
                 if rid in self._futures:
                     continue
+                if len(self._futures) >= self._max_kept:
+                    dropped += self._drop_finished_locked(len(self._futures) - self._max_kept + 1)
+                if len(self._futures) >= self._max_kept:
+                    break  # all still running: the rest are received when consumed
                 self._futures[rid] = self._executor.submit(receive, rid, req, info)
                 started.append(rid)
+        for rid in dropped:
+            logger.warning("prefetched KV of %s dropped unconsumed (over max_unconsumed)", rid)
+            if self._on_drop is not None:
+                self._on_drop(rid)
         return started
+
+    def _drop_finished_locked(self, n: int) -> list[str]:
+        """Forget up to ``n`` of the oldest finished prefetches; their results are released."""
+        gone = [rid for rid, f in self._futures.items() if f.done()][:n]
+        for rid in gone:
+            del self._futures[rid]
+        return gone
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._futures)
 
     def pop(self, rid: str) -> Future[ReceivedKV] | None:
         with self._lock:

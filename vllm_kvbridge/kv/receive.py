@@ -15,6 +15,7 @@ it to the request object (``req.kv_transfer_data``, ``req.cfg_kv_transfer_data``
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +31,8 @@ from vllm_kvbridge.kv.topology import HeadRange, Route, TPTopology, merge_head_p
 from vllm_kvbridge.wire.kv_format import KVCacheTransferData
 
 __all__ = ["Consumed", "KVReceiver", "ReceivedKV", "ReceivedStore", "request_id_of"]
+
+logger = logging.getLogger(__name__)
 
 #: How long one connector ``get`` may block before the receiver re-checks for shutdown.
 _GET_SLICE_S = 0.25
@@ -64,15 +67,28 @@ def request_id_of(req: Any) -> str:
 
 
 class ReceivedStore:
-    """Received KV by request id, until popped; attached to request objects that take it."""
+    """Received KV by request id, until popped; attached to request objects that take it.
 
-    def __init__(self) -> None:
+    At most ``max_items`` are kept: beyond that the oldest goes (``on_drop`` is told), so a
+    KV whose request was aborted downstream and never popped does not stay for ever.
+    """
+
+    def __init__(self, max_items: int = 256, on_drop: Callable[[str], None] | None = None) -> None:
         self._lock = threading.Lock()
         self._items: dict[str, ReceivedKV] = {}
+        self._max_items, self._on_drop = max_items, on_drop
 
     def put(self, req: Any, rec: ReceivedKV) -> None:
+        dropped = []
         with self._lock:
+            self._items.pop(rec.request_id, None)  # re-put: it becomes the newest
             self._items[rec.request_id] = rec
+            while len(self._items) > self._max_items:
+                dropped.append(self._items.pop(next(iter(self._items))).request_id)
+        for rid in dropped:
+            logger.warning("received KV of %s dropped unconsumed (over max_unconsumed)", rid)
+            if self._on_drop is not None:
+                self._on_drop(rid)
         if isinstance(req, str):
             return
         try:
