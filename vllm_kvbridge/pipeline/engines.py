@@ -46,6 +46,42 @@ class StageEngine(ABC):
     def close(self) -> None: ...
 
 
+class ExpiringIds:
+    """A set of request ids that forgets each id ``keep_s`` after it was added (and the
+    oldest beyond ``max_items``): aborted ids are only needed while late output of theirs
+    can still arrive, and an abort of a request that already finished adds an id nobody
+    ever removes. Not thread-safe (the serve loop, or under the engine's lock)."""
+
+    def __init__(self, keep_s: float = 600.0, max_items: int = 10_000) -> None:
+        self._added: dict[str, float] = {}
+        self._keep_s, self._max_items = keep_s, max_items
+
+    def _prune(self) -> None:
+        cutoff = time.monotonic() - self._keep_s
+        while self._added and (
+            len(self._added) > self._max_items or next(iter(self._added.values())) < cutoff
+        ):
+            del self._added[next(iter(self._added))]
+
+    def add(self, request_id: str) -> None:
+        self._added.pop(request_id, None)
+        self._added[request_id] = time.monotonic()
+        self._prune()
+
+    def update(self, request_ids: Any) -> None:
+        for rid in request_ids:
+            self.add(rid)
+
+    def discard(self, request_id: str) -> None:
+        self._added.pop(request_id, None)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._added
+
+    def __len__(self) -> int:
+        return len(self._added)
+
+
 def drain_results(done: queue.SimpleQueue) -> list[m.StageDone | m.RequestFailed]:
     """Results a background worker thread queued since the last step.
 
@@ -101,7 +137,7 @@ class DiffusionStageEngine(StageEngine):
         self._queue: list[tuple[m.Submit, Any]] = []
         self._wakeup = threading.Event()
         self._done: queue.SimpleQueue[m.StageDone | m.RequestFailed | BaseException] = queue.SimpleQueue()
-        self._aborted: set[str] = set()
+        self._aborted = ExpiringIds()
         self._pending = 0
         self._stop = False
         self._thread = threading.Thread(target=self._work, name="kvbridge-diffusion", daemon=True)

@@ -31,7 +31,7 @@ from vllm_kvbridge.config.runner_settings import runner_settings
 from vllm_kvbridge.errors import RequestRejected
 from vllm_kvbridge.pipeline import messages as m
 from vllm_kvbridge.pipeline.cfg import CompanionGroups
-from vllm_kvbridge.pipeline.engines import StageEngine
+from vllm_kvbridge.pipeline.engines import ExpiringIds, StageEngine
 
 #: Seconds between two transfer-status RPCs while requests wait for their sends.
 STATUS_POLL_S = 0.005
@@ -114,7 +114,7 @@ class LLMStageEngine(StageEngine):
         self._inputs: dict[str, tuple[Future, Any, float]] = {}
         self._started: dict[str, float] = {}
         self._awaiting: dict[str, Any] = {}  # finished in vLLM, sends still in flight
-        self._aborted: set[str] = set()
+        self._aborted = ExpiringIds()
         #: streaming request id -> (characters, tokens) already reported in StageProgress
         self._streamed: dict[str, tuple[int, int]] = {}
         #: CFG companions of requests (see pipeline/cfg.py); only a stage that sends KV runs them
