@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_kvbridge.errors import ConnectorClosed
+from vllm_kvbridge.errors import ConfigError, ConnectorClosed
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,18 @@ class ConnectorStats:
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             return dict(self._values)
+
+
+#: Longest transfer key the in-memory connectors accept (store/file keys have their own rules).
+MAX_KEY = 512
+
+
+def number_option(config: Mapping[str, Any], name: str, default: float, kind: type = float) -> Any:
+    """The non-negative number ``config[name]`` (else ``default``) as ``kind``; ConfigError naming it."""
+    value = config.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ConfigError(f"connector option {name!r} must be a non-negative number, got {value!r}")
+    return kind(value)
 
 
 def offset_port(config: Mapping[str, Any], key: str, rank: int) -> dict[str, Any]:
@@ -164,6 +176,16 @@ class Connector(ABC):
     def _check_open(self) -> None:
         if self._closed:
             raise ConnectorClosed(f"{self.name} is closed")
+
+    def _put_failed(self, error: str) -> PutResult:
+        """A refused put, counted (puts never raise for transport failures)."""
+        self.stats.add(put_failures=1)
+        return PutResult(ok=False, error=error)
+
+    @staticmethod
+    def _check_key(key: str) -> None:
+        if not isinstance(key, str) or not key or len(key) > MAX_KEY or not key.isascii():
+            raise ConfigError(f"transfer key {key!r} must be a non-empty ASCII string of <= {MAX_KEY} chars")
 
     @staticmethod
     def remaining(deadline: float | None) -> float | None:

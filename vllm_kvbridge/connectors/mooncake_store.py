@@ -79,7 +79,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from vllm_kvbridge.connectors.base import Connector, PutResult
+from vllm_kvbridge.connectors.base import Connector, PutResult, number_option
 from vllm_kvbridge.connectors.registered_pool import RegisteredBufferPool
 from vllm_kvbridge.errors import (
     ConfigError,
@@ -172,13 +172,6 @@ def parse_size(value: Any, name: str) -> int:
     )
 
 
-def _number(config: Mapping[str, Any], name: str, default: float, kind: type = float) -> Any:
-    value = config.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ConfigError(f"connector option {name!r} must be a non-negative number, got {value!r}")
-    return kind(value)
-
-
 def _host_port(address: str, what: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit():
@@ -233,14 +226,14 @@ class MooncakeStoreConnector(Connector):
         self.pin = str(cfg.get("pin", "hard")).lower()
         if self.pin not in ("none", "soft", "hard"):
             raise ConfigError(f"connector option 'pin' must be 'none', 'soft' or 'hard', got {self.pin!r}")
-        self.ttl_s = _number(cfg, "ttl_s", 300.0)
-        self.soft_pin_ttl_ms = _number(cfg, "soft_pin_ttl_ms", max(1000, int(self.ttl_s * 1000)), int)
+        self.ttl_s = number_option(cfg, "ttl_s", 300.0)
+        self.soft_pin_ttl_ms = number_option(cfg, "soft_pin_ttl_ms", max(1000, int(self.ttl_s * 1000)), int)
         self.prefer_local_segment = bool(cfg.get("prefer_local_segment", True))
         self.max_payload_bytes = parse_size(cfg.get("max_payload_bytes", 64 << 30), "max_payload_bytes")
-        self.max_retries = _number(cfg, "max_retries", 3, int)
-        self.retry_backoff_s = _number(cfg, "retry_backoff_s", 0.05)
-        self.master_retry_s = _number(cfg, "master_retry_s", 5.0)
-        self.connect_timeout_s = _number(cfg, "connect_timeout_s", 10.0)
+        self.max_retries = number_option(cfg, "max_retries", 3, int)
+        self.retry_backoff_s = number_option(cfg, "retry_backoff_s", 0.05)
+        self.master_retry_s = number_option(cfg, "master_retry_s", 5.0)
+        self.connect_timeout_s = number_option(cfg, "connect_timeout_s", 10.0)
         self.setup_check = str(cfg.get("setup_check", "port"))
         if self.setup_check not in ("port", "subprocess"):
             raise ConfigError(
@@ -466,10 +459,6 @@ class MooncakeStoreConnector(Connector):
             return self._retrying(lambda: self._store.put_from(store_key, ptr, need, self._replicate))
         finally:
             self._pool.release(slab, pooled)
-
-    def _put_failed(self, error: str) -> PutResult:
-        self.stats.add(put_failures=1)
-        return PutResult(ok=False, error=error)
 
     # -- receiver -----------------------------------------------------------------------
     def get(

@@ -61,7 +61,7 @@ import numpy as np
 import zmq
 
 from vllm_kvbridge.connectors import te_control as ctl
-from vllm_kvbridge.connectors.base import Connector, PutResult, offset_port
+from vllm_kvbridge.connectors.base import Connector, PutResult, number_option, offset_port
 from vllm_kvbridge.connectors.registered_pool import RegisteredBufferPool
 from vllm_kvbridge.errors import (
     ConfigError,
@@ -72,18 +72,10 @@ from vllm_kvbridge.errors import (
     TransferTimeout,
 )
 
-_MAX_KEY = 512
 #: Default read split (``piece_bytes``, ``max_batch_pieces``): 4 MiB pieces keep several TCP
 #: lanes busy; 256 pieces per batch stay far below the engine's per-peer queue (~4,096).
 PIECE_BYTES = 4 << 20
 MAX_BATCH_PIECES = 256
-
-
-def _opt(config: Mapping[str, Any], name: str, default: float, kind: type = float) -> Any:
-    value = config.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ConfigError(f"connector option {name!r} must be a non-negative number, got {value!r}")
-    return kind(value)
 
 
 def _has_rdma_devices(engine: Any, device_name: str) -> bool:
@@ -133,20 +125,22 @@ class MooncakeTransferEngineConnector(Connector):
         cfg = self.config
         self.local_hostname = str(cfg.get("local_hostname", "127.0.0.1"))
         self.host = str(cfg.get("host", self.local_hostname))
-        self.control_port = _opt(cfg, "control_port", 0, int)
+        self.control_port = number_option(cfg, "control_port", 0, int)
         self.protocol = str(cfg.get("protocol", "tcp")).lower()
         if self.protocol not in ("tcp", "rdma"):
             raise ConfigError(f"connector option 'protocol' must be 'tcp' or 'rdma', got {self.protocol!r}")
         self.device_name = str(cfg.get("device_name", "") or "")
-        self.ttl_s = _opt(cfg, "ttl_s", 300.0)
-        self.lease_s = _opt(cfg, "lease_s", 120.0)
-        self.piece_bytes = max(1, _opt(cfg, "piece_bytes", PIECE_BYTES, int))
-        self.max_batch_pieces = max(1, _opt(cfg, "max_batch_pieces", MAX_BATCH_PIECES, int))
-        self.max_queued_pieces = max(self.max_batch_pieces, _opt(cfg, "max_queued_pieces", 1024, int))
-        self.max_payload_bytes = _opt(cfg, "max_payload_bytes", 64 << 30, int)
-        self.max_held_bytes = _opt(cfg, "max_held_bytes", 8 << 30, int)
-        self.buffer_pool_bytes = _opt(cfg, "buffer_pool_bytes", 1 << 30, int)
-        self.request_timeout_s = _opt(cfg, "request_timeout_s", 5.0)
+        self.ttl_s = number_option(cfg, "ttl_s", 300.0)
+        self.lease_s = number_option(cfg, "lease_s", 120.0)
+        self.piece_bytes = max(1, number_option(cfg, "piece_bytes", PIECE_BYTES, int))
+        self.max_batch_pieces = max(1, number_option(cfg, "max_batch_pieces", MAX_BATCH_PIECES, int))
+        self.max_queued_pieces = max(
+            self.max_batch_pieces, number_option(cfg, "max_queued_pieces", 1024, int)
+        )
+        self.max_payload_bytes = number_option(cfg, "max_payload_bytes", 64 << 30, int)
+        self.max_held_bytes = number_option(cfg, "max_held_bytes", 8 << 30, int)
+        self.buffer_pool_bytes = number_option(cfg, "buffer_pool_bytes", 1 << 30, int)
+        self.request_timeout_s = number_option(cfg, "request_timeout_s", 5.0)
         self._limits = cfg.get("limits")
         self._receiver_id = os.urandom(8)
 
@@ -240,15 +234,6 @@ class MooncakeTransferEngineConnector(Connector):
             nbytes=need,
             metadata={"endpoint": endpoint, "segment": self.segment, "nbytes": need},
         )
-
-    def _put_failed(self, error: str) -> PutResult:
-        self.stats.add(put_failures=1)
-        return PutResult(ok=False, error=error)
-
-    @staticmethod
-    def _check_key(key: str) -> None:
-        if not isinstance(key, str) or not key or len(key) > _MAX_KEY or not key.isascii():
-            raise ConfigError(f"transfer key {key!r} must be a non-empty ASCII string of <= {_MAX_KEY} chars")
 
     def _ensure_server(self) -> str:
         with self._lock:

@@ -76,7 +76,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from vllm_kvbridge.connectors.base import Connector, PutResult, offset_port
+from vllm_kvbridge.connectors.base import Connector, PutResult, number_option, offset_port
 from vllm_kvbridge.connectors.mooncake_store import parse_size
 from vllm_kvbridge.connectors.nixl_agent import (
     DEFAULT_UCX_MODULES,
@@ -99,7 +99,6 @@ _U64 = struct.Struct("<Q")
 _GET, _MD, _NACK = b"GET", b"MD", b"NACK"
 _OK, _MISSING, _TOOBIG, _BAD = b"OK", b"MISSING", b"TOOBIG", b"BAD"
 _TOKEN_PREFIX = b"kvbridge:"
-_MAX_KEY = 512
 #: How often the server thread looks for READ notifications and expired payloads.
 _TICK_S = 0.005
 #: How long a receiver waits for the sender to acknowledge a failed READ (best effort).
@@ -122,13 +121,6 @@ def _close_open_connectors() -> None:
             connector.close()
         except Exception:
             pass
-
-
-def _opt(config: Mapping[str, Any], name: str, default: float, kind: type = float) -> Any:
-    value = config.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ConfigError(f"connector option {name!r} must be a non-negative number, got {value!r}")
-    return kind(value)
 
 
 def _u64(frame: bytes) -> int:
@@ -169,7 +161,7 @@ class NixlConnector(Connector):
 
         cfg = self.config
         self.host = str(cfg.get("host", "127.0.0.1"))
-        self.port = _opt(cfg, "port", 0, int)
+        self.port = number_option(cfg, "port", 0, int)
         advertise = cfg.get("advertise_host")
         if advertise is None:
             advertise = pysocket.gethostname() if self.host in ("0.0.0.0", "*") else self.host
@@ -181,12 +173,12 @@ class NixlConnector(Connector):
             raise ConfigError(
                 f"connector option 'backends' must be a list of NIXL backend names, got {backends!r}"
             )
-        self.ttl_s = _opt(cfg, "ttl_s", 300.0)
-        self.lease_s = _opt(cfg, "lease_s", 60.0)
+        self.ttl_s = number_option(cfg, "ttl_s", 300.0)
+        self.lease_s = number_option(cfg, "lease_s", 60.0)
         self._sweep_every = max(0.01, min(self.ttl_s / 4, self.lease_s / 4, 1.0))
         self._next_sweep = 0.0
-        self.transfer_timeout_s = _opt(cfg, "transfer_timeout_s", 30.0)
-        self.request_timeout_s = _opt(cfg, "request_timeout_s", 5.0)
+        self.transfer_timeout_s = number_option(cfg, "transfer_timeout_s", 30.0)
+        self.request_timeout_s = number_option(cfg, "request_timeout_s", 5.0)
         self.max_payload_bytes = parse_size(cfg.get("max_payload_bytes", 64 << 30), "max_payload_bytes")
         pool_bytes = parse_size(cfg.get("buffer_pool_bytes", 512 << 20), "buffer_pool_bytes")
         self._limits = cfg.get("limits")
@@ -249,15 +241,6 @@ class NixlConnector(Connector):
             return self._put_failed(why)
         self.stats.add(puts=1, put_bytes=need, put_seconds=time.perf_counter() - start)
         return PutResult(ok=True, nbytes=need, metadata={"endpoint": endpoint, "agent": self._agent.name})
-
-    def _put_failed(self, error: str) -> PutResult:
-        self.stats.add(put_failures=1)
-        return PutResult(ok=False, error=error)
-
-    @staticmethod
-    def _check_key(key: str) -> None:
-        if not isinstance(key, str) or not key or len(key) > _MAX_KEY or not key.isascii():
-            raise ConfigError(f"transfer key {key!r} must be a non-empty ASCII string of <= {_MAX_KEY} chars")
 
     def _ensure_server(self) -> str:
         with self._lock:

@@ -50,9 +50,9 @@ from typing import Any
 import numpy as np
 
 from vllm_kvbridge.connectors import shm_segments as seg
-from vllm_kvbridge.connectors.base import Connector, PutResult
+from vllm_kvbridge.connectors.base import Connector, PutResult, number_option
 from vllm_kvbridge.connectors.keys import edge_name
-from vllm_kvbridge.errors import ConfigError, PayloadError, TransferCorrupt, TransferTimeout
+from vllm_kvbridge.errors import PayloadError, TransferCorrupt, TransferTimeout
 
 _MISSING = object()
 _MIN_CAPACITY = 64 << 10
@@ -63,13 +63,6 @@ def _capacity_for(nbytes: int) -> int:
     nbytes = max(nbytes, _MIN_CAPACITY)
     granule = max(_MIN_CAPACITY, 1 << max(0, nbytes.bit_length() - 4))
     return -(-nbytes // granule) * granule
-
-
-def _opt(config: Mapping[str, Any], name: str, default: float, kind: type = float) -> Any:
-    value = config.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ConfigError(f"connector option {name!r} must be a non-negative number, got {value!r}")
-    return kind(value)
 
 
 def _release_claimed(mapping: seg.ReceiverMapping, generation: int) -> None:
@@ -99,13 +92,13 @@ class SharedMemoryConnector(Connector):
         self._namespace_override = (
             seg.check_namespace(cfg["namespace"]) if cfg.get("namespace") is not None else None
         )
-        self.ttl_s = _opt(cfg, "ttl_s", 300.0)
+        self.ttl_s = number_option(cfg, "ttl_s", 300.0)
         self.destructive = bool(cfg.get("destructive", True))
-        self.pool_keep_bytes = _opt(cfg, "pool_keep_bytes", 2 << 30, int)
-        self.max_payload_bytes = _opt(cfg, "max_payload_bytes", 64 << 30, int)
-        self.reap_interval_s = _opt(cfg, "reap_interval_s", min(self.ttl_s / 4, 1.0)) or 0.05
-        self.claim_grace_s = _opt(cfg, "claim_grace_s", seg.CLAIM_NAME_GRACE_S)
-        self.map_cache_bytes = _opt(cfg, "map_cache_bytes", 4 << 30, int)
+        self.pool_keep_bytes = number_option(cfg, "pool_keep_bytes", 2 << 30, int)
+        self.max_payload_bytes = number_option(cfg, "max_payload_bytes", 64 << 30, int)
+        self.reap_interval_s = number_option(cfg, "reap_interval_s", min(self.ttl_s / 4, 1.0)) or 0.05
+        self.claim_grace_s = number_option(cfg, "claim_grace_s", seg.CLAIM_NAME_GRACE_S)
+        self.map_cache_bytes = number_option(cfg, "map_cache_bytes", 4 << 30, int)
         self.shm_dir = str(cfg.get("shm_dir", seg.SHM_DIR))
         self._limits = cfg.get("limits")
         self._lock = threading.Lock()
@@ -196,10 +189,6 @@ class SharedMemoryConnector(Connector):
         self.stats.add(puts=1, put_bytes=written, put_seconds=time.perf_counter() - start)
         name = os.path.basename(seg.key_path(namespace, key, self.shm_dir))
         return PutResult(ok=True, nbytes=written, metadata={"namespace": namespace, "name": name})
-
-    def _put_failed(self, error: str) -> PutResult:
-        self.stats.add(put_failures=1)
-        return PutResult(ok=False, error=error)
 
     def _take_free_locked(self, namespace: str, need: int) -> seg.PoolSegment | None:
         best = None

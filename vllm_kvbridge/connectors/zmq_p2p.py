@@ -63,7 +63,7 @@ from typing import Any
 
 import zmq
 
-from vllm_kvbridge.connectors.base import Connector, PutResult, offset_port
+from vllm_kvbridge.connectors.base import Connector, PutResult, number_option, offset_port
 from vllm_kvbridge.errors import (
     ConfigError,
     ConnectorClosed,
@@ -77,15 +77,7 @@ from vllm_kvbridge.errors import (
 _U64 = struct.Struct("<Q")
 _GET, _OK, _DATA, _MISSING, _TOOBIG, _BAD = b"GET", b"OK", b"DATA", b"MISSING", b"TOOBIG", b"BAD"
 _ACK, _ACKED = b"ACK", b"ACKED"
-_MAX_KEY = 512
 _MAX_IDLE_SOCKETS = 8
-
-
-def _opt(config: Mapping[str, Any], name: str, default: float, kind: type = float) -> Any:
-    value = config.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ConfigError(f"connector option {name!r} must be a non-negative number, got {value!r}")
-    return kind(value)
 
 
 def _z85(config: Mapping[str, Any], name: str) -> bytes | None:
@@ -125,19 +117,19 @@ class ZmqConnector(Connector):
         super().__init__(config)
         cfg = self.config
         self.host = str(cfg.get("host", "127.0.0.1"))
-        self.port = _opt(cfg, "port", 0, int)
+        self.port = number_option(cfg, "port", 0, int)
         advertise = cfg.get("advertise_host")
         if advertise is None:
             advertise = pysocket.gethostname() if self.host in ("0.0.0.0", "*") else self.host
         self.advertise_host = str(advertise)
         self.default_endpoint = cfg.get("endpoint")
-        self.ttl_s = _opt(cfg, "ttl_s", 300.0)
-        self.request_timeout_s = _opt(cfg, "request_timeout_s", 5.0)
-        self.min_transfer_bytes_per_s = _opt(cfg, "min_transfer_bytes_per_s", 10e6)
+        self.ttl_s = number_option(cfg, "ttl_s", 300.0)
+        self.request_timeout_s = number_option(cfg, "request_timeout_s", 5.0)
+        self.min_transfer_bytes_per_s = number_option(cfg, "min_transfer_bytes_per_s", 10e6)
         if self.min_transfer_bytes_per_s <= 0:
             raise ConfigError("connector option 'min_transfer_bytes_per_s' must be positive")
-        self.max_payload_bytes = _opt(cfg, "max_payload_bytes", 64 << 30, int)
-        self.max_inflight_bytes = _opt(cfg, "max_inflight_bytes", 8 << 30, int)
+        self.max_payload_bytes = number_option(cfg, "max_payload_bytes", 64 << 30, int)
+        self.max_inflight_bytes = number_option(cfg, "max_inflight_bytes", 8 << 30, int)
         self._limits = cfg.get("limits")
         self._public = _z85(cfg, "curve_public_key")
         self._secret = _z85(cfg, "curve_secret_key")
@@ -218,15 +210,6 @@ class ZmqConnector(Connector):
         if self._public is not None:
             metadata["server_key"] = self._public.decode("ascii")
         return PutResult(ok=True, nbytes=total, metadata=metadata)
-
-    def _put_failed(self, error: str) -> PutResult:
-        self.stats.add(put_failures=1)
-        return PutResult(ok=False, error=error)
-
-    @staticmethod
-    def _check_key(key: str) -> None:
-        if not isinstance(key, str) or not key or len(key) > _MAX_KEY or not key.isascii():
-            raise ConfigError(f"transfer key {key!r} must be a non-empty ASCII string of <= {_MAX_KEY} chars")
 
     def _ensure_server(self) -> str:
         with self._lock:
