@@ -69,6 +69,7 @@ import struct
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -105,6 +106,8 @@ _TICK_S = 0.005
 _NACK_WAIT_S = 0.5
 #: The share of a lease a receiver may spend reading (the rest covers clock rate and latency).
 _LEASE_SHARE = 0.8
+#: Tokens of completed READs a receiver remembers (only until the sender saw the notification).
+_MAX_CONSUMED = 4096
 
 
 #: Connectors not closed yet. A process that exits with one open closes it at exit, before the
@@ -152,6 +155,9 @@ class NixlConnector(Connector):
         self._lent: dict[bytes, _Held] = {}  # token -> claimed payload awaiting its notification
         self._claims: dict[tuple[bytes, str], bytes] = {}  # (receiver id, key) -> token
         self._quarantine: list[np.ndarray] = []  # local slabs a failed READ may still write
+        # Claims this receiver READ to the end: until the sender has seen the notification it
+        # would answer a second get of the key with the same claim (gets are destructive).
+        self._consumed: OrderedDict[bytes, None] = OrderedDict()
         self._control: ControlServer | None = None
         self._client: ControlClient | None = None
         self._receiver_id = os.urandom(8)
@@ -379,7 +385,9 @@ class NixlConnector(Connector):
             # TransferTimeout when it does not answer by wait_until.
             answer = self._client.request(endpoint, request, wait_until)
             status = answer[0] if answer else _BAD
-            if status == _OK and len(answer) == 8:
+            if status == _OK and len(answer) == 8 and self._was_consumed(answer[7]):
+                status = _MISSING  # ours already; the sender has not seen our notification yet
+            elif status == _OK and len(answer) == 8:
                 return self._read_claimed(endpoint, key, answer[1:])
             if status == _TOOBIG and len(answer) == 2:
                 raise TransferRefused(
@@ -425,6 +433,10 @@ class NixlConnector(Connector):
                 self._quarantine.append(slab)
             self._nack(endpoint, token)
             raise
+        with self._lock:
+            self._consumed[token] = None
+            while len(self._consumed) > _MAX_CONSUMED:
+                self._consumed.popitem(last=False)
         view = self._pool.lend_view(slab, nbytes)  # slab goes home when the last tensor dies
         try:
             return decode_packed(view, limits=self._limits, copy=False), nbytes
@@ -432,6 +444,10 @@ class NixlConnector(Connector):
             raise TransferCorrupt(f"payload {key!r} from {endpoint} does not decode: {exc}") from exc
         finally:
             del view
+
+    def _was_consumed(self, token: bytes) -> bool:
+        with self._lock:
+            return token in self._consumed
 
     def _ensure_peer(self, endpoint: str, peer: str, gen: int, dgen: int, until: float) -> None:
         """Load the peer's agent metadata when ours predates the registration the READ needs."""
