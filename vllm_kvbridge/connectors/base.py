@@ -100,6 +100,8 @@ class Connector(ABC):
 
     #: Registry name, set by subclasses (e.g. ``"SharedMemoryConnector"``).
     name: str = "Connector"
+    #: Largest payload a put accepts (subclasses set it from their config; see _refuse_oversize).
+    max_payload_bytes: int = 64 << 30
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         self.config: dict[str, Any] = dict(config or {})
@@ -181,6 +183,14 @@ class Connector(ABC):
         """A refused put, counted (puts never raise for transport failures)."""
         self.stats.add(put_failures=1)
         return PutResult(ok=False, error=error)
+
+    def _refuse_oversize(self, nbytes: int) -> PutResult | None:
+        """The refusal of a payload over this connector's ``max_payload_bytes``, else None."""
+        if nbytes > self.max_payload_bytes:
+            return self._put_failed(
+                f"payload of {nbytes} bytes exceeds max_payload_bytes={self.max_payload_bytes}"
+            )
+        return None
 
     @staticmethod
     def _check_key(key: str) -> None:

@@ -391,10 +391,8 @@ class MooncakeStoreConnector(Connector):
         start = time.perf_counter()
         enc = encode(payload)
         need = enc.packed_size()
-        if need > self.max_payload_bytes:
-            return self._put_failed(
-                f"payload of {need} bytes exceeds max_payload_bytes={self.max_payload_bytes}"
-            )
+        if (refused := self._refuse_oversize(need)) is not None:
+            return refused
         with self._lock:
             self._check_open()
             if store_key in self._published or store_key in self._inflight_puts:

@@ -150,10 +150,8 @@ class SharedMemoryConnector(Connector):
         start = time.perf_counter()
         enc = encode(payload)
         need = enc.packed_size()
-        if need > self.max_payload_bytes:
-            return self._put_failed(
-                f"payload of {need} bytes exceeds max_payload_bytes={self.max_payload_bytes}"
-            )
+        if (refused := self._refuse_oversize(need)) is not None:
+            return refused
         with self._lock:
             self._check_open()
             self._use_namespace(namespace)

@@ -188,10 +188,8 @@ class ZmqConnector(Connector):
         frames = list(encode(payload).frames())
         sizes = [memoryview(f).nbytes for f in frames]
         total = sum(sizes)
-        if total > self.max_payload_bytes:
-            return self._put_failed(
-                f"payload of {total} bytes exceeds max_payload_bytes={self.max_payload_bytes}"
-            )
+        if (refused := self._refuse_oversize(total)) is not None:
+            return refused
         endpoint = self._ensure_server()
         with self._lock:
             self._check_open()
