@@ -7,13 +7,9 @@ test modules that need them.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
-
-_TMP_ROOT = pytest.StashKey[str]()
 
 # vLLM on CPU sizes its KV cache from this (GiB); the default would take a large share
 # of the machine's memory per engine, and tests start several engines.
@@ -43,23 +39,3 @@ def _fork_safe_torch() -> None:
         import torch
 
         torch.set_num_threads(1)
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """Every ``tempfile`` directory the tests make (dumps, run outputs and stage logs of the
-    pipeline runs; forked test children inherit the setting) goes under one per-session
-    directory, removed when the session passes, so nothing is left in /tmp. A failed
-    session keeps it for inspection (its path is printed)."""
-    root = tempfile.mkdtemp(prefix="kvbridge-tests-")
-    config.stash[_TMP_ROOT] = root
-    tempfile.tempdir = root
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    root = session.config.stash.get(_TMP_ROOT, None)
-    if root is None:
-        return
-    if exitstatus == 0:
-        shutil.rmtree(root, ignore_errors=True)
-    else:
-        print(f"\ntest temp files kept in {root}")
