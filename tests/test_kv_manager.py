@@ -475,6 +475,57 @@ def test_sender_info_does_not_grow_with_the_number_of_requests() -> None:
         KVTransferManager(cfg, max_sender_info=0)
 
 
+class _GatedShm(SharedMemoryConnector):
+    """A real shared-memory connector whose puts wait while ``gate`` is clear."""
+
+    name = "GatedShm"
+    gate = threading.Event()
+    entered = threading.Event()
+
+    def put(self, from_stage, to_stage, key, payload):
+        _GatedShm.entered.set()
+        assert _GatedShm.gate.wait(10), "the test never opened the gate"
+        return super().put(from_stage, to_stage, key, payload)
+
+
+register_connector("GatedShm", _GatedShm, replace=True)
+
+
+@pytest.mark.forked
+def test_discarded_kv_is_withdrawn_now_and_when_a_send_in_flight_completes() -> None:
+    """A request failed elsewhere: its KV is withdrawn whether it was sent already, is being
+    sent, or is sent later; nothing stays for the TTL. Other requests keep theirs."""
+    caches = fake_cpu_caches(2, 6)
+    ns = {"namespace": "kvtestdiscard"}
+
+    def published() -> list[str]:  # KV segments (not the connector's own buffer pool)
+        return _shm_leftovers("kvtestdiscard.k.")
+
+    cfg = _send_cfg("GatedShm", connector_config=ns)
+    with KVTransferManager(cfg, num_kv_heads=2) as sender:
+        _GatedShm.gate.set()
+        sender.handle_finished_requests_kv_transfer({"sent": request_plan(1)}, caches, BLOCK, "auto")
+        assert _wait_finished(sender, 1) == ({"sent"}, set()) and published()
+        assert sender.discard_sent("sent") == 1 and published() == []
+
+        _GatedShm.gate.clear()
+        _GatedShm.entered.clear()
+        plans = {"flying": request_plan(2), "kept": request_plan(3)}
+        sender.handle_finished_requests_kv_transfer(plans, caches, BLOCK, "auto")
+        assert _GatedShm.entered.wait(10)  # "flying" is being put
+        assert sender.discard_sent("flying") == 0  # nothing out yet: withdrawn once it is
+        assert sender.discard_sent("later") == 0  # not even submitted yet
+        _GatedShm.gate.set()
+        sender.handle_finished_requests_kv_transfer({"later": request_plan(4)}, caches, BLOCK, "auto")
+        assert _wait_finished(sender, 3) == ({"flying", "kept", "later"}, set())
+        assert sender.get_sender_info("flying") is None and sender.get_sender_info("later") is None
+        [kept] = sender.get_sender_info("kept")["keys"]
+        left = published()
+        assert len(left) == 1 and left[0].endswith(kept), left
+        assert sender.discard_sent("kept") == 1
+    assert _shm_leftovers("kvtestdiscard") == []
+
+
 def test_each_tp_rank_makes_its_connector_for_its_rank() -> None:
     # Issue 11, case 7: a fixed ZMQ port in the edge config, one KV manager per TP rank.
     cfg = KVTransferConfig(

@@ -50,6 +50,16 @@ def _pump_until(pipe: Pipeline, cond: Any, timeout: float = 60.0) -> bool:
     return bool(cond())
 
 
+def _segments(pipe: Pipeline, part: str) -> list[str]:
+    return [n for n in shm_segments(f"kvbridge.{pipe.run_id}") if part in n]
+
+
+def _wait_unread(pipe: Pipeline, timeout: float = 60.0) -> bool:
+    """Wait, without reading it, until a stage message reaches the orchestrator's socket."""
+    assert pipe._sock is not None
+    return bool(pipe._sock.poll(int(timeout * 1000)))
+
+
 def _layers(dump: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     n = len([k for k in dump if k.endswith(".k")])
     return [(dump[f"layer{i}.k"], dump[f"layer{i}.v"]) for i in range(n)]
@@ -87,23 +97,31 @@ def test_guided_request_end_to_end_and_failing_companion() -> None:
         plain = []
         while not plain:
             plain = pipe.poll(0.1)
-        # a guided request aborted while its companion's send is held: once the send goes
-        # through, the LLM stage withdraws every KV of the group (nobody will consume it)
+        # a guided request aborted while its companion's send is held (its primary may be
+        # decoding, or finished with its send queued behind the companion's, or even seen
+        # finished by the stage): once the sends go through, the LLM stage withdraws every
+        # KV of the group (nobody will consume it)
         gate.touch()
         pipe.submit("A cute cat", request_id="hold-1")
         assert _pump_until(pipe, lambda: Path(f"{gate}.waiting").exists())
         assert pipe.abort("hold-1", "client went away")
-        _pump_until(pipe, lambda: False, 1.0)  # the Abort reaches the stage before the put goes on
         gate.unlink()
         assert _pump_until(pipe, lambda: Path(f"{gate}.done").exists())
-        held_gone = _pump_until(
-            pipe, lambda: not [n for n in shm_segments(f"kvbridge.{pipe.run_id}") if "ihold-1" in n], 30
-        )
+        held_gone = _pump_until(pipe, lambda: not _segments(pipe, "ihold-1"), 30)
+        # a plain request whose StageDone crossed its Abort (the orchestrator drops the late
+        # StageDone): the LLM stage withdraws the KV it announced
+        pipe.submit("A cute cat", request_id="cross-1", stage_params={1: {"guidance_scale": 1.0}})
+        assert _wait_unread(pipe)  # the StageDone is queued, not read yet
+        assert pipe.abort("cross-1", "client went away")
+        crossed_gone = _pump_until(pipe, lambda: not _segments(pipe, "icross-1"), 30)
         [again] = pipe.generate(["A cute cat"], request_ids=["ok-2"])  # the engine still serves
         with pytest.raises(ValueError, match="reserved for CFG companions"):
             pipe.generate(["x"], request_ids=["a::cfg_neg"])
+        with pytest.raises(ValueError, match=r"'hold-1' ended in error .* retry under a new id"):
+            pipe.submit("x", request_id="hold-1")  # its late KV would be withdrawn
 
     assert held_gone, "the aborted group's KV was not withdrawn"
+    assert crossed_gone, "the KV announced by a StageDone that crossed an Abort was not withdrawn"
     # the guided request: both caches arrived and equal transformers' past_key_values
     assert ok.error is None, ok.error
     kv_in = {t.purpose: t for t in ok.transfers if t.what == "kv" and t.side == "receiver"}

@@ -297,20 +297,14 @@ class KVTransferManager:
         return self._sent_info.forget(request_id)
 
     def discard_sent(self, request_id: str) -> int:
-        """Withdraw a sent request's KV nobody will consume (its request failed elsewhere,
-        e.g. a CFG companion's send failed): ``cleanup`` of every key in its sender info,
-        then forget that info. Returns the number of keys withdrawn (0: nothing known)."""
-        info = self._sent_info.get(request_id)
-        if info is None:
-            return 0
-        keys = list(info.get("keys") or {})
-        conn = self._connector
-        for key in keys if conn is not None else ():
-            try:
-                conn.cleanup(key)
-            except Exception as exc:  # withdraw the others anyway; the TTL reaper is the backstop
-                logger.warning("KV discard of %s: cleanup(%s) failed: %s", request_id, key, exc)
-        self._sent_info.forget(request_id)
+        """Withdraw a request's KV nobody will consume (its request failed elsewhere, e.g. a
+        CFG companion's send failed, or it was aborted): ``cleanup`` of every key already
+        sent, and of every key of a send still in flight (or started later) once it
+        completes. Returns the number of keys withdrawn now (0: nothing out yet)."""
+        info = self._sent_info.withdraw(request_id)
+        keys = list((info or {}).get("keys") or {})
+        if keys and self._connector is not None:
+            self._sends.withdraw_keys(keys)
         return len(keys)
 
     def pending_sends(self) -> int:

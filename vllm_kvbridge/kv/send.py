@@ -253,15 +253,22 @@ class KVSendQueue:
                     break
                 error = result.error or "put returned ok=False"
             if error is not None:
-                for done_key in put_keys:  # release what this request already put
-                    try:
-                        self._connector().cleanup(done_key)
-                    except Exception:
-                        pass
+                self.withdraw_keys(put_keys)  # release what this request already put
                 return f"{key}: {error} (after {cfg.send_retries + 1} attempts)"
         infos["num_kv_heads"] = job.num_kv_heads  # lets a receiver that is not configured check
-        self._sent_info.record((job.engine_id, job.request_id), infos)
+        if not self._sent_info.record((job.engine_id, job.request_id), infos):
+            # Withdrawn while it was being sent (its request failed elsewhere): nobody will
+            # consume it. The send itself did complete, so it is reported done.
+            self.withdraw_keys(put_keys)
         return None
+
+    def withdraw_keys(self, keys: list[str]) -> None:
+        """``cleanup`` each of ``keys`` (put by this stage, never to be consumed)."""
+        for key in keys:
+            try:
+                self._connector().cleanup(key)
+            except Exception as exc:  # withdraw the others anyway; the TTL reaper is the backstop
+                logger.warning("KV withdraw: cleanup(%s) failed: %s", key, exc)
 
     def shutdown(self, timeout: float) -> None:
         """Join the I/O thread (``stop`` must be set); report jobs never started as failed."""

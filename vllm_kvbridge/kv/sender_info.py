@@ -2,7 +2,8 @@
 
 Sender side, :class:`SentInfoTable`: the put metadata of every completed send, filed under
 the engine's request id and the transfer id, kept for a TTL and only for the newest ids
-(the table never grows with the number of requests).
+(the table never grows with the number of requests); and the ids whose KV was withdrawn,
+so that a send of theirs still in flight is withdrawn when it completes.
 
 Receiver side, :class:`StageSenderInfo`: how to reach each sending stage, and the lookup of
 one piece's metadata. The format is ``{"ranks": {"<sender rank>": meta}, "keys": {"<key>":
@@ -26,7 +27,12 @@ from typing import Any
 from vllm_kvbridge.errors import ConfigError
 from vllm_kvbridge.kv.config import StageId
 
-__all__ = ["SentInfoTable", "StageSenderInfo"]
+__all__ = ["WITHDRAWN_KEEP_S", "SentInfoTable", "StageSenderInfo"]
+
+#: Longest a withdrawn id keeps refusing sends that complete later: a send owed or in
+#: flight when its request failed completes within this (the pipeline refuses to reuse a
+#: failed request's id for longer, ``pipeline.engines.ABORTED_KEEP_S``).
+WITHDRAWN_KEEP_S = 300.0
 
 
 @dataclass
@@ -46,19 +52,51 @@ class SentInfoTable:
         self._lock = threading.Lock()
         # id (engine's and transfer id) -> record; oldest first
         self._entries: OrderedDict[str, _SentInfo] = OrderedDict()
+        # withdrawn id -> when; bounded like the entries (a send completing later than
+        # this keeps is not withdrawn: the connector's own TTL is the backstop)
+        self._withdrawn: OrderedDict[str, float] = OrderedDict()
+        self._withdrawn_keep_s = min(self._ttl_s, WITHDRAWN_KEEP_S)
 
-    def record(self, ids: tuple[str, ...], info: dict[str, Any]) -> None:
-        """File ``info`` under every id in ``ids`` (duplicates are fine)."""
+    def record(self, ids: tuple[str, ...], info: dict[str, Any]) -> bool:
+        """File ``info`` under every id in ``ids`` (duplicates are fine). False, filing
+        nothing, when one of the ids was withdrawn: the caller withdraws what it put."""
         entry = _SentInfo(info, time.monotonic(), tuple(dict.fromkeys(ids)))
         with self._lock:
+            self._prune_locked()
+            if any(rid in self._withdrawn for rid in entry.ids):
+                return False
             for rid in entry.ids:
                 self._entries[rid] = entry
                 self._entries.move_to_end(rid)
             self._prune_locked()
+            return True
+
+    def withdraw(self, request_id: str) -> dict[str, Any] | None:
+        """Forget ``request_id``'s info (all of its ids) and refuse any later :meth:`record`
+        of it, atomically: a send that completes after this is the caller's to withdraw.
+        Returns the info there was (None: nothing sent yet)."""
+        with self._lock:
+            self._prune_locked()
+            self._withdrawn[request_id] = time.monotonic()
+            self._withdrawn.move_to_end(request_id)
+            entry = self._entries.get(request_id)
+            if entry is None:
+                return None
+            for rid in entry.ids:
+                self._entries.pop(rid, None)
+                self._withdrawn[rid] = self._withdrawn[request_id]
+            return entry.info
 
     def _prune_locked(self) -> None:
-        """Drop sender info past its TTL, then the oldest beyond ``max_entries`` ids."""
-        expire = time.monotonic() - self._ttl_s
+        """Drop sender info (and withdrawn ids) past the TTL, then the oldest beyond
+        ``max_entries`` ids."""
+        now = time.monotonic()
+        while self._withdrawn and (
+            next(iter(self._withdrawn.values())) <= now - self._withdrawn_keep_s
+            or len(self._withdrawn) > self._max
+        ):
+            self._withdrawn.popitem(last=False)
+        expire = now - self._ttl_s
         while self._entries:
             oldest = next(iter(self._entries.values()))
             if oldest.at > expire and len(self._entries) <= self._max:

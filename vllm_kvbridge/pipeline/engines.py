@@ -46,13 +46,18 @@ class StageEngine(ABC):
     def close(self) -> None: ...
 
 
+#: How long a stage (and the orchestrator, which refuses such ids) remembers a request that
+#: was aborted or failed: its late output is dropped, its late KV withdrawn.
+ABORTED_KEEP_S = 600.0
+
+
 class ExpiringIds:
     """A set of request ids that forgets each id ``keep_s`` after it was added (and the
     oldest beyond ``max_items``): aborted ids are only needed while late output of theirs
     can still arrive, and an abort of a request that already finished adds an id nobody
     ever removes. Not thread-safe (the serve loop, or under the engine's lock)."""
 
-    def __init__(self, keep_s: float = 600.0, max_items: int = 10_000) -> None:
+    def __init__(self, keep_s: float = ABORTED_KEEP_S, max_items: int = 10_000) -> None:
         self._added: dict[str, float] = {}
         self._keep_s, self._max_items = keep_s, max_items
 

@@ -35,8 +35,6 @@ from vllm_kvbridge.pipeline.engines import ExpiringIds, StageEngine
 
 #: Seconds between two transfer-status RPCs while requests wait for their sends.
 STATUS_POLL_S = 0.005
-#: Longest wait for a failed CFG group member's send to settle before its KV is withdrawn.
-DISCARD_WAIT_S = 30.0
 #: How long a finished request whose KV send vLLM reported owed may wait for a worker to
 #: start it (it starts in the next engine step) before the request fails.
 SEND_START_TIMEOUT_S = 60.0
@@ -119,9 +117,9 @@ class LLMStageEngine(StageEngine):
         self._streamed: dict[str, tuple[int, int]] = {}
         #: CFG companions of requests (see pipeline/cfg.py); only a stage that sends KV runs them
         self._cfg = CompanionGroups()
-        #: members of failed CFG groups whose sent KV must be withdrawn once their send settled:
-        #: id -> (give-up time, whether it finished in vLLM, so a send is still due)
-        self._discard: dict[str, tuple[float, bool]] = {}
+        #: whether this stage sends KV (aborted and failed requests' KV is withdrawn)
+        kv_transfer = self.settings.get("kv_transfer") or {}
+        self._sends_kv = bool(self.moves_data and self.stage.outputs and kv_transfer.get("need_send_cache"))
 
     def info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"kind": self.stage.kind, "model": self.stage.model, "pid_engine": None}
@@ -208,29 +206,30 @@ class LLMStageEngine(StageEngine):
 
     def abort(self, request_ids: list[str]) -> None:
         request_ids = list(request_ids)
-        companions: set[str] = set()
         for rid in list(request_ids):
-            members = [i for i in self._cfg.fail(rid) if i != rid]
-            companions.update(members)
-            request_ids.extend(members)
-        give_up = time.monotonic() + DISCARD_WAIT_S
+            request_ids.extend(i for i in self._cfg.fail(rid) if i != rid)
         for rid in request_ids:
             self._aborted.add(rid)
             entry = self._inputs.pop(rid, None)
             if entry is not None:
                 for receiver in self._receivers.values():
                     receiver.cancel(rid)
-            sending = self._awaiting.pop(rid, None) is not None
-            if self.stage.outputs and (sending or rid in companions):
-                # Finished here but never reported (its sends, or its group's, were still in
-                # flight), or a companion that may have sent at prefill: nobody downstream
-                # will consume that KV, so withdraw it once its send settled.
-                self._discard[rid] = (give_up, sending)
+            self._awaiting.pop(rid, None)
             self._streamed.pop(rid, None)
         self.engine.abort_request(list(request_ids))
+        # Nobody downstream will consume their KV, whether it is out already (sent, maybe
+        # reported in a StageDone this Abort crossed), being sent, or owed by a request
+        # that finished in the engine core before the abort reached it.
+        self._withdraw_kv(request_ids)
+
+    def _withdraw_kv(self, request_ids: list[str]) -> None:
+        """Withdraw the KV of ``request_ids`` on every rank: what is out now at once, a send
+        in flight or still to start when it completes (``kvbridge_discard_kv``)."""
+        if self._sends_kv and request_ids:
+            self.llm.collective_rpc("kvbridge_discard_kv", args=(list(request_ids),))
 
     def busy(self) -> bool:
-        return bool(self._inputs or self._awaiting or self._discard) or self.engine.has_unfinished_requests()
+        return bool(self._inputs or self._awaiting) or self.engine.has_unfinished_requests()
 
     # -- progress --------------------------------------------------------------------------
     def _start_from_payload(self, out: list[m.StageDone | m.StageProgress | m.RequestFailed]) -> None:
@@ -285,26 +284,7 @@ class LLMStageEngine(StageEngine):
                     self._awaiting[o.request_id] = (o, time.time())
         if self._awaiting:
             self._report_finished(out)
-        if self._discard:
-            self._settle_discards()
         return out
-
-    def _settle_discards(self) -> None:
-        """Withdraw the KV of failed groups' members once nothing of theirs is in flight, so
-        a primary whose companion failed does not keep its segment / store key until a TTL."""
-        ids = list(self._discard)
-        per_rank = self.llm.collective_rpc("kvbridge_transfer_status", args=(ids,))
-        now, settled = time.monotonic(), []
-        for rid in ids:
-            give_up, due = self._discard[rid]
-            kv = [str(st.get(rid, {}).get("kv", "unknown")) for st in per_rank]
-            terminal = all(v == "done" or v.startswith("failed") or v == "none" for v in kv)
-            if now > give_up or (terminal if due else "pending" not in kv):
-                settled.append(rid)
-        if settled:
-            self.llm.collective_rpc("kvbridge_discard_kv", args=(settled,))
-            for rid in settled:
-                del self._discard[rid]
 
     def _progress(self, o: Any, out: list[m.StageDone | m.StageProgress | m.RequestFailed]) -> None:
         """Append a StageProgress with what ``o`` (a cumulative output) adds to what was sent."""
@@ -442,12 +422,12 @@ class LLMStageEngine(StageEngine):
         if owner is not None:
             error = f"CFG companion {owner[1]!r} ({rid}) of {primary}: {error}"
         others = [i for i in members if i != rid]
-        give_up = time.monotonic() + DISCARD_WAIT_S
         for i in others:
-            self._discard[i] = (give_up, self._awaiting.pop(i, None) is not None)
+            self._awaiting.pop(i, None)
         if others:
             self._aborted.update(others)
             self.engine.abort_request(others)
+            self._withdraw_kv(others)  # e.g. the primary's KV, sent before its companion failed
         self._started.pop(primary, None)
         self._streamed.pop(primary, None)
         out.append(m.RequestFailed(primary, self.stage.stage_id, error))

@@ -47,6 +47,7 @@ from vllm_kvbridge.connectors.keys import edge_name
 from vllm_kvbridge.pipeline import messages as m
 from vllm_kvbridge.pipeline.admission import check_sampling_params
 from vllm_kvbridge.pipeline.cfg import check_request_id, companions_for
+from vllm_kvbridge.pipeline.engines import ABORTED_KEEP_S, ExpiringIds
 from vllm_kvbridge.pipeline.results import (  # re-exported: the pipeline's public types
     PipelineError,
     RequestError,
@@ -154,6 +155,9 @@ class Pipeline:
         self._results: dict[str, RequestResult] = {}
         self._deadlines: dict[str, float] = {}
         self._where: dict[str, set[int]] = {}  # request id -> stages working on it
+        # Ids of requests that ended in error: the stages drop their late output and
+        # withdraw their late KV for a while, so such an id is not reused meanwhile.
+        self._ended_in_error = ExpiringIds(keep_s=ABORTED_KEEP_S)
         self._counter = 0
         self._stage_params: dict[str, dict[int, dict[str, Any]]] = {}
         self._companions: dict[str, dict[str, str]] = {}  # CFG companions (pipeline/cfg.py)
@@ -333,10 +337,9 @@ class Pipeline:
             raise ValueError("request_ids must be unique and one per prompt")
         first = self.plan.entry_stage
         companions = companions_for(self.plan, None)
+        for rid in ids:
+            self._check_new_id(rid)
         for rid, prompt in zip(ids, prompts):
-            check_request_id(rid)
-            if rid in self._results:
-                raise ValueError(f"request id {rid!r} is already in use")
             self._results[rid] = RequestResult(rid, prompt)
             self._deadlines[rid] = time.monotonic() + self.plan.request_timeout
             self._companions[rid] = companions
@@ -355,6 +358,16 @@ class Pipeline:
             raise RequestError(results)
         return results
 
+    def _check_new_id(self, rid: str) -> None:
+        check_request_id(rid)
+        if rid in self._results:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if rid in self._ended_in_error:
+            raise ValueError(
+                f"request id {rid!r} ended in error less than {ABORTED_KEEP_S:.0f} s ago (its"
+                " stages still drop what arrives late for it): retry under a new id"
+            )
+
     def _submit(self, stage_id: int, msg: m.Submit) -> None:
         h = self._stages[stage_id]
         self._results[msg.request_id].stages.append(StageRecord(stage_id, h.stage.kind, time.time()))
@@ -369,6 +382,8 @@ class Pipeline:
         if r is None or r.finished:
             return
         r.error, r.finished = error, True
+        if error is not None:
+            self._ended_in_error.add(rid)
         self._deadlines.pop(rid, None)
         self._stage_params.pop(rid, None)
         self._companions.pop(rid, None)
@@ -537,9 +552,7 @@ class Pipeline:
         if request_id is None:
             self._counter += 1
             request_id = f"req-{self._counter}"
-        check_request_id(request_id)
-        if request_id in self._results:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_new_id(request_id)
         companions = companions_for(self.plan, stage_params)
         first = self.plan.entry_stage
         self._results[request_id] = RequestResult(request_id, prompt)
