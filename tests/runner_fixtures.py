@@ -374,7 +374,7 @@ def dit_rank_worker(
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from vllm_kvbridge.runner.diffusion_ranks import Control, run_follower, send_control
+    from vllm_kvbridge.runner.diffusion_ranks import Control, exit_rank_process, run_follower, send_control
     from vllm_kvbridge.runner.diffusion_runner import DiffusionRequest, DiffusionRunner
 
     torch.set_num_threads(1)
@@ -416,3 +416,4 @@ def dit_rank_worker(
         with open(f"{out_dir}/rank{rank}.json", "w") as f:
             json.dump(report, f)
         dist.destroy_process_group()
+    exit_rank_process(0)  # as pipeline/dit_rank.py ends (no abort at interpreter exit)

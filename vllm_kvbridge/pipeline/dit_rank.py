@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
+import traceback
 from typing import Any
 
 import msgspec
@@ -112,4 +113,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from vllm_kvbridge.runner.diffusion_ranks import exit_rank_process
+
+    try:
+        exit_code = main()
+    except SystemExit as exc:  # argparse
+        exit_code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        exit_code = 1
+    exit_rank_process(exit_code)

@@ -29,7 +29,9 @@ broadcast as a failure (the follower skips the request); the leader reports the 
 from __future__ import annotations
 
 import logging
-from typing import Any
+import os
+import sys
+from typing import Any, NoReturn
 
 import msgspec
 import torch
@@ -42,6 +44,26 @@ logger = logging.getLogger(__name__)
 
 #: Largest control message accepted (a request id, a few purposes and numbers).
 MAX_CONTROL_BYTES = 64 * 1024
+
+
+def exit_rank_process(code: int) -> NoReturn:
+    """End a process that took part in a gloo group, skipping interpreter finalization.
+
+    A gloo worker thread drops its reference to a finished collective (and so to its
+    tensors, which takes the GIL) a moment after the collective returned. When the process
+    exits right after its last collective (rank 1 after "stop"), that thread may ask for the
+    GIL while the interpreter is finalizing; CPython then ends the thread, which C++
+    treats as fatal: SIGABRT, "terminate called without an active exception" (a known
+    PyTorch issue). Logs and standard streams are flushed first; nothing else of ours
+    needs an ``atexit`` hook in such a process (the group was destroyed by the caller).
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 class Control(msgspec.Struct, forbid_unknown_fields=True):
