@@ -42,6 +42,35 @@ def stop_engine(llm: Any) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
+def stop_engine_and_reap(
+    llm: Any, settings: dict[str, Any], timeout_s: float = 60.0
+) -> tuple[bool, list[str]]:
+    """Stop ``llm``, wait until its processes are gone, then reap its stage's edges as the
+    next kvbridge process on them would; ``(whether vLLM SIGKILLed the engine core, names
+    reaped)``.
+
+    The engine core reaps what a killed worker left in its connector's shutdown, but that
+    is best effort: vLLM gives an engine core 5 s before SIGKILL, and an engine core that
+    is already shutting down after a fatal error has SIGTERM at its default action, so
+    the client's stop can end it before it got there. What is left then belongs to no live
+    process, and any later start on the edges removes it (only names of dead processes).
+    """
+    import signal
+
+    import psutil
+
+    from vllm_kvbridge.runner.runtime import reap_stage_leftovers
+
+    procs = list(llm.llm_engine.engine_core.resources.engine_manager.processes)
+    tree = [psutil.Process(p.pid) for p in procs if p.is_alive()]
+    tree += [c for t in list(tree) for c in t.children(recursive=True)]
+    stop_engine(llm)
+    _, alive = psutil.wait_procs(tree, timeout=timeout_s)
+    assert not alive, f"engine processes still running after {timeout_s:g} s: {alive}"
+    killed = any(p.exitcode == -signal.SIGKILL for p in procs)
+    return killed, reap_stage_leftovers(settings)
+
+
 class HFReference:
     """transformers' view of the same model: past_key_values and final hidden states."""
 

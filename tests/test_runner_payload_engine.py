@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner_fixtures import HFReference, prompt_ids, shm_entries, shm_namespace, start_engine, stop_engine
+from runner_fixtures import (
+    HFReference,
+    prompt_ids,
+    shm_entries,
+    shm_namespace,
+    start_engine,
+    stop_engine_and_reap,
+)
 
 from vllm_kvbridge.connectors.registry import create_connector
 from vllm_kvbridge.runner.payload_receiver import PayloadReceiver
@@ -58,9 +65,12 @@ def engine(tiny_model_dir: Path):
         chunks.close()
         for c in conns:
             c.close()
-        stop_engine(llm)
+        _, reaped = stop_engine_and_reap(llm, settings)
     # The last test SIGKILLs the worker: its pool segments are removed by the engine
-    # core's shutdown (scheduler-side connector), nobody else on these edges reaps.
+    # core's shutdown (scheduler-side connector) or, when the stop cut that short, by the
+    # next process on the edges (stop_engine_and_reap plays it). Only the killed worker's
+    # pool segments can be left so: every published payload was consumed or withdrawn.
+    assert all(".p." in n for n in reaped), reaped
     assert shm_entries(NS_FULL) == [] and shm_entries(NS_CHUNK) == []
 
 
@@ -201,10 +211,11 @@ def _parent(pid: int) -> int:
 def test_zz_killed_worker_leaves_nothing_after_the_engine_stopped(engine) -> None:
     """Runs last (the engine is dead afterwards); the check is in the fixture's teardown.
 
-    The engine core (the worker's parent) reaps a dead worker's segments when it notices
-    the death. It is stopped while the worker is killed, so "the killed worker removed
-    nothing itself" is checked before anyone else could act (issue 11, case 15: this
-    raced the engine core's reaper), then resumed to do its part.
+    The engine core (the worker's parent) reaps a dead worker's segments in its shutdown
+    when it gets that far (the fixture's teardown reaps what is left, as the next process
+    on the edges would). It is stopped while the worker is killed, so "the killed worker
+    removed nothing itself" is checked before anyone else could act (issue 11, case 15:
+    this raced the engine core's reaper), then resumed to do its part.
     """
     llm, _, _ = engine
     pid = llm.collective_rpc("kvbridge_debug_state")[0]["pid"]
