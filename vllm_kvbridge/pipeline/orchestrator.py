@@ -35,15 +35,13 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import zmq
 
-from vllm_kvbridge.config.resolve import ResolvedConnector, ResolvedPipeline, ResolvedStage, resolve
-from vllm_kvbridge.connectors.keys import edge_name
+from vllm_kvbridge.config.resolve import ResolvedPipeline, ResolvedStage, resolve
 from vllm_kvbridge.pipeline import messages as m
 from vllm_kvbridge.pipeline.admission import check_sampling_params
 from vllm_kvbridge.pipeline.cfg import check_request_id, companions_for
@@ -55,70 +53,15 @@ from vllm_kvbridge.pipeline.results import (  # re-exported: the pipeline's publ
     StageError,
     StageRecord,
 )
+from vllm_kvbridge.pipeline.stage_handles import (
+    LOG_TAIL_LINES,
+    StageHandle,
+    last_error_line,
+    log_tail,
+    with_run_namespaces,
+)
 
 POLL_S = 0.05
-_LOG_TAIL_LINES = 15
-
-
-@dataclass
-class _StageHandle:
-    stage: ResolvedStage
-    proc: subprocess.Popen
-    log_path: Path
-    spawned: float
-    ready_at: float = 0.0
-    info: dict[str, Any] = field(default_factory=dict)
-    failure: StageError | None = None
-
-    @property
-    def label(self) -> str:
-        return f"stage {self.stage.stage_id} ({self.stage.kind})"
-
-
-def _log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 16384))
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def _last_error_line(tail: str) -> str:
-    for line in reversed(tail.splitlines()):
-        if line.strip() and not line.startswith(" "):
-            return line.strip()
-    return ""
-
-
-#: Connectors whose names (segments, store keys) live in a namespace shared by every run on
-#: the host / store: each run gets its own unless the config names one.
-_RUN_NAMESPACED = ("SharedMemoryConnector", "MooncakeStoreConnector")
-
-
-def _with_run_namespaces(
-    stage: ResolvedStage, run_id: str, external: frozenset[int] = frozenset()
-) -> ResolvedStage:
-    """Give shared-memory and Mooncake-store edges a namespace unique to this run, so the
-    orchestrator can sweep exactly this run's segments after a crash and two runs (on one
-    host, or sharing one Mooncake master) never collide on a request id. Edges touching an
-    ``external`` stage (a server started from the config before this run) keep theirs."""
-
-    def fix(c: ResolvedConnector, a: int, b: int) -> ResolvedConnector:
-        if c.name not in _RUN_NAMESPACED or "namespace" in c.config or {a, b} & external:
-            return c
-        return msgspec.structs.replace(c, config={**c.config, "namespace": f"{run_id}-{edge_name(a, b)}"})
-
-    inputs = [
-        msgspec.structs.replace(e, connector=fix(e.connector, e.from_stage, e.to_stage)) for e in stage.inputs
-    ]
-    outputs = [
-        msgspec.structs.replace(e, connector=fix(e.connector, e.from_stage, e.to_stage))
-        for e in stage.outputs
-    ]
-    return msgspec.structs.replace(stage, inputs=inputs, outputs=outputs)
 
 
 class Pipeline:
@@ -141,7 +84,7 @@ class Pipeline:
         self.run_id = f"r{uuid.uuid4().hex[:10]}"
         external = frozenset(s.stage_id for s in plan.stages if s.url is not None)
         self.plan = msgspec.structs.replace(
-            plan, stages=[_with_run_namespaces(s, self.run_id, external) for s in plan.stages]
+            plan, stages=[with_run_namespaces(s, self.run_id, external) for s in plan.stages]
         )
         self._own_log_dir = log_dir is None
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"kvbridge-{self.run_id}-"))
@@ -150,7 +93,7 @@ class Pipeline:
         self._env = dict(env or {})
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
-        self._stages: dict[int, _StageHandle] = {}
+        self._stages: dict[int, StageHandle] = {}
         self._order = [s.stage_id for s in self.plan.stages]
         self._results: dict[str, RequestResult] = {}
         self._deadlines: dict[str, float] = {}
@@ -231,7 +174,7 @@ class Pipeline:
         assert proc.stdin is not None
         proc.stdin.write(msgspec.json.encode(stage))
         proc.stdin.close()
-        handle = _StageHandle(stage, proc, log_path, time.monotonic())
+        handle = StageHandle(stage, proc, log_path, time.monotonic())
         self._stages[stage.stage_id] = handle
         self._progress(f"[{handle.label}] starting (pid {proc.pid}, log {log_path})")
 
@@ -248,7 +191,7 @@ class Pipeline:
                             h.stage.stage_id,
                             h.stage.kind,
                             f"not ready after {h.stage.start_timeout:.0f} s (start_timeout)",
-                            _log_tail(h.log_path),
+                            log_tail(h.log_path),
                         )
                     )
             self._pump(POLL_S)
@@ -285,7 +228,7 @@ class Pipeline:
         self._sock = self._ctx = None
 
     @staticmethod
-    def _wait_exit(handles: Sequence[_StageHandle], deadline: float) -> None:
+    def _wait_exit(handles: Sequence[StageHandle], deadline: float) -> None:
         for h in handles:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 h.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -425,8 +368,8 @@ class Pipeline:
                 while self._sock.poll(0):
                     self._handle(*self._sock.recv_multipart())
                 if h.failure is None:
-                    tail = _log_tail(h.log_path)
-                    why = _last_error_line(tail) or "no output"
+                    tail = log_tail(h.log_path)
+                    why = last_error_line(tail) or "no output"
                     self._fail(
                         StageError(
                             h.stage.stage_id, h.stage.kind, f"process exited with status {code} ({why})", tail
@@ -459,7 +402,7 @@ class Pipeline:
             self._progress(f"[{h.label}] ready in {h.ready_at - h.spawned:.1f} s")
         elif isinstance(msg, m.StageFailed):
             tail = msg.traceback.strip().splitlines()
-            h.failure = StageError(msg.stage_id, h.stage.kind, msg.error, "\n".join(tail[-_LOG_TAIL_LINES:]))
+            h.failure = StageError(msg.stage_id, h.stage.kind, msg.error, "\n".join(tail[-LOG_TAIL_LINES:]))
             self._fail(h.failure)
         elif isinstance(msg, m.RequestFailed):
             self._progress(f"[{h.label}] {msg.request_id} failed: {msg.error}")
@@ -472,7 +415,7 @@ class Pipeline:
         elif isinstance(msg, m.StageDone):
             self._on_done(h, msg)
 
-    def _on_done(self, h: _StageHandle, msg: m.StageDone) -> None:
+    def _on_done(self, h: StageHandle, msg: m.StageDone) -> None:
         r = self._results.get(msg.request_id)
         if r is None or r.finished:
             return  # late answer for a request that already failed or timed out
