@@ -526,6 +526,56 @@ def test_discarded_kv_is_withdrawn_now_and_when_a_send_in_flight_completes() -> 
     assert _shm_leftovers("kvtestdiscard") == []
 
 
+@pytest.mark.forked
+def test_consumed_pieces_wait_for_their_siblings_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TP 2 -> 1 where rank 1's piece is late: the piece of rank 0 that a timed-out attempt
+    consumed is kept for the next attempt (which completes once rank 1's arrives); one
+    nobody asks for again is dropped after its keep time, and a late attempt then fails at
+    once naming it (it never waits for data it consumed); the table stays bounded."""
+    from vllm_kvbridge.kv import receive
+
+    monkeypatch.setattr(receive, "PART_KEEP_S", 0.5)
+    monkeypatch.setattr(receive, "MAX_PARTS", 8)
+    caches = fake_cpu_caches(2, 6)
+    ns = {"namespace": "kvtestparts"}
+
+    def sender(rank: int) -> KVTransferManager:
+        cfg = _send_cfg("SharedMemoryConnector", connector_config=ns, from_tp=2, tp_rank=rank)
+        return KVTransferManager(cfg, num_kv_heads=4)
+
+    def send(mgr: KVTransferManager, ids: list[str]) -> None:
+        mgr.handle_finished_requests_kv_transfer({r: request_plan(1) for r in ids}, caches, BLOCK, "auto")
+        assert _wait_finished(mgr, len(ids)) == (set(ids), set())
+
+    recv = _recv_cfg("SharedMemoryConnector", ns, recv_timeout=0.2, from_tp=2)
+    many = [f"many-{i}" for i in range(20)]
+    with sender(0) as rank0, sender(1) as rank1, KVTransferManager(recv) as receiver:
+        send(rank0, ["retry", "gone", *many])
+        with pytest.raises(TransferTimeout):
+            receiver.receive_kv_cache_for_request("retry")
+        assert receiver.health()["parts_waiting"] == 1  # rank 0's piece, consumed
+        send(rank1, ["retry"])
+        data, _ = receiver.receive_kv_cache_for_request("retry")
+        assert (data.head_start, data.head_end, data.num_kv_heads_total) == (0, 4, 4)
+        assert receiver.health()["parts_waiting"] == 0
+
+        with pytest.raises(TransferTimeout):
+            receiver.receive_kv_cache_for_request("gone")
+        time.sleep(0.6)  # past the keep time: dropped (and remembered)
+        assert receiver.health()["parts_waiting"] == 0
+        send(rank1, ["gone"])
+        t0 = time.monotonic()
+        with pytest.raises(TransferCorrupt, match=r"kvb\.0-1\.kv\.igone\..*consumed by an earlier attempt"):
+            receiver.receive_kv_cache_for_request("gone")
+        assert time.monotonic() - t0 < 0.2  # at once, not after recv_timeout
+
+        for rid in many:  # none of them is ever completed
+            with pytest.raises(TransferTimeout):
+                receiver.receive_kv_cache_for_request(rid)
+            assert receiver.health()["parts_waiting"] <= 8
+    assert _shm_leftovers("kvtestparts") == []
+
+
 def test_each_tp_rank_makes_its_connector_for_its_rank() -> None:
     # Issue 11, case 7: a fixed ZMQ port in the edge config, one KV manager per TP rank.
     cfg = KVTransferConfig(

@@ -507,6 +507,7 @@ class KVTransferManager:
             "pending_sends": self._sends.pending(),
             "prefetch_in_flight": self._prefetcher.in_flight(),
             "received_waiting": len(self._received),
+            "parts_waiting": self._receiver.waiting_parts(),
             "prefetched": len(self._prefetcher),
             "sender_info_entries": len(self._sent_info),
             "closed": self._closed,

@@ -5,9 +5,12 @@ interrupts it), checks each piece against the key it came under (request id, hea
 sender's TP) and merges the pieces into this rank's heads. When the receiver does not know
 the sender's head count, it learns it from the first piece's header (possible whenever one
 side of the edge has TP 1). Pieces already consumed by a failed multi-piece receive are
-kept and reused by the next attempt, so no consumed payload is lost. A piece that was
-consumed but cannot be used raises :class:`Consumed` (the caller turns it into
-:class:`~vllm_kvbridge.errors.TransferCorrupt` or a prefetch error: the data is gone).
+kept and reused by the next attempt, so no consumed payload is lost; they are kept for
+:data:`PART_KEEP_S` (at least twice ``recv_timeout``) and at most :data:`MAX_PARTS` of them,
+so a request nobody retries cannot grow the table, and a later attempt for a piece that was
+dropped fails at once naming it. A piece that was consumed but cannot be used raises
+:class:`Consumed` (the caller turns it into :class:`~vllm_kvbridge.errors.TransferCorrupt`
+or a prefetch error: the data is gone).
 
 :class:`ReceivedStore` keeps what a receive produced until the caller pops it, and attaches
 it to the request object (``req.kv_transfer_data``, ``req.cfg_kv_transfer_data``).
@@ -18,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +40,12 @@ logger = logging.getLogger(__name__)
 
 #: How long one connector ``get`` may block before the receiver re-checks for shutdown.
 _GET_SLICE_S = 0.25
+#: How long a consumed piece waits for its request's next receive attempt (its sibling
+#: pieces did not arrive in time), at least; twice ``recv_timeout`` when that is longer.
+PART_KEEP_S = 120.0
+#: Most consumed pieces kept waiting (the oldest goes first); as many dropped keys are
+#: remembered (for ``PART_KEEP_S`` more) so that a late attempt fails naming its piece.
+MAX_PARTS = 1024
 
 
 class Consumed(Exception):
@@ -129,11 +139,59 @@ class KVReceiver:
         self._topology, self._connector, self._metrics = topology, connector, metrics
         self._sender_info, self._stop = sender_info, stop
         self._lock = threading.Lock()
-        self._parts: dict[str, KVCacheTransferData] = {}  # consumed pieces awaiting their siblings
+        # consumed pieces awaiting their siblings: key -> (when kept, piece); oldest first
+        self._parts: OrderedDict[str, tuple[float, KVCacheTransferData]] = OrderedDict()
+        self._dropped: OrderedDict[str, float] = OrderedDict()  # key -> when it was dropped
+        self._keep_s = max(PART_KEEP_S, 2 * float(config.recv_timeout))
 
     def clear(self) -> None:
         with self._lock:
             self._parts.clear()
+            self._dropped.clear()
+
+    def waiting_parts(self) -> int:
+        """Consumed pieces kept for a next receive attempt of their request."""
+        with self._lock:
+            self._prune_locked()
+            return len(self._parts)
+
+    def _prune_locked(self) -> None:
+        now = time.monotonic()
+        while self._parts:
+            key, (kept_at, _) = next(iter(self._parts.items()))
+            if now - kept_at <= self._keep_s and len(self._parts) <= MAX_PARTS:
+                break
+            del self._parts[key]
+            self._dropped[key] = now
+            logger.warning(
+                "KV piece %s dropped: its request was not received again within %gs", key, self._keep_s
+            )
+        while self._dropped:
+            key, dropped_at = next(iter(self._dropped.items()))
+            if now - dropped_at <= self._keep_s and len(self._dropped) <= MAX_PARTS:
+                break
+            del self._dropped[key]
+
+    def _take_part(self, key: str) -> KVCacheTransferData | None:
+        """The kept piece of ``key`` (forgotten here), or None when there is none; raises
+        :class:`Consumed` when it was consumed earlier and has been dropped since."""
+        with self._lock:
+            self._prune_locked()
+            got = self._parts.pop(key, None)
+            if got is None and key in self._dropped:
+                raise Consumed(
+                    TransferError(
+                        f"KV piece {key} was consumed by an earlier attempt and dropped after "
+                        f"{self._keep_s:g}s without the other pieces of its cache"
+                    )
+                )
+            return got[1] if got is not None else None
+
+    def _keep_part(self, key: str, data: KVCacheTransferData) -> None:
+        with self._lock:
+            self._parts[key] = (time.monotonic(), data)
+            self._parts.move_to_end(key)
+            self._prune_locked()
 
     def _get_one(
         self, conn: Connector, from_stage: StageId, key: str, meta: Mapping[str, Any], deadline: float
@@ -184,8 +242,7 @@ class KVReceiver:
             while i < len(routes):
                 route = routes[i]
                 key = route.key(rid, from_stage, cfg.stage_id, purpose=purpose)
-                with self._lock:
-                    data = self._parts.pop(key, None)
+                data = self._take_part(key)
                 if data is None:
                     got = self._get_one(
                         conn,
@@ -203,8 +260,7 @@ class KVReceiver:
                         data = self._decode(got, rid, route, heads)
                     except Exception as exc:
                         raise Consumed(exc) from exc
-                    with self._lock:  # keep it until its siblings arrived (never lose a consumed piece)
-                        self._parts[key] = data
+                    self._keep_part(key, data)  # until its siblings arrived (never lose a consumed piece)
                 elif heads is None:
                     heads, routes = self._learn_heads(data, rid, key, from_stage, receiver_rank, purpose)
                     route = routes[0]
