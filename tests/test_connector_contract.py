@@ -101,6 +101,18 @@ def test_get_waits_for_a_late_put(pair):
     assert same(got, payload)
 
 
+def test_receiver_metadata_taken_before_any_put_reaches_later_puts(pair):
+    """What an async-chunk consumer (or a TP peer started early) has: the sender's
+    ``receiver_metadata()``, taken before anything was put, reaches every later put."""
+    sender, receiver = pair
+    up_front = sender.receiver_metadata()
+    assert isinstance(up_front, dict)
+    for i in range(2):
+        payload = make_payload(20 + i)
+        assert sender.put(0, 1, key(f"early{i}"), payload).ok
+        assert same(receiver.get(0, 1, key(f"early{i}"), up_front, deadline=deadline(10)), payload)
+
+
 def test_concurrent_put_get_from_8_threads(pair):
     sender, receiver = pair
     metadata = sender.put(0, 1, key("warm"), make_payload(0)).metadata

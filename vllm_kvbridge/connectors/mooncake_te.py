@@ -177,6 +177,11 @@ class MooncakeTransferEngineConnector(Connector):
         """A fixed ``control_port`` P: TP rank r binds P + r (all ranks of a stage share one config)."""
         return offset_port(config, "control_port", rank)
 
+    def receiver_metadata(self) -> dict[str, Any]:
+        """The control endpoint (bound now if it was not yet) and this engine's segment:
+        what every put's metadata holds besides the size, the same for every key."""
+        return {"endpoint": self._ensure_server(), "segment": self.segment}
+
     def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
         """Pack ``payload`` into a registered slab and hold it under ``key`` for a receiver.
 

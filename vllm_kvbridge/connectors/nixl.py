@@ -206,6 +206,11 @@ class NixlConnector(Connector):
         """A fixed ``port`` P: TP rank r binds P + r (all ranks of a stage share one config)."""
         return offset_port(config, "port", rank)
 
+    def receiver_metadata(self) -> dict[str, Any]:
+        """The side channel's endpoint (bound now if it was not yet) and the agent's name:
+        what every put's metadata holds, the same for every key."""
+        return {"endpoint": self._ensure_server(), "agent": self._agent.name}
+
     def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
         """Pack ``payload`` into a registered slab and publish it under ``key``.
 
