@@ -20,7 +20,8 @@ from mooncake_fixtures import MooncakeMaster, free_port
 
 from vllm_kvbridge.config import resolve
 from vllm_kvbridge.connectors import create_connector, payload_key
-from vllm_kvbridge.connectors.mooncake_store import MooncakeStoreConnector, parse_size
+from vllm_kvbridge.connectors.base import parse_size
+from vllm_kvbridge.connectors.mooncake_store import MooncakeStoreConnector
 from vllm_kvbridge.errors import ConfigError, TransferCorrupt, TransferError, TransferRefused, TransferTimeout
 
 pytest_plugins = ["mooncake_fixtures"]
@@ -300,3 +301,61 @@ def test_get_deadline_and_bad_metadata(mooncake_master: MooncakeMaster):
             conn.get(0, 1, key(), {"namespace": "../x"})
         with pytest.raises(ConfigError):
             conn.put(0, 1, "", payload(0))
+
+
+_SPILLING_SENDER = """
+import json, sys, time
+import torch
+from vllm_kvbridge.connectors.mooncake_store import MooncakeStoreConnector
+sender = MooncakeStoreConnector(json.loads(sys.argv[1]))
+for i in range(4):  # 10 MiB each into a 16 MiB own segment: the last three land elsewhere
+    assert sender.put(0, 1, f"kvb.0-1.kv.idead{i}.cn.r0-0", {"t": torch.full((10 << 18,), float(i))}).ok
+print(int(sender.health()["spilled"]), flush=True)
+time.sleep(300)  # killed by the test
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_senders_objects_do_not_outlive_it(tmp_path: Path):
+    """Issue 11, case 13. A sender whose own segment is full has its puts placed in another
+    client's segment, where a hard pin would keep them after the sender is killed, for as
+    long as that client lives. What stays in its own segment goes with it (the master drops
+    a dead client's segment after ``--client_ttl``); the spilled objects were stored
+    soft-pinned, so the store evicts them when it needs the room, and new puts succeed."""
+    import signal
+    import subprocess
+    import sys
+
+    ns = "spill"
+    with MooncakeMaster(log_dir=tmp_path, extra_args=("-client_ttl=2",)) as master:
+        holder = MooncakeStoreConnector(master.connector_config(namespace=ns, global_segment_size=96 << 20))
+        cfg = master.connector_config(namespace=ns, global_segment_size=16 << 20, buffer_pool_bytes=64 << 20)
+        child = subprocess.Popen(
+            [sys.executable, "-c", _SPILLING_SENDER, json.dumps(cfg)], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert child.stdout.readline().strip() == "3"  # three puts spilled into the holder
+            dead = [f"{ns}/kvb.0-1.kv.idead{i}.cn.r0-0" for i in range(4)]
+            assert master.keys(f"{ns}/kvb.0-1.kv.idead") == dead
+            child.send_signal(signal.SIGKILL)  # nothing of the sender's runs any more
+            child.wait(10)
+            end = time.monotonic() + 30
+            while dead[0] in master.keys(ns) and time.monotonic() < end:
+                time.sleep(0.2)
+            assert master.keys(f"{ns}/kvb.0-1.kv.idead") == dead[1:]  # the own segment went
+            # The holder needs its segment back: 8 more objects fit only once all three are gone
+            # (nine of them do not fit its 96 MiB).
+            stored = 0
+            end = time.monotonic() + 60
+            while stored < 8 and time.monotonic() < end:
+                if holder.put(0, 1, f"kvb.0-1.kv.inew{stored}.cn.r0-0", {"t": torch.ones(10 << 18)}).ok:
+                    stored += 1
+                else:
+                    time.sleep(0.2)  # the master evicts in the background
+            assert stored == 8, f"store full: the dead sender's objects {master.keys(ns)} were never evicted"
+            assert master.keys(f"{ns}/kvb.0-1.kv.idead") == []
+        finally:
+            child.kill()
+            child.wait()
+            child.stdout.close()
+            holder.close()

@@ -24,6 +24,7 @@ Semantics every implementation keeps (the shared contract test suite checks them
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -85,6 +86,37 @@ def number_option(config: Mapping[str, Any], name: str, default: float, kind: ty
     if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
         raise ConfigError(f"connector option {name!r} must be a non-negative number, got {value!r}")
     return kind(value)
+
+
+_SIZE = re.compile(r"\s*(\d+)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1000,
+    "M": 1000**2,
+    "G": 1000**3,
+    "T": 1000**4,
+    "KI": 1 << 10,
+    "MI": 1 << 20,
+    "GI": 1 << 30,
+    "TI": 1 << 40,
+}
+
+
+def parse_size(value: Any, name: str) -> int:
+    """Bytes from an int or a string such as ``"512MiB"`` / ``"1GB"`` / ``"4096"``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"connector option {name!r} must be a size, got {value!r}")
+    if isinstance(value, int) and value >= 0:
+        return value
+    if isinstance(value, str):
+        match = _SIZE.fullmatch(value)
+        if match:
+            unit = (match.group(2) or "").upper().rstrip("B")
+            return int(match.group(1)) * _UNITS[unit]
+    raise ConfigError(
+        f"connector option {name!r} must be a non-negative size (bytes or e.g. '1GiB'), got {value!r}"
+    )
 
 
 def offset_port(config: Mapping[str, Any], key: str, rank: int) -> dict[str, Any]:

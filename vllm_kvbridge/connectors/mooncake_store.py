@@ -28,7 +28,13 @@ Lifetime of store keys (nothing is left in the store after a run):
 
 Pinning (``pin``): ``hard`` (default) means the master never evicts the object, so an
 unread payload is never lost and a full store refuses puts (our TTL reaper and ``close``
-remove what the receiver never read); ``soft`` (for ``soft_pin_ttl_ms``, default ``ttl_s``)
+remove what the receiver never read). A hard pin is kept only for objects in this
+client's own segment: when a sender dies, the master drops its segment (after
+``--client_ttl``) and those objects with it, but a hard-pinned object in *another*
+client's segment would outlive a killed sender forever. So a put that Mooncake placed
+elsewhere (the own segment was full) is stored again soft-pinned for ``soft_pin_ttl_ms``
+(counted as ``spilled``), and a client without a segment of its own (or with
+``prefer_local_segment: false``) soft-pins every object; ``soft`` (for ``soft_pin_ttl_ms``, default ``ttl_s``)
 only makes the object evicted after unpinned ones, and a master started with
 ``--allow_evict_soft_pinned_objects=true`` (its default) does evict it under pressure
 (seen here: a full store evicted an unread soft-pinned payload); ``none`` lets Mooncake
@@ -67,19 +73,29 @@ config is loaded, :func:`vllm_kvbridge.config.load_spec`, not here):
 
 from __future__ import annotations
 
+import logging
 import re
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
-from urllib.parse import urlsplit
 
 import numpy as np
 
-from vllm_kvbridge.connectors.base import Connector, PutResult, number_option
+from vllm_kvbridge.connectors.base import Connector, PutResult, number_option, parse_size
+from vllm_kvbridge.connectors.mooncake_setup import (
+    MASTER_UNREACHABLE,
+    NO_AVAILABLE_HANDLE,
+    OBJECT_ALREADY_EXISTS,
+    OBJECT_NOT_FOUND,
+    OK,
+    RPC_FAIL,
+    TRANSFER_FAIL,
+    TRANSIENT,
+    error_name,
+    host_port,
+    setup_store,
+)
 from vllm_kvbridge.connectors.registered_pool import RegisteredBufferPool
 from vllm_kvbridge.errors import (
     ConfigError,
@@ -90,102 +106,10 @@ from vllm_kvbridge.errors import (
     TransferTimeout,
 )
 
-# Mooncake store error codes (mooncake-store/include/types.h).
-OK = 0
-NO_AVAILABLE_HANDLE = -200  # no space in any segment: the store is full
-INVALID_PARAMS = -600
-REPLICA_IS_NOT_READY = -703
-OBJECT_NOT_FOUND = -704
-OBJECT_ALREADY_EXISTS = -705
-OBJECT_HAS_LEASE = -706
-TRANSFER_FAIL = -800
-RPC_FAIL = -900
-_ERROR_NAMES = {
-    -1: "INTERNAL_ERROR",
-    -10: "BUFFER_OVERFLOW",
-    -101: "SEGMENT_NOT_FOUND",
-    NO_AVAILABLE_HANDLE: "NO_AVAILABLE_HANDLE (store full)",
-    INVALID_PARAMS: "INVALID_PARAMS",
-    -601: "ILLEGAL_CLIENT",
-    REPLICA_IS_NOT_READY: "REPLICA_IS_NOT_READY",
-    OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND",
-    OBJECT_ALREADY_EXISTS: "OBJECT_ALREADY_EXISTS",
-    OBJECT_HAS_LEASE: "OBJECT_HAS_LEASE",
-    -707: "LEASE_EXPIRED",
-    -712: "REPLICA_IS_GONE",
-    -714: "REPLICA_BUSY",
-    TRANSFER_FAIL: "TRANSFER_FAIL",
-    RPC_FAIL: "RPC_FAIL (master unreachable)",
-    -901: "RPC_TIMEOUT",
-    -1010: "UNAVAILABLE_IN_CURRENT_STATUS",
-}
-#: Worth retrying: the master or a peer is briefly unavailable, or a replica is mid-write.
-TRANSIENT = frozenset({REPLICA_IS_NOT_READY, -714, TRANSFER_FAIL, RPC_FAIL, -901, -1010})
-#: ``health_check()``: 0 healthy, 1 not initialised/closed, 2 master unreachable.
-_MASTER_UNREACHABLE = 2
+logger = logging.getLogger(__name__)
 
 _NAMESPACE = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_SIZE = re.compile(r"\s*(\d+)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "K": 1000,
-    "M": 1000**2,
-    "G": 1000**3,
-    "T": 1000**4,
-    "KI": 1 << 10,
-    "MI": 1 << 20,
-    "GI": 1 << 30,
-    "TI": 1 << 40,
-}
 _MAX_KEY = 512
-#: Run by ``setup_check: subprocess`` in a child: a client without a segment sets up and leaves.
-_SETUP_CHECK = """
-import sys
-from mooncake.store import MooncakeDistributedStore
-host, metadata, protocol, devices, master = sys.argv[1:6]
-store = MooncakeDistributedStore()
-rc = store.setup(host, metadata, 0, 1 << 20, protocol, devices, master)
-store.close()
-sys.exit(0 if rc == 0 else 3)
-"""
-
-
-def error_name(code: int) -> str:
-    """``"-704 OBJECT_NOT_FOUND"`` for a Mooncake return code."""
-    return f"{code} {_ERROR_NAMES.get(code, 'UNKNOWN')}"
-
-
-def parse_size(value: Any, name: str) -> int:
-    """Bytes from an int or a string such as ``"512MiB"`` / ``"1GB"`` / ``"4096"``."""
-    if isinstance(value, bool):
-        raise ConfigError(f"connector option {name!r} must be a size, got {value!r}")
-    if isinstance(value, int) and value >= 0:
-        return value
-    if isinstance(value, str):
-        match = _SIZE.fullmatch(value)
-        if match:
-            unit = (match.group(2) or "").upper().rstrip("B")
-            return int(match.group(1)) * _UNITS[unit]
-    raise ConfigError(
-        f"connector option {name!r} must be a non-negative size (bytes or e.g. '1GiB'), got {value!r}"
-    )
-
-
-def _host_port(address: str, what: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ConfigError(f"{what} must be 'host:port', got {address!r}")
-    return host.strip("[]"), int(port)
-
-
-def _probe(host: str, port: int, timeout: float, what: str) -> None:
-    """Fail fast (TransferError) when nothing accepts TCP connections at ``host:port``."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            pass
-    except OSError as exc:
-        raise TransferError(f"{what} at {host}:{port} is unreachable: {exc}") from None
 
 
 class MooncakeStoreConnector(Connector):
@@ -241,7 +165,7 @@ class MooncakeStoreConnector(Connector):
             )
         self.buffer_pool_bytes = parse_size(cfg.get("buffer_pool_bytes", 512 << 20), "buffer_pool_bytes")
         self._limits = cfg.get("limits")
-        master_host, master_port = _host_port(self.master_server_address, "master_server_address")
+        host_port(self.master_server_address, "master_server_address")  # checked before any setup
 
         try:
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
@@ -254,17 +178,25 @@ class MooncakeStoreConnector(Connector):
             hasattr(store, n) for n in ("put_from", "get_into", "register_buffer", "unregister_buffer")
         )
 
-        self._replicate = ReplicateConfig()
-        if self.pin == "soft":
-            self._replicate.soft_pin_action = SoftPinAction.ENABLE
-            self._replicate.soft_pin_ttl_ms = self.soft_pin_ttl_ms
-        elif self.pin == "hard":
+        soft = ReplicateConfig()
+        soft.soft_pin_action = SoftPinAction.ENABLE
+        soft.soft_pin_ttl_ms = self.soft_pin_ttl_ms
+        local = self.prefer_local_segment and self.global_segment_size > 0
+        pin_soft = self.pin == "soft" or (self.pin == "hard" and not local)
+        self._replicate = soft if pin_soft else ReplicateConfig()
+        #: what a hard-pinned put that landed in another client's segment is stored again with
+        self._spill_replicate: Any = None
+        if self.pin == "hard" and local:
             self._replicate.with_hard_pin = True
+            self._spill_replicate = soft
 
-        self._connect(store, master_host, master_port)
+        self._connect(store)
         self.hostname = str(store.get_hostname())
-        if self.prefer_local_segment and self.global_segment_size > 0:
+        if local:
             self._replicate.preferred_segment = self.hostname
+            if self._spill_replicate is not None:
+                self._spill_replicate.preferred_segment = self.hostname
+        self.stats.add(spilled=0)  # shown in health() from the start
         self._pool = (
             RegisteredBufferPool(store.register_buffer, store.unregister_buffer, self.buffer_pool_bytes)
             if self.zero_copy
@@ -272,69 +204,20 @@ class MooncakeStoreConnector(Connector):
         )
 
     # -- setup --------------------------------------------------------------------------
-    def _connect(self, store: Any, master_host: str, master_port: int) -> None:
-        """Mooncake ``setup``, after checks that make a dead master fail fast.
-
-        ``setup`` holds the GIL and retries for ~90 s when the master is down (forever when
-        something silent listens on the port), so it cannot be bounded by a thread. Before
-        it: the master and HTTP metadata ports are probed (``setup_check: port``, default),
-        and with ``setup_check: subprocess`` a throw-away client runs ``setup`` in a child
-        process killed after ``connect_timeout_s`` (costs ~1 s; catches a port that
-        accepts connections but is not a working Mooncake master).
-        """
-        probe_timeout = max(0.1, min(2.0, self.connect_timeout_s))
-        _probe(master_host, master_port, probe_timeout, "Mooncake master")
-        url = urlsplit(self.metadata_server)
-        if url.scheme in ("http", "https") and url.hostname:
-            _probe(
-                url.hostname,
-                url.port or (443 if url.scheme == "https" else 80),
-                probe_timeout,
-                "Mooncake HTTP metadata server",
-            )
-        where = (
-            f"master {self.master_server_address}, metadata server {self.metadata_server}, "
-            f"local hostname {self.local_hostname}, protocol {self.protocol}"
+    def _connect(self, store: Any) -> None:
+        setup_store(
+            store,
+            local_hostname=self.local_hostname,
+            metadata_server=self.metadata_server,
+            master_server_address=self.master_server_address,
+            global_segment_size=self.global_segment_size,
+            local_buffer_size=self.local_buffer_size,
+            protocol=self.protocol,
+            device_name=self.device_name,
+            connect_timeout_s=self.connect_timeout_s,
+            setup_check=self.setup_check,
         )
-        if self.setup_check == "subprocess":
-            self._setup_in_child(where)
-        rc = store.setup(
-            self.local_hostname,
-            self.metadata_server,
-            self.global_segment_size,
-            self.local_buffer_size,
-            self.protocol,
-            self.device_name,
-            self.master_server_address,
-        )
-        if rc != OK:
-            raise TransferError(f"Mooncake setup failed with rc={rc} ({where})")
         self._store = store
-
-    def _setup_in_child(self, where: str) -> None:
-        args = [
-            self.local_hostname.rpartition(":")[0] if ":" in self.local_hostname else self.local_hostname,
-            self.metadata_server,
-            self.protocol,
-            self.device_name,
-            self.master_server_address,
-        ]
-        try:
-            child = subprocess.run(
-                [sys.executable, "-c", _SETUP_CHECK, *args],
-                capture_output=True,
-                timeout=self.connect_timeout_s,
-                stdin=subprocess.DEVNULL,
-            )
-        except subprocess.TimeoutExpired:
-            raise TransferError(
-                f"Mooncake setup did not finish within connect_timeout_s={self.connect_timeout_s} ({where})"
-            ) from None
-        if child.returncode != 0:
-            tail = child.stderr.decode(errors="replace").strip().splitlines()[-3:]
-            raise TransferError(
-                f"Mooncake setup check failed (exit {child.returncode}, {where}): " + " | ".join(tail)
-            )
 
     # -- keys ---------------------------------------------------------------------------
     def store_key(self, key: str, namespace: str | None = None) -> str:
@@ -351,7 +234,7 @@ class MooncakeStoreConnector(Connector):
 
     # -- retries ------------------------------------------------------------------------
     def _master_down(self) -> bool:
-        return self._store.health_check() == _MASTER_UNREACHABLE
+        return self._store.health_check() == MASTER_UNREACHABLE
 
     def _retrying(self, op: Callable[[], int]) -> int:
         """Run ``op`` (returns a Mooncake code), retrying transient codes with backoff.
@@ -449,14 +332,40 @@ class MooncakeStoreConnector(Connector):
     def _put_packed(self, store_key: str, enc: Any, need: int) -> int:
         if self._pool is None:  # bytes fallback: Mooncake copies through its local buffer
             data = enc.to_bytes()
-            return self._retrying(lambda: self._store.put(store_key, data, self._replicate))
+            return self._put_placed(store_key, lambda rc: self._store.put(store_key, data, rc))
         slab, pooled = self._pool.acquire(need)
         try:
             enc.pack_into(slab)
             ptr = slab.ctypes.data
-            return self._retrying(lambda: self._store.put_from(store_key, ptr, need, self._replicate))
+            return self._put_placed(store_key, lambda rc: self._store.put_from(store_key, ptr, need, rc))
         finally:
             self._pool.release(slab, pooled)
+
+    def _put_placed(self, store_key: str, put: Callable[[Any], int]) -> int:
+        """``put`` with this connector's pin; a hard-pinned object that Mooncake placed in
+        another client's segment is stored again soft-pinned (see the module docstring)."""
+        code = self._retrying(lambda: put(self._replicate))
+        if code != OK or self._spill_replicate is None or self._placed_here(store_key):
+            return code
+        # Forced: a fresh put holds a lease. Nobody has the put metadata yet; a receiver
+        # polling for the key that read it meanwhile removed it (then it is delivered).
+        if self._store.remove(store_key, True) != OK:
+            return OK
+        self.stats.add(spilled=1)
+        return self._retrying(lambda: put(self._spill_replicate))
+
+    def _placed_here(self, store_key: str) -> bool:
+        """Whether every memory replica of ``store_key`` lives in this client's segment."""
+        try:
+            replicas = self._store.get_replica_desc(store_key)
+            return all(
+                r.get_memory_descriptor().buffer_descriptor.transport_endpoint == self.hostname
+                for r in replicas
+                if r.is_memory_replica()
+            )
+        except Exception as exc:  # cannot tell: keep the hard pin (the TTL reaper still runs)
+            logger.warning("Mooncake placement of %s unknown (%s): kept hard-pinned", store_key, exc)
+            return True
 
     # -- receiver -----------------------------------------------------------------------
     def get(

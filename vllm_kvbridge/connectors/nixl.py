@@ -77,8 +77,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from vllm_kvbridge.connectors.base import Connector, PutResult, number_option, offset_port
-from vllm_kvbridge.connectors.mooncake_store import parse_size
+from vllm_kvbridge.connectors.base import Connector, PutResult, number_option, offset_port, parse_size
 from vllm_kvbridge.connectors.nixl_agent import (
     DEFAULT_UCX_MODULES,
     DEFAULT_UCX_TLS,
