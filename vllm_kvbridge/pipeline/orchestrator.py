@@ -483,7 +483,8 @@ class Pipeline:
         finished (successfully or with ``error``). Not thread-safe: ``submit``, ``poll``
         and ``abort`` must be called from one thread (:class:`PipelineService` does).
         Raises :class:`StageError` when the pipeline already failed, :class:`PipelineError`
-        when it is closed, ``ValueError`` for a duplicate id or parameters a stage cannot
+        when it is closed, ``ValueError`` for a duplicate id (also the id of a request that ended in
+        error less than ``ABORTED_KEEP_S`` ago) or parameters a stage cannot
         honour (:func:`~vllm_kvbridge.pipeline.admission.check_sampling_params`).
         """
         check_sampling_params(self.plan, sampling_params, stage_params)  # before any stage starts
