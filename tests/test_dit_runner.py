@@ -13,6 +13,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -104,4 +105,63 @@ def test_missing_kv_fails_the_request_at_the_deadline() -> None:
         assert 0.4 < time.monotonic() - t0 < 5
     finally:
         runner.close()
+    assert _leftovers(ns) == []
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(120)
+def test_an_abort_stops_a_denoise_under_way_and_the_stage_serves_the_next() -> None:
+    """A request aborted while it denoises (its KV already consumed) stops within a step:
+    it reports nothing (nobody waits for it) and the next request is served, instead of
+    the stage spending every one of the aborted request's steps first."""
+    from vllm_kvbridge.errors import RequestCancelled
+    from vllm_kvbridge.pipeline import messages as m
+    from vllm_kvbridge.pipeline.engines import build_engine
+
+    ns = f"ditabort{os.getpid()}"
+    caches = fake_cpu_caches(2, seed=5)
+    plans = {"long-1": request_plan(1), "next-2": request_plan(2)}
+    keys, values = reference_kv(caches, plans["long-1"])
+    calls = iter(range(100))
+    module = DiffusionRunner(_stage(ns)).module
+    with pytest.raises(RequestCancelled, match="step 2 of 50"):  # asked before every step
+        denoise(module, list(zip(keys, values)), num_steps=50, seed=0, cancelled=lambda: next(calls) >= 2)
+
+    def until(predicate: Any, timeout_s: float) -> bool:
+        end = time.monotonic() + timeout_s
+        while not predicate() and time.monotonic() < end:
+            time.sleep(0.02)
+        return bool(predicate())
+
+    send_cfg = KVTransferConfig(
+        need_send_cache=True,
+        stage_id=0,
+        to_stage=1,
+        connector="SharedMemoryConnector",
+        connector_config={"namespace": ns},
+    )
+    with KVTransferManager(send_cfg, num_kv_heads=2) as sender:
+        sender.handle_finished_requests_kv_transfer(plans, caches, BLOCK, "auto")
+        finished: set[str] = set()
+        assert until(lambda: finished.update(sender.get_finished()[0]) or finished == set(plans), 10)
+
+        def submit(rid: str, steps: int) -> m.Submit:
+            return m.Submit(
+                rid,
+                sampling_params={"num_steps": steps},
+                upstream=[m.Upstream(0, rid, sender.get_sender_info(rid))],
+            )
+
+        engine = build_engine(_stage(ns))
+        try:
+            engine.submit(submit("long-1", 10_000_000))  # would denoise for days
+            # its KV is consumed (the segment is gone): it is past the receive, denoising
+            assert until(lambda: not [n for n in _leftovers(ns) if ".ilong-1." in n], 30)
+            engine.abort(["long-1"])
+            engine.submit(submit("next-2", 3))
+            out: list = []
+            until(lambda: out.extend(engine.step()) or out, 60)
+        finally:
+            engine.close()
+    assert [(type(x).__name__, x.request_id) for x in out] == [("StageDone", "next-2")]
     assert _leftovers(ns) == []

@@ -475,20 +475,21 @@ def test_sender_info_does_not_grow_with_the_number_of_requests() -> None:
         KVTransferManager(cfg, max_sender_info=0)
 
 
-class _GatedShm(SharedMemoryConnector):
-    """A real shared-memory connector whose puts wait while ``gate`` is clear."""
+class _HeldPutShm(SharedMemoryConnector):
+    """A real shared-memory connector whose puts wait while ``gate`` is clear (its registry
+    name is this module's own: test_runner_runtime registers a "GatedShm")."""
 
-    name = "GatedShm"
+    name = "HeldPutShm"
     gate = threading.Event()
     entered = threading.Event()
 
     def put(self, from_stage, to_stage, key, payload):
-        _GatedShm.entered.set()
-        assert _GatedShm.gate.wait(10), "the test never opened the gate"
+        _HeldPutShm.entered.set()
+        assert _HeldPutShm.gate.wait(10), "the test never opened the gate"
         return super().put(from_stage, to_stage, key, payload)
 
 
-register_connector("GatedShm", _GatedShm, replace=True)
+register_connector("HeldPutShm", _HeldPutShm, replace=True)
 
 
 @pytest.mark.forked
@@ -501,21 +502,21 @@ def test_discarded_kv_is_withdrawn_now_and_when_a_send_in_flight_completes() -> 
     def published() -> list[str]:  # KV segments (not the connector's own buffer pool)
         return _shm_leftovers("kvtestdiscard.k.")
 
-    cfg = _send_cfg("GatedShm", connector_config=ns)
+    cfg = _send_cfg("HeldPutShm", connector_config=ns)
     with KVTransferManager(cfg, num_kv_heads=2) as sender:
-        _GatedShm.gate.set()
+        _HeldPutShm.gate.set()
         sender.handle_finished_requests_kv_transfer({"sent": request_plan(1)}, caches, BLOCK, "auto")
         assert _wait_finished(sender, 1) == ({"sent"}, set()) and published()
         assert sender.discard_sent("sent") == 1 and published() == []
 
-        _GatedShm.gate.clear()
-        _GatedShm.entered.clear()
+        _HeldPutShm.gate.clear()
+        _HeldPutShm.entered.clear()
         plans = {"flying": request_plan(2), "kept": request_plan(3)}
         sender.handle_finished_requests_kv_transfer(plans, caches, BLOCK, "auto")
-        assert _GatedShm.entered.wait(10)  # "flying" is being put
+        assert _HeldPutShm.entered.wait(10)  # "flying" is being put
         assert sender.discard_sent("flying") == 0  # nothing out yet: withdrawn once it is
         assert sender.discard_sent("later") == 0  # not even submitted yet
-        _GatedShm.gate.set()
+        _HeldPutShm.gate.set()
         sender.handle_finished_requests_kv_transfer({"later": request_plan(4)}, caches, BLOCK, "auto")
         assert _wait_finished(sender, 3) == ({"flying", "kept", "later"}, set())
         assert sender.get_sender_info("flying") is None and sender.get_sender_info("later") is None

@@ -46,3 +46,7 @@ class ConnectorClosed(TransferRefused):
 class RequestRejected(KVBridgeError):
     """A stage refused one request for a reason of the request's own (a prompt longer than
     ``max_model_len``, invalid sampling parameters): that request fails, the stage goes on."""
+
+
+class RequestCancelled(KVBridgeError):
+    """Work on a request stopped early because it was aborted (nobody waits for its result)."""

@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from vllm_kvbridge.config.resolve import ResolvedStage
+from vllm_kvbridge.errors import RequestCancelled
 from vllm_kvbridge.pipeline import messages as m
 
 
@@ -184,6 +185,10 @@ class DiffusionStageEngine(StageEngine):
         with self._lock:
             self._aborted.update(request_ids)
 
+    def _is_aborted(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._aborted
+
     def step(self) -> list[m.StageDone | m.RequestFailed]:
         if self._rank1 is not None and self._rank1.poll() is not None:
             raise RuntimeError(f"rank 1 of this diffusion stage exited with status {self._rank1.returncode}")
@@ -214,7 +219,11 @@ class DiffusionStageEngine(StageEngine):
                     self._safe(lambda n=nxt: self.runner.prefetch(n))
                 started = time.time()
                 try:
-                    res = self.runner.execute(req)
+                    res = self.runner.execute(req, cancelled=lambda rid=msg.request_id: self._is_aborted(rid))
+                except RequestCancelled:
+                    with self._lock:  # aborted mid-way: nobody waits for it, say nothing
+                        self._aborted.discard(msg.request_id)
+                    continue
                 except Exception as exc:
                     self._done.put(
                         m.RequestFailed(msg.request_id, self.stage.stage_id, f"{type(exc).__name__}: {exc}")

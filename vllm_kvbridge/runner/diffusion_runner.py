@@ -32,7 +32,7 @@ a module that cannot be imported, built or loaded fails the stage at start.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm_kvbridge.errors import ConfigError, TransferError
+from vllm_kvbridge.errors import ConfigError, RequestCancelled, TransferError
 from vllm_kvbridge.models.guidance import CFG_NEGATIVE, cfg_combine, guidance_active
 from vllm_kvbridge.runner.mixin import KVBridgeModelRunnerMixin
 from vllm_kvbridge.runner.settings import load_dotted
@@ -104,8 +104,14 @@ def denoise(
     uncond_kv: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
     guidance_scale: float = 1.0,
     cfg_group: Any = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> torch.Tensor:
     """Run the Euler loop and return the decoded image(s) ``[batch, C, H, W]``.
+
+    ``cancelled`` is asked before every step of a single-rank run; when it says True the
+    loop stops with :class:`~vllm_kvbridge.errors.RequestCancelled` (an aborted request
+    frees the stage within one step, not after all of them). A CFG-parallel run ignores
+    it: both ranks must leave at the same step, and the other rank cannot see the abort.
 
     With ``uncond_kv`` every step is guided: ``cfg_combine(v(kv), v(uncond_kv), scale)``.
     ``cfg_group`` (a 2-rank ``torch.distributed`` group) runs it CFG-parallel: rank 0 of
@@ -130,6 +136,8 @@ def denoise(
             raise ConfigError("CFG-parallel denoising needs a guided request and a 2-rank group")
         rank = dist.get_rank(cfg_group)
     for i in range(num_steps):
+        if cancelled is not None and rank < 0 and cancelled():
+            raise RequestCancelled(f"denoising stopped at step {i} of {num_steps}: the request was aborted")
         t = torch.full((batch,), 1.0 - i / num_steps, device=device, dtype=dtype)
         if uncond_kv is None:
             v = module(x, t, kv, payload)
@@ -335,7 +343,8 @@ class DiffusionRunner(KVBridgeModelRunnerMixin):
         )
 
     # -- execution -----------------------------------------------------------------------
-    def execute(self, req: DiffusionRequest) -> DiffusionOutput:
+    def execute(self, req: DiffusionRequest, cancelled: Callable[[], bool] | None = None) -> DiffusionOutput:
+        """Receive ``req``'s KV and denoise; ``cancelled`` as for :func:`denoise`."""
         t0 = time.perf_counter()
         scale = self.guidance_scale if req.guidance_scale is None else float(req.guidance_scale)
         check_cfg_request(scale, req.cfg_purposes)
@@ -357,6 +366,7 @@ class DiffusionRunner(KVBridgeModelRunnerMixin):
             uncond_kv=uncond,
             guidance_scale=scale,
             cfg_group=self.cfg_group if uncond is not None else None,
+            cancelled=cancelled,
         )[0]
         return DiffusionOutput(
             req.request_id,
