@@ -422,6 +422,10 @@ class Pipeline:
         rec = next(x for x in r.stages if x.stage_id == msg.stage_id)
         rec.done, rec.started, rec.finished, rec.output = time.time(), msg.started, msg.finished, msg.output
         r.transfers.extend(msg.transfers)
+        # The stage is done with it: what it sent is the next stage's to consume (or, on an
+        # abort, to drop), so a later Abort goes there only. A producer still holding the
+        # request (its StageDone not read yet) gets the Abort and withdraws what it sent.
+        self._where.get(msg.request_id, set()).discard(msg.stage_id)
         self._progress(f"[{h.label}] {msg.request_id} done in {rec.wall_s:.2f} s")
         idx = self._order.index(msg.stage_id)
         if idx + 1 < len(self._order):
