@@ -44,6 +44,18 @@ def _stage(namespace: str, recv_timeout: float = 10.0, dump_dir: str | None = No
     return resolve_spec(spec_from_dict(cfg)).stage(1)
 
 
+def _sender(namespace: str) -> KVTransferManager:
+    """Stage 0's KV manager on the shared-memory edge ``namespace`` (2 KV heads)."""
+    cfg = KVTransferConfig(
+        need_send_cache=True,
+        stage_id=0,
+        to_stage=1,
+        connector="SharedMemoryConnector",
+        connector_config={"namespace": namespace},
+    )
+    return KVTransferManager(cfg, num_kv_heads=2)
+
+
 def _leftovers(namespace: str) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if f".{namespace}." in n]
 
@@ -54,14 +66,7 @@ def test_receive_prefetch_and_denoise_exact() -> None:
     ns = f"ditrun{os.getpid()}"
     caches = fake_cpu_caches(2, seed=5)
     plans = {"a-1": request_plan(1), "b-2": request_plan(2)}
-    send_cfg = KVTransferConfig(
-        need_send_cache=True,
-        stage_id=0,
-        to_stage=1,
-        connector="SharedMemoryConnector",
-        connector_config={"namespace": ns},
-    )
-    with KVTransferManager(send_cfg, num_kv_heads=2) as sender:
+    with _sender(ns) as sender:
         sender.handle_finished_requests_kv_transfer(plans, caches, BLOCK, "auto")
         deadline = time.monotonic() + 10
         done: set[str] = set()
@@ -133,14 +138,7 @@ def test_an_abort_stops_a_denoise_under_way_and_the_stage_serves_the_next() -> N
             time.sleep(0.02)
         return bool(predicate())
 
-    send_cfg = KVTransferConfig(
-        need_send_cache=True,
-        stage_id=0,
-        to_stage=1,
-        connector="SharedMemoryConnector",
-        connector_config={"namespace": ns},
-    )
-    with KVTransferManager(send_cfg, num_kv_heads=2) as sender:
+    with _sender(ns) as sender:
         sender.handle_finished_requests_kv_transfer(plans, caches, BLOCK, "auto")
         finished: set[str] = set()
         assert until(lambda: finished.update(sender.get_finished()[0]) or finished == set(plans), 10)
