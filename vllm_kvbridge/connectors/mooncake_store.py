@@ -178,24 +178,21 @@ class MooncakeStoreConnector(Connector):
             hasattr(store, n) for n in ("put_from", "get_into", "register_buffer", "unregister_buffer")
         )
 
-        soft = ReplicateConfig()
-        soft.soft_pin_action = SoftPinAction.ENABLE
-        soft.soft_pin_ttl_ms = self.soft_pin_ttl_ms
-        local = self.prefer_local_segment and self.global_segment_size > 0
-        pin_soft = self.pin == "soft" or (self.pin == "hard" and not local)
-        self._replicate = soft if pin_soft else ReplicateConfig()
-        #: what a hard-pinned put that landed in another client's segment is stored again with
-        self._spill_replicate: Any = None
-        if self.pin == "hard" and local:
-            self._replicate.with_hard_pin = True
-            self._spill_replicate = soft
-
         self._connect(store)
         self.hostname = str(store.get_hostname())
+        # A hard pin only where the object goes with this client (its own segment), see
+        # the module docstring; without one, objects always land elsewhere: soft-pinned.
+        local = self.prefer_local_segment and self.global_segment_size > 0
+        soft, hard = ReplicateConfig(), ReplicateConfig()
+        soft.soft_pin_action, soft.soft_pin_ttl_ms = SoftPinAction.ENABLE, self.soft_pin_ttl_ms
+        hard.with_hard_pin = True
+        configs = {"none": ReplicateConfig(), "soft": soft, "hard": hard if local else soft}
         if local:
-            self._replicate.preferred_segment = self.hostname
-            if self._spill_replicate is not None:
-                self._spill_replicate.preferred_segment = self.hostname
+            for rc in configs.values():
+                rc.preferred_segment = self.hostname
+        self._replicate = configs[self.pin]
+        #: what a hard-pinned put that landed in another client's segment is stored again with
+        self._spill_replicate: Any = soft if self._replicate is hard else None
         self.stats.add(spilled=0)  # shown in health() from the start
         self._pool = (
             RegisteredBufferPool(store.register_buffer, store.unregister_buffer, self.buffer_pool_bytes)
