@@ -77,15 +77,19 @@ class SentInfoTable:
         Returns the info there was (None: nothing sent yet)."""
         with self._lock:
             self._prune_locked()
-            self._withdrawn[request_id] = time.monotonic()
-            self._withdrawn.move_to_end(request_id)
-            entry = self._entries.get(request_id)
-            if entry is None:
-                return None
-            for rid in entry.ids:
-                self._entries.pop(rid, None)
-                self._withdrawn[rid] = self._withdrawn[request_id]
-            return entry.info
+            now = time.monotonic()
+            entry = self._pop_locked(request_id)
+            for rid in entry.ids if entry is not None else (request_id,):
+                self._withdrawn[rid] = now
+                self._withdrawn.move_to_end(rid)
+            return entry.info if entry is not None else None
+
+    def _pop_locked(self, request_id: str) -> _SentInfo | None:
+        """Remove ``request_id``'s record under every id it is filed under."""
+        entry = self._entries.get(request_id)
+        for rid in entry.ids if entry is not None else ():
+            self._entries.pop(rid, None)
+        return entry
 
     def _prune_locked(self) -> None:
         """Drop sender info (and withdrawn ids) past the TTL, then the oldest beyond
@@ -113,12 +117,7 @@ class SentInfoTable:
     def forget(self, request_id: str) -> bool:
         """Drop a request's info under all of its ids; True if there was any."""
         with self._lock:
-            entry = self._entries.get(request_id)
-            if entry is None:
-                return False
-            for rid in entry.ids:
-                self._entries.pop(rid, None)
-            return True
+            return self._pop_locked(request_id) is not None
 
     def __len__(self) -> int:
         with self._lock:
