@@ -17,12 +17,11 @@ from typing import Any
 
 import pytest
 import torch
-from kv_fixtures import BLOCK, fake_cpu_caches, reference_kv, request_plan
+from kv_fixtures import fake_cpu_caches, reference_kv, request_plan
+from runner_fixtures import send_cfg_kv
 
 from vllm_kvbridge.config import resolve_spec, spec_from_dict
 from vllm_kvbridge.errors import TransferTimeout
-from vllm_kvbridge.kv.config import KVTransferConfig
-from vllm_kvbridge.kv.manager import KVTransferManager
 from vllm_kvbridge.runner.diffusion_runner import DiffusionRequest, DiffusionRunner, denoise
 
 
@@ -44,18 +43,6 @@ def _stage(namespace: str, recv_timeout: float = 10.0, dump_dir: str | None = No
     return resolve_spec(spec_from_dict(cfg)).stage(1)
 
 
-def _sender(namespace: str) -> KVTransferManager:
-    """Stage 0's KV manager on the shared-memory edge ``namespace`` (2 KV heads)."""
-    cfg = KVTransferConfig(
-        need_send_cache=True,
-        stage_id=0,
-        to_stage=1,
-        connector="SharedMemoryConnector",
-        connector_config={"namespace": namespace},
-    )
-    return KVTransferManager(cfg, num_kv_heads=2)
-
-
 def _leftovers(namespace: str) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if f".{namespace}." in n]
 
@@ -66,16 +53,7 @@ def test_receive_prefetch_and_denoise_exact() -> None:
     ns = f"ditrun{os.getpid()}"
     caches = fake_cpu_caches(2, seed=5)
     plans = {"a-1": request_plan(1), "b-2": request_plan(2)}
-    with _sender(ns) as sender:
-        sender.handle_finished_requests_kv_transfer(plans, caches, BLOCK, "auto")
-        deadline = time.monotonic() + 10
-        done: set[str] = set()
-        while len(done) < 2 and time.monotonic() < deadline:
-            d, f = sender.get_finished()
-            assert not f
-            done |= d
-            time.sleep(0.01)
-        assert done == set(plans)
+    with send_cfg_kv(ns, caches, plans) as sender:  # sent, every send done
         runner = DiffusionRunner(_stage(ns, dump_dir=str(tmp_path)))
         try:
             reqs = [DiffusionRequest(f"user-{rid}", rid, 0, sender.get_sender_info(rid)) for rid in plans]
@@ -138,10 +116,7 @@ def test_an_abort_stops_a_denoise_under_way_and_the_stage_serves_the_next() -> N
             time.sleep(0.02)
         return bool(predicate())
 
-    with _sender(ns) as sender:
-        sender.handle_finished_requests_kv_transfer(plans, caches, BLOCK, "auto")
-        finished: set[str] = set()
-        assert until(lambda: finished.update(sender.get_finished()[0]) or finished == set(plans), 10)
+    with send_cfg_kv(ns, caches, plans) as sender:  # sent, every send done
 
         def submit(rid: str, steps: int) -> m.Submit:
             return m.Submit(
