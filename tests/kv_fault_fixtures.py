@@ -1,7 +1,7 @@
 """Fault injection for KV-sending LLM stages, usable as ``worker_cls`` in a stage config.
 
-``kv_fault_fixtures.FaultyKVWorker`` is the kvbridge CPU worker whose runner's KV
-connector is the stage's real connector, except that:
+``kv_fault_fixtures.FaultyKVWorker`` is the kvbridge CPU worker whose KV sender puts
+through the stage's real connector, except that:
 
 * the KV puts of the requests named in ``KVB_TEST_REFUSE_KV`` (comma-separated transfer
   ids) are refused, as a full store or a dead peer would refuse them;
@@ -20,7 +20,6 @@ from typing import Any
 
 from vllm_kvbridge.connectors.base import Connector, PutResult
 from vllm_kvbridge.connectors.keys import encode_request_id
-from vllm_kvbridge.connectors.registry import create_connector
 from vllm_kvbridge.runner.ar_runner import KVBridgeCPUModelRunner
 from vllm_kvbridge.runner.worker import KVBridgeCPUWorker
 
@@ -55,16 +54,18 @@ class WrappedConnector(Connector):
 
 
 class WrappedKVConnectorRunner(KVBridgeCPUModelRunner):
-    """The kvbridge CPU runner whose KV manager sends through ``wrap(real connector)``."""
+    """The kvbridge CPU runner whose KV connector's sender puts through ``wrap(real connector)``."""
 
     def wrap(self, inner: Connector) -> Connector:
         return WrappedConnector(inner)
 
-    def kvbridge_kv_manager_kwargs(self) -> dict[str, Any]:
-        kwargs = super().kvbridge_kv_manager_kwargs()
-        cfg = self.kvbridge_settings.kv_transfer_config()
-        kwargs["connector"] = self.wrap(create_connector(cfg.connector, cfg.connector_config))
-        return kwargs
+    def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> None:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        # vLLM created the connector just before; it builds its sender when the caches
+        # are registered, inside super().
+        get_kv_transfer_group().wrap_transport = self.wrap
+        super().initialize_kv_cache(*args, **kwargs)
 
 
 class RefuseKVPuts(WrappedConnector):

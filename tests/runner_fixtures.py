@@ -26,8 +26,22 @@ def shm_entries(namespace: str) -> list[str]:
     return sorted(n for n in os.listdir("/dev/shm") if namespace in n)
 
 
+def kv_sender_settings(namespace: str) -> dict[str, Any]:
+    """Runner settings of a stage 0 that sends KV to stage 1 over shared memory in ``namespace``."""
+    return {
+        "stage_id": 0,
+        "kv_transfer": {
+            "need_send_cache": True,
+            "to_stage": 1,
+            "connector": "SharedMemoryConnector",
+            "connector_config": {"namespace": namespace},
+        },
+    }
+
+
 def start_engine(model_dir: Path, settings: dict[str, Any], **extra: Any) -> Any:
-    """A vLLM engine on the tiny model with the kvbridge CPU worker and ``settings``."""
+    """A vLLM engine on the tiny model set up by ``engine_kwargs(settings)`` (vLLM's stock worker
+    for a stage that only sends KV, the kvbridge CPU worker for a payload stage)."""
     from vllm import LLM
 
     from vllm_kvbridge.runner.worker import engine_kwargs

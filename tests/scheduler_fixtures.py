@@ -19,7 +19,9 @@ from vllm_kvbridge.runner.worker import engine_kwargs
 BLOCK = 16
 
 
-def make_scheduler(model_dir: Path, settings: dict[str, Any], *, num_blocks: int, **engine_args: Any) -> Any:
+def make_scheduler(
+    model_dir: Path, settings: dict[str, Any], *, num_blocks: int, block_size: int = BLOCK, **engine_args: Any
+) -> Any:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -30,19 +32,19 @@ def make_scheduler(model_dir: Path, settings: dict[str, Any], *, num_blocks: int
         dtype="float32",
         enforce_eager=True,
         max_model_len=512,
-        block_size=BLOCK,
+        block_size=block_size,
         **engine_args,
         **engine_kwargs(settings, platform="cpu"),
     )
     config = args.create_engine_config()
     config.cache_config.num_gpu_blocks = num_blocks
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32)
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
     )
-    return Scheduler(config, kv_cache_config, StructuredOutputManager(config), block_size=BLOCK)
+    return Scheduler(config, kv_cache_config, StructuredOutputManager(config), block_size=block_size)
 
 
 def add_request(scheduler: Any, rid: str, prompt: list[int], max_tokens: int, **kvbridge: Any) -> None:

@@ -377,6 +377,18 @@ def test_from_vllm_config_and_stage_config() -> None:
     VllmConfig.additional_config = {"kvbridge": {"kv_transfer": {"oops": 1}}}
     with pytest.raises(ConfigError, match=r"kvbridge\.kv_transfer\.oops"):
         KVTransferManager.from_vllm_config(VllmConfig())
+    # The settings a stock `vllm serve --kv-transfer-config` carries, in the connector's extra config.
+    VllmConfig.additional_config = None
+    VllmConfig.kv_transfer_config = type("KVT", (), {"kv_connector_extra_config": {"kvbridge": {}}})()
+    VllmConfig.kv_transfer_config.kv_connector_extra_config["kvbridge"] = {
+        "kv_transfer": {"need_recv_cache": True, "from_stage": 0, "stage_id": 1}
+    }
+    mgr = KVTransferManager.from_vllm_config(VllmConfig())
+    assert (mgr.num_kv_heads, mgr.recv_stages) == (8, [0])
+    mgr.shutdown()
+    VllmConfig.additional_config = {"kvbridge": {"kv_transfer": {"need_recv_cache": False}}}
+    with pytest.raises(ConfigError, match="given twice and differ"):
+        KVTransferManager.from_vllm_config(VllmConfig())
     mgr = KVTransferManager.from_stage_config(
         {"stage_id": 3, "kv_transfer": {"need_send_cache": True, "to_stage": 4}}
     )

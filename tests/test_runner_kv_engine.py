@@ -1,4 +1,4 @@
-"""KV sent by a real vLLM engine (kvbridge CPU worker) equals transformers' past_key_values.
+"""KV sent by a real vLLM engine on vLLM's stock CPU worker equals transformers' past_key_values.
 
 One engine for the whole module (engines take ~30 s to start here). The sender is the
 engine's worker process; the receiver is this test process (a KV manager of "stage 1" on
@@ -17,6 +17,7 @@ from runner_fixtures import (
     HFReference,
     assert_kv_equal,
     kv_receiver,
+    kv_sender_settings,
     prompt_ids,
     shm_entries,
     shm_namespace,
@@ -32,15 +33,7 @@ NAMESPACE = shm_namespace("kv")
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path):
-    settings = {
-        "stage_id": 0,
-        "kv_transfer": {
-            "need_send_cache": True,
-            "to_stage": 1,
-            "connector": "SharedMemoryConnector",
-            "connector_config": {"namespace": NAMESPACE},
-        },
-    }
+    settings = kv_sender_settings(NAMESPACE)
     llm = start_engine(tiny_model_dir, settings, num_gpu_blocks_override=96, max_num_seqs=16)
     receiver = kv_receiver(NAMESPACE)
     try:
@@ -75,6 +68,17 @@ def _prompt(ids: list[int]):
     from vllm.inputs import TokensPrompt
 
     return TokensPrompt(prompt_token_ids=ids)
+
+
+def test_the_engine_runs_vllms_stock_worker_and_runner(engine) -> None:
+    """Issue 12: a stage that only sends KV needs nothing of kvbridge in vLLM's worker or
+    runner; the KV connector (given in kv_transfer_config) gathers and sends."""
+    llm, _ = engine
+    [state] = llm.collective_rpc("kvbridge_debug_state")
+    assert state["worker_cls"] == "vllm.v1.worker.cpu_worker.CPUWorker", state
+    assert state["model_runner_cls"] == "CPUModelRunner", state
+    worker_cls = llm.llm_engine.vllm_config.parallel_config.worker_cls
+    assert worker_cls in ("auto", "vllm.v1.worker.cpu_worker.CPUWorker"), worker_cls
 
 
 def test_on_finish_every_length_exact_without_follow_up_traffic(engine, hf) -> None:
@@ -152,5 +156,5 @@ def test_exact_under_block_reuse_pressure_and_concurrency(engine, hf) -> None:
         data, _ = receiver.receive_kv_cache_for_request(f"cc{i}")
         assert_kv_equal(data, hf.kv(prompt_ids(n, salt=10 + i) + generated[:-1]))
     state = llm.collective_rpc("kvbridge_debug_state")[0]
-    assert state["requests"] == [] and state["kv_pending"] == 0, state
+    assert state["kv_live"] == [] and state["kv_pending"] == 0, state
     assert [e for e in shm_entries(NAMESPACE) if ".k." in e] == []

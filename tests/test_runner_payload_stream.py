@@ -263,8 +263,7 @@ def test_facade_without_init_or_edges_gives_clear_errors() -> None:
     host.kvbridge_init({"stage_id": 3})
     with pytest.raises(ConfigError, match="no payload input edges"):
         host.kvbridge_expect_payload("x")
-    with pytest.raises(ConfigError, match="no kv_transfer settings"):
-        host.kvbridge_send_kv([("x", [0], 1)])
+    assert host.kvbridge_kv_manager is None  # no kv_transfer settings: nothing to receive
     host.kvbridge_shutdown()
 
 
@@ -346,7 +345,7 @@ def test_a_connector_error_in_the_step_fails_the_requests_never_the_engine() -> 
     try:
         host.kvbridge_register_request("e1", "r1", capture=True)
         host.kvbridge_add_step_output("e1", {"h": torch.ones(1, 2)})  # below chunk_size: no put
-        host.kvbridge_connector_step([], {"e1": ("aborted", "r1")})  # must not raise
+        host.kvbridge_connector_step({"e1": ("aborted", "r1")})  # must not raise
         status = host.kvbridge_transfer_status(["r1"])["r1"]
         assert status["payload"].startswith("failed") and "store is unreachable" in status["payload"]
         _wait(lambda: host.kvbridge_debug_state()["requests"] == [])

@@ -1,4 +1,4 @@
-"""Runtime layer without vLLM: deferred cleanup of in-flight KV sends, release at process
+"""Runtime layer and KV sender without an engine: in-flight KV sends, release at process
 exit, and reaping of what a killed process left (real connectors, threads, processes)."""
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from vllm_kvbridge.connectors.registry import create_connector, register_connect
 from vllm_kvbridge.connectors.shm import SharedMemoryConnector
 from vllm_kvbridge.kv.config import KVTransferConfig
 from vllm_kvbridge.kv.manager import KVTransferManager
-from vllm_kvbridge.runner.mixin import KVBridgeModelRunnerMixin
+from vllm_kvbridge.runner.kv_sender import WorkerKVSender
 from vllm_kvbridge.runner.runtime import reap_stage_leftovers
+from vllm_kvbridge.runner.settings import RunnerSettings
+from vllm_kvbridge.runner.vllm_connector import KVSendSpec
 
 pytestmark = pytest.mark.forked
 
@@ -43,19 +45,6 @@ class _GatedShm(SharedMemoryConnector):
 register_connector("GatedShm", _GatedShm, replace=True)
 
 
-class _KVHost(KVBridgeModelRunnerMixin):
-    """A runner that owns a paged KV cache (the host hooks of a KV sender)."""
-
-    def __init__(self, caches: list[torch.Tensor]) -> None:
-        self.caches = caches
-
-    def kvbridge_kv_caches(self) -> list[torch.Tensor]:
-        return self.caches
-
-    def kvbridge_block_size(self) -> int:
-        return BLOCK
-
-
 def _wait(pred, timeout: float = 10.0) -> None:
     end = time.monotonic() + timeout
     while not pred():
@@ -68,11 +57,12 @@ def _kvbridge_threads() -> list[str]:
 
 
 @pytest.mark.parametrize("aborted", [False, True])
-def test_request_ended_while_its_kv_send_is_in_flight_is_kept_until_the_send_completes(aborted: bool) -> None:
+def test_request_ended_while_its_kv_send_is_in_flight_reads_pending_until_the_send_completes(
+    aborted: bool,
+) -> None:
     ns = shm_namespace("gate")
     caches, plan = fake_cpu_caches(2, 3), request_plan(5)
-    host = _KVHost(caches)
-    host.kvbridge_init(
+    settings = RunnerSettings.from_dict(
         {
             "stage_id": 0,
             "kv_transfer": {
@@ -83,44 +73,57 @@ def test_request_ended_while_its_kv_send_is_in_flight_is_kept_until_the_send_com
             },
         }
     )
+    sender = WorkerKVSender(settings, caches, None, num_kv_heads=2, block_size=BLOCK)
     _GatedShm.gate.clear()
     try:
-        host.kvbridge_register_request("eng-1", "user-1")
-        assert host.kvbridge_send_kv([("eng-1", plan["block_ids"], plan["seq_len"])]) == ["eng-1"]
-        host.kvbridge_mark_finished("eng-1", aborted=aborted)
+        spec = KVSendSpec("eng-1", "user-1", tuple(plan["block_ids"]), plan["seq_len"], release=True)
+        sender.send([spec])  # gathers now: the blocks may be reused once it returns
+        if aborted:
+            sender.mark_aborted(["eng-1"])
         time.sleep(0.2)  # the I/O thread is now blocked in the put
-        # Ended, but the send is in flight: the state stays (deferred cleanup).
-        state = host.kvbridge_debug_state()
-        assert state["requests"] == ["eng-1"] and state["kv_pending"] == 1, state
-        kept = host.kvbridge_request_state("eng-1")
-        assert kept.finished and kept.aborted == aborted and kept.kv == "pending"
-        assert host.kvbridge_transfer_status(["user-1"])["user-1"]["kv"] == "pending"
-        _GatedShm.gate.set()
-        # Once the send completed, the next reap releases everything of the request.
-        _wait(lambda: host.kvbridge_debug_state()["requests"] == [])
-        assert host.kvbridge_request_state("eng-1") is None
-        assert host.kvbridge_debug_state()["kv_pending"] == 0
-        assert host.kvbridge_transfer_status(["user-1"])["user-1"] == {
-            "kv": "done",
-            "payload": "none",
-            "aborted": str(aborted).lower(),
+        assert sender.pending() == 1
+        assert sender.status(["user-1", "eng-1"]) == {
+            rid: {"kv": "pending", "aborted": str(aborted).lower()} for rid in ("user-1", "eng-1")
         }
-        assert host._kvb_engine_to_transfer == {}
-        # The KV that left is whole (the gather happened before the request ended).
-        info = host.kvbridge_sender_info(["eng-1"])["kv"]["eng-1"]
+        caches[0].fill_(-1.0)  # what the gather copied is what leaves, whatever the cache holds now
+        _GatedShm.gate.set()
+        _wait(lambda: sender.status(["user-1"])["user-1"]["kv"] == "done")
+        assert sender.pending() == 0
+        assert sender.status(["user-1"])["user-1"] == {"kv": "done", "aborted": str(aborted).lower()}
+        assert sender.status(["never-sent"])["never-sent"]["kv"] == "unknown"
+        # The KV that left is whole.
+        info = sender.sender_info(["user-1"])["user-1"]
         recv = KVTransferConfig(
             need_recv_cache=True, stage_id=1, from_stage=0, recv_timeout=5, connector_config={"namespace": ns}
         )
+        keys, values = reference_kv(fake_cpu_caches(2, 3), plan)
         with KVTransferManager(recv) as receiver:
             data, _ = receiver.receive_kv_cache_for_request("user-1", sender_info=info)
-            keys, values = reference_kv(caches, plan)
             assert all(torch.equal(a, b) for a, b in zip(data.key_cache, keys))
             assert all(torch.equal(a, b) for a, b in zip(data.value_cache, values))
             del data
     finally:
         _GatedShm.gate.set()
-        host.kvbridge_shutdown()
+        sender.shutdown()
     assert _kvbridge_threads() == []
+    assert shm_entries(ns) == []
+
+
+def test_a_send_whose_gather_fails_reads_failed_with_the_reason() -> None:
+    ns = shm_namespace("badgather")
+    settings = RunnerSettings.from_dict(
+        {
+            "stage_id": 0,
+            "kv_transfer": {"need_send_cache": True, "to_stage": 1, "connector_config": {"namespace": ns}},
+        }
+    )
+    sender = WorkerKVSender(settings, fake_cpu_caches(2, 3), None, num_kv_heads=2, block_size=BLOCK)
+    try:
+        sender.send([KVSendSpec("eng-1", "user-1", (0,), 5 * BLOCK, release=True)])  # 1 block, 5 needed
+        status = sender.status(["user-1"])["user-1"]["kv"]
+        assert status.startswith("failed: gather failed") and "blocks hold at most" in status, status
+    finally:
+        sender.shutdown()
     assert shm_entries(ns) == []
 
 

@@ -12,17 +12,10 @@ import math
 from pathlib import Path
 
 import pytest
+from runner_fixtures import kv_sender_settings
 from scheduler_fixtures import BLOCK, add_request, make_scheduler, step
 
-SETTINGS = {
-    "stage_id": 0,
-    "kv_transfer": {
-        "need_send_cache": True,
-        "to_stage": 1,
-        "connector": "SharedMemoryConnector",
-        "connector_config": {"namespace": "tsched"},
-    },
-}
+SETTINGS = kv_sender_settings("tsched")
 TRIGGER, OTHER = 7, 11
 
 

@@ -85,6 +85,7 @@ def test_external_request_ids(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_start_up_check_refuses_a_runner_without_the_mixin() -> None:
     from vllm_kvbridge.runner.mixin import KVBridgeModelRunnerMixin
+    from vllm_kvbridge.runner.worker import CPU_WORKER as CPU
     from vllm_kvbridge.runner.worker import check_worker_cls, engine_kwargs, validate_runner
 
     settings = RunnerSettings.from_dict(GOOD)
@@ -107,9 +108,16 @@ def test_start_up_check_refuses_a_runner_without_the_mixin() -> None:
     check_worker_cls("vllm_kvbridge.runner.worker.KVBridgeCPUWorker", GOOD)
 
     kwargs = engine_kwargs(GOOD, platform="cpu")
-    assert kwargs["worker_cls"] == "vllm_kvbridge.runner.worker.KVBridgeCPUWorker"
-    assert kwargs["additional_config"] == {"kvbridge": GOOD}
+    assert kwargs["worker_cls"] == "vllm_kvbridge.runner.worker.KVBridgeCPUWorker"  # payloads: hooks
     assert kwargs["kv_transfer_config"]["kv_connector"] == "KVBridgeConnector"
+    assert kwargs["kv_transfer_config"]["kv_connector_extra_config"] == {"kvbridge": GOOD}
+    # KV alone: vLLM's stock worker (plus the RPC extension); any worker_cls given is kept.
+    kv_only = {"stage_id": 0, "kv_transfer": {"need_send_cache": True, "to_stage": 1}}
+    kwargs = engine_kwargs(kv_only, platform="cpu")
+    assert "worker_cls" not in kwargs and kwargs["worker_extension_cls"].endswith("KVBridgeWorkerExtension")
+    assert kwargs["kv_transfer_config"]["kv_connector_extra_config"] == {"kvbridge": kv_only}
+    check_worker_cls("vllm.v1.worker.cpu_worker.CPUWorker", kv_only)
+    assert engine_kwargs(kv_only, worker_cls=CPU)["worker_cls"] == CPU
     with pytest.raises(ConfigError, match="unknown key"):
         engine_kwargs({"bogus": 1}, platform="cpu")
 

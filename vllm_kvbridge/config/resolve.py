@@ -24,7 +24,8 @@ from vllm_kvbridge.config.loader import load_spec
 from vllm_kvbridge.config.schema import DiffusionSpec, PipelineSpec, StageSpec
 from vllm_kvbridge.errors import ConfigError
 
-#: Worker classes used for LLM stages when ``worker_cls`` is not given, per platform.
+#: Worker classes used for LLM stages that move payloads when ``worker_cls`` is not given,
+#: per platform (a stage that only sends KV runs vLLM's stock worker: ``worker_cls`` None).
 DEFAULT_WORKER_CLS = {
     "cpu": "vllm_kvbridge.runner.worker.KVBridgeCPUWorker",
     "gpu": "vllm_kvbridge.runner.worker.KVBridgeGPUWorker",
@@ -415,7 +416,10 @@ def _resolve_stage(
         if any(e.payload_mode != "none" for e in inputs):
             # The received hidden states become the prompt (vLLM's prompt-embeds input).
             engine_args["enable_prompt_embeds"] = True
-        worker_cls = s.worker_cls or DEFAULT_WORKER_CLS[platform]
+        worker_cls = s.worker_cls
+        if worker_cls is None and any(e.payload_mode != "none" for e in inputs + outputs):
+            # Payload capture hooks the model runner; KV alone runs on vLLM's stock worker.
+            worker_cls = DEFAULT_WORKER_CLS[platform]
     diffusion = None
     if s.kind == "diffusion":
         diffusion = msgspec.structs.asdict(s.diffusion or DiffusionSpec())

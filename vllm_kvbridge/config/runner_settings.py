@@ -2,8 +2,8 @@
 
 * :func:`kv_transfer_config_dict`: the stage's KV settings as the keyword dict of
   :class:`vllm_kvbridge.kv.config.KVTransferConfig` (``KVTransferConfig.from_dict``).
-* :func:`runner_settings`: the dict an LLM stage's worker receives as
-  ``vllm_config.additional_config["kvbridge"]`` (read by ``RunnerSettings.from_dict``).
+* :func:`runner_settings`: the dict an LLM stage receives in its ``kv_transfer_config`` as
+  ``kv_connector_extra_config["kvbridge"]`` (read by ``RunnerSettings.from_vllm_config``).
 
 These are the only two places that translate the YAML schema into the lower layers'
 settings, so a renamed field changes here and nowhere else.
@@ -51,7 +51,7 @@ def kv_transfer_config_dict(stage: ResolvedStage) -> dict[str, Any]:
 
 
 def runner_settings(stage: ResolvedStage) -> dict[str, Any]:
-    """``additional_config["kvbridge"]`` for an LLM stage's worker (``RunnerSettings.from_dict``)."""
+    """The kvbridge settings of an LLM stage (``RunnerSettings.from_dict``; see the module doc)."""
     kv = stage.kv_transfer
     payload = stage.payload
     capture = set(payload.get("capture", []))

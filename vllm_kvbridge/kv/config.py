@@ -1,7 +1,7 @@
 """``KVTransferConfig``: what one stage does with KV caches.
 
-It comes from a stage config (``kv_transfer:`` section) or from vLLM's
-``additional_config["kvbridge"]["kv_transfer"]`` (see
+It comes from a stage config (``kv_transfer:`` section) or from the kvbridge settings in
+vLLM's config (:func:`vllm_settings`; see
 :meth:`vllm_kvbridge.kv.manager.KVTransferManager.from_vllm_config`). Unknown keys
 are rejected with their name; types are checked by msgspec.
 """
@@ -15,7 +15,10 @@ import msgspec
 
 from vllm_kvbridge.errors import ConfigError
 
-__all__ = ["KVTransferConfig"]
+__all__ = ["KVTransferConfig", "vllm_settings"]
+
+#: The key of kvbridge's settings in vLLM's ``kv_connector_extra_config`` / ``additional_config``.
+SETTINGS_KEY = "kvbridge"
 
 StageId = int | str
 
@@ -131,3 +134,25 @@ class KVTransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     def backoff(self, attempt: int) -> float:
         """Seconds to wait before retry number ``attempt`` (0-based)."""
         return min(self.send_backoff_s * (2**attempt), self.send_max_backoff_s)
+
+
+def vllm_settings(vllm_config: Any) -> tuple[Mapping[str, Any] | None, str]:
+    """The kvbridge settings dict in a vLLM config and where it was found (for errors).
+
+    ``kv_transfer_config.kv_connector_extra_config["kvbridge"]`` (the one argument a stock
+    ``vllm serve --kv-transfer-config`` needs), else ``additional_config["kvbridge"]``;
+    ``(None, ...)`` when neither is set. Both set and different is an error.
+    """
+    kv_transfer = getattr(vllm_config, "kv_transfer_config", None)
+    extra = getattr(kv_transfer, "kv_connector_extra_config", None) or {}
+    additional = getattr(vllm_config, "additional_config", None) or {}
+    from_extra = extra.get(SETTINGS_KEY) if isinstance(extra, Mapping) else None
+    from_additional = additional.get(SETTINGS_KEY) if isinstance(additional, Mapping) else None
+    if from_extra is not None and from_additional is not None and from_extra != from_additional:
+        raise ConfigError(
+            "kvbridge settings are given twice and differ: kv_transfer_config."
+            "kv_connector_extra_config['kvbridge'] and additional_config['kvbridge']; give one"
+        )
+    if from_extra is not None:
+        return from_extra, f"kv_connector_extra_config.{SETTINGS_KEY}"
+    return from_additional, f"additional_config.{SETTINGS_KEY}"

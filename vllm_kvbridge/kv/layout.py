@@ -317,6 +317,47 @@ def layout_from_vllm(model_runner: Any, kv_cache_group_id: int = 0) -> KVCacheLa
     )
 
 
+def layout_from_kv_cache_config(
+    vllm_config: Any, kv_cache_config: Any, kv_cache_group_id: int = 0
+) -> KVCacheLayout:
+    """The layout of the caches vLLM registers with a KV connector (``register_kv_caches``).
+
+    What a connector sees, with no model runner: the attention backend of the group's
+    layers (vLLM's ``get_current_attn_backends``, which any runner's layers answer), the
+    group's KV cache spec and the kernel block size vLLM picks for them
+    (``select_common_block_size``, as ``prepare_kernel_block_sizes`` does).
+    """
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+    from vllm.v1.worker.utils import select_common_block_size
+
+    try:
+        group = kv_cache_config.kv_cache_groups[kv_cache_group_id]
+    except (AttributeError, IndexError) as exc:
+        raise KVLayoutError(f"KV cache config has no group {kv_cache_group_id}: {exc}") from exc
+    spec = group.kv_cache_spec
+    specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: all the same type
+    if specs:
+        spec = next(iter(specs.values()))
+    backend = get_current_attn_backends(vllm_config, list(group.layer_names))[0]
+    kernel_block_size = spec.block_size
+    # Block-outermost packing puts other layers' pages between the blocks: never split.
+    outermost = any(
+        getattr(t, "block_stride", 0) > getattr(t, "layer_stride", 0)
+        for t in getattr(kv_cache_config, "kv_cache_tensors", ())
+        if not set(getattr(t, "layers", ())).isdisjoint(group.layer_names)
+    )
+    if getattr(spec, "has_layer_views", False) and not outermost:
+        kernel_block_size = select_common_block_size(spec.block_size, [backend], [spec])
+    return layout_for_backend(
+        backend,
+        spec,
+        kv_cache_layout=getattr(kv_cache_config, "kv_cache_layout", None),
+        cache_dtype=vllm_config.cache_config.cache_dtype,
+        model_dtype=vllm_config.model_config.dtype,
+        kernel_block_size=kernel_block_size,
+    )
+
+
 # -- block ids ----------------------------------------------------------------------------
 
 

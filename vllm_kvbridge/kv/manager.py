@@ -78,7 +78,7 @@ from vllm_kvbridge.connectors.keys import KV
 from vllm_kvbridge.connectors.registry import create_connector
 from vllm_kvbridge.errors import ConfigError, TransferCorrupt, TransferError
 from vllm_kvbridge.kv.cfg import CollectFunc, receive_with_companions
-from vllm_kvbridge.kv.config import KVTransferConfig, StageId
+from vllm_kvbridge.kv.config import KVTransferConfig, StageId, vllm_settings
 from vllm_kvbridge.kv.distribution import KVDistributor
 from vllm_kvbridge.kv.layout import KVCacheLayout
 from vllm_kvbridge.kv.metrics import KVTransferMetrics
@@ -148,17 +148,18 @@ class KVTransferManager:
     # -- construction ------------------------------------------------------------------
     @classmethod
     def from_vllm_config(cls, vllm_config: Any, model_config: Any = None, **kwargs: Any) -> KVTransferManager:
-        """Build from vLLM's config: ``vllm_config.additional_config["kvbridge"]["kv_transfer"]``.
+        """Build from the ``kv_transfer`` entry of the kvbridge settings in vLLM's config
+        (:func:`~vllm_kvbridge.kv.config.vllm_settings`).
 
         That entry is a dict of :class:`KVTransferConfig` fields. ``num_kv_heads`` comes from
         ``model_config.get_total_num_kv_heads()`` (``model_config`` defaults to
         ``vllm_config.model_config``) and ``tp_rank`` from vLLM's TP group when initialised.
         """
-        extra = getattr(vllm_config, "additional_config", None) or {}
-        section = (extra.get("kvbridge") or {}).get("kv_transfer") if isinstance(extra, Mapping) else None
+        settings, where = vllm_settings(vllm_config)
+        section = settings.get("kv_transfer") if isinstance(settings, Mapping) else None
         if section is None:
-            raise ConfigError('additional_config["kvbridge"]["kv_transfer"] is missing')
-        config = KVTransferConfig.from_dict(section, path="additional_config.kvbridge.kv_transfer")
+            raise ConfigError(f"{where}.kv_transfer is missing")
+        config = KVTransferConfig.from_dict(section, path=f"{where}.kv_transfer")
         model_config = model_config or getattr(vllm_config, "model_config", None)
         if "num_kv_heads" not in kwargs and config.num_kv_heads is None and model_config is not None:
             kwargs["num_kv_heads"] = int(model_config.get_total_num_kv_heads())

@@ -1,15 +1,18 @@
 """The engine of an *external* LLM stage: an OpenAI-compatible server (a stock ``vllm serve``).
 
-A stage whose config has ``url`` is served by a server someone started beforehand, e.g.::
+A stage whose config has ``url`` is served by a server someone started beforehand, e.g.
+a stock vLLM server for a stage that sends KV::
 
-    vllm serve MODEL --worker-cls vllm_kvbridge.runner.worker.KVBridgeCPUWorker \\
-        --additional-config '{"kvbridge": {...runner settings...}}' \\
-        --kv-transfer-config '{"kv_connector": "KVBridgeConnector", ...}' --port 8001
+    vllm serve MODEL --port 8001 --kv-transfer-config \\
+        '{"kv_connector": "KVBridgeConnector",
+          "kv_connector_module_path": "vllm_kvbridge.runner.vllm_connector",
+          "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"kvbridge": {...runner settings...}}}'
 
-(:func:`vllm_serve_argv` builds exactly this from the stage config). The kvbridge worker in
-that server sends each finished request's KV/payloads on the stage's edges, like an
-engine the orchestrator started. This engine forwards each :class:`Submit` as
-``POST {url}/v1/completions`` with the orchestrator's request id (``request_id`` in the
+(:func:`vllm_serve_argv` builds exactly this from the stage config; a payload stage adds
+``--worker-cls``). The KV connector in that server sends each finished request's KV on
+the stage's edges, like an engine the orchestrator started. This engine forwards each
+:class:`Submit` as ``POST {url}/v1/completions`` with the orchestrator's request id (``request_id`` in the
 body: vLLM names the request ``cmpl-<id>-0``) and reads the transfer id the kvbridge
 KV connector reports in the response's ``kv_transfer_params``
 (``kvbridge_transfer_id``); that id goes to the next stage, whose receiver finds the KV by
@@ -49,8 +52,8 @@ def vllm_serve_argv(stage: ResolvedStage, model: str, *, port: int, host: str = 
 
     kw = engine_kwargs(runner_settings(stage), worker_cls=stage.worker_cls)
     argv = ["vllm", "serve", model, "--host", host, "--port", str(port)]
-    argv += ["--worker-cls", kw["worker_cls"]]
-    argv += ["--additional-config", json.dumps(kw["additional_config"], separators=(",", ":"))]
+    if "worker_cls" in kw:  # a payload stage; one that only sends KV runs the stock worker
+        argv += ["--worker-cls", kw["worker_cls"]]
     argv += ["--kv-transfer-config", json.dumps(kw["kv_transfer_config"], separators=(",", ":"))]
     if stage.tensor_parallel_size != 1:
         argv += ["--tensor-parallel-size", str(stage.tensor_parallel_size)]

@@ -2,10 +2,11 @@
 
 What it adds to vLLM's runner:
 
-* **KV at the right moment.** The runner attaches itself to the worker half of
-  :class:`~vllm_kvbridge.runner.vllm_connector.KVBridgeConnector` once its KV caches exist
-  (:meth:`initialize_kv_cache`); the connector hands it each step's sends after the forward
-  (see that module for the triggers and the block-lifetime guarantee).
+* **KV is the connector's.** vLLM registers the caches with the worker half of
+  :class:`~vllm_kvbridge.runner.vllm_connector.KVBridgeConnector`, which gathers and sends
+  (see that module for the triggers and the block-lifetime guarantee); the runner attaches
+  itself there once its KV caches exist (:meth:`initialize_kv_cache`) to hear which
+  requests end and to answer KV status with its payload status.
 * **Hidden-state capture** for payloads (thinker -> talker). ``_model_forward`` returns the
   model's final hidden states (for Llama-style models the final-norm output, what
   ``compute_logits`` consumes), one row per scheduled token in ``input_batch`` row order
@@ -36,9 +37,14 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_kvbridge.errors import ConfigError
-from vllm_kvbridge.runner.mixin import KVBridgeModelRunnerMixin
+from vllm_kvbridge.runner.mixin import KVBridgeModelRunnerMixin, RunnerHost
 from vllm_kvbridge.runner.settings import RunnerSettings
-from vllm_kvbridge.runner.vllm_connector import KVBridgeConnector, request_options, transfer_id_for
+from vllm_kvbridge.runner.vllm_connector import (
+    KVBridgeConnector,
+    request_options,
+    tp_position,
+    transfer_id_for,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,14 +71,7 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
 
     def _kvbridge_setup_from_vllm(self) -> None:
         settings = RunnerSettings.from_vllm_config(self.vllm_config)
-        tp_rank, tp_size, tp_group = 0, 1, None
-        try:
-            from vllm.distributed.parallel_state import get_tp_group
-
-            group = get_tp_group()
-            tp_rank, tp_size, tp_group = group.rank_in_group, group.world_size, group.cpu_group
-        except (AssertionError, ImportError):  # no distributed env (unit use)
-            pass
+        tp_rank, tp_size, tp_group = tp_position()
         self.kvbridge_init(settings, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
         payload = settings.payload
         self._kvb_capture_on = bool(payload.outputs) and (
@@ -82,25 +81,8 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
             check_capture_supported(self.vllm_config)
         self._kvb_step_rows: dict[str, torch.Tensor] = {}
         self._kvb_scheduler_output: Any = None
-
-    # -- host contract -----------------------------------------------------------------------
-    def kvbridge_kv_caches(self) -> list[torch.Tensor]:
-        return self.kv_caches
-
-    def kvbridge_block_size(self) -> int:
-        return self.cache_config.block_size
-
-    def kvbridge_cache_dtype(self) -> Any:
-        return self.kv_caches[0].dtype
-
-    def kvbridge_kv_manager_kwargs(self) -> dict[str, Any]:
-        from vllm_kvbridge.kv.layout import layout_from_vllm
-
-        kwargs = super().kvbridge_kv_manager_kwargs()
-        kwargs["num_kv_heads"] = int(self.model_config.get_total_num_kv_heads())
-        if self.kv_caches:
-            kwargs["layout"] = layout_from_vllm(self)
-        return kwargs
+        if not isinstance(self, RunnerHost):
+            raise ConfigError(f"{type(self).__name__} lacks what the capture hooks read (RunnerHost)")
 
     # -- vLLM overrides ----------------------------------------------------------------------
     def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> None:
@@ -109,6 +91,7 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
 
         connector = get_kv_transfer_group() if has_kv_transfer_group() else None
         if isinstance(connector, KVBridgeConnector):
+            # vLLM registered the caches with it in super(): it built its KV sender there.
             connector.attach_host(self)
             self.kvbridge_connect()  # now, not on the model thread mid-serving
         elif self._kvb_settings.sends_kv or self._kvb_settings.payload.outputs:

@@ -17,24 +17,27 @@ the receive side (``kvbridge_kv_manager``, ``kvbridge_expect_payload`` /
 
 Host contract
 -------------
-:class:`RunnerHost` lists what the host provides. Only KV *senders* need the hooks
-(``kvbridge_kv_caches``, ``kvbridge_block_size``; ``kvbridge_cache_dtype`` defaults to the
-first cache's dtype). The mixin calls into the host only from those hooks; the host calls
-the mixin:
+KV is not the runner's business: vLLM hands its paged caches to the KV connector
+(``register_kv_caches``), whose worker half gathers and sends
+(:mod:`vllm_kvbridge.runner.kv_sender`), with or without this mixin. What the host runner
+does, and on which thread:
 
 * ``kvbridge_init(settings, tp_rank=, tp_size=, tp_group=)`` once, before anything else;
+* ``kvbridge_attach_kv_sender(sender)`` once the connector built its sender (a runner that
+  sends KV; status and sender info then answer for both);
 * ``kvbridge_register_request(id, transfer_id, capture=)`` when a request starts (optional:
   the other calls register on first use);
-* ``kvbridge_add_step_output(id, outputs)`` after every step of a captured request;
-* ``kvbridge_send_kv([(id, block_ids, num_tokens)])`` when a request's KV is due, *before*
-  its blocks can be reused (the gather copies them on the calling thread);
+* ``kvbridge_add_step_output(id, outputs)`` after every step of a captured request, on the
+  model thread;
 * ``kvbridge_mark_finished(id, aborted=)`` when it ends (flushes or cancels payloads; the
-  state is dropped once nothing is in flight);
+  state is dropped once nothing is in flight); vLLM runners get it through
+  :meth:`KVBridgeModelRunnerMixin.kvbridge_connector_step`, from the connector's
+  ``wait_for_save``;
 * ``kvbridge_shutdown()`` at the end.
 
-vLLM runners get all of this from :mod:`vllm_kvbridge.runner.ar_runner`, where
-:meth:`KVBridgeModelRunnerMixin.kvbridge_connector_step` is driven by the vLLM KV
-connector (:mod:`vllm_kvbridge.runner.vllm_connector`).
+:class:`RunnerHost` is the part of vLLM's runner the AR runners read
+(:mod:`vllm_kvbridge.runner.ar_runner` checks it at start-up); a custom runner for another
+engine provides the same.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from vllm_kvbridge.runner.payload_transport import _PayloadTransportMixin
@@ -52,54 +55,23 @@ logger = logging.getLogger(__name__)
 
 @runtime_checkable
 class RunnerHost(Protocol):
-    """What a runner class composed with the mixin provides (KV senders only)."""
+    """What a vLLM-style runner provides to the capture hooks of the AR runners."""
 
-    def kvbridge_kv_caches(self) -> Sequence[Any]:
-        """Per-layer paged KV cache tensors, in layer order."""
-        ...
-
-    def kvbridge_block_size(self) -> int:
-        """Tokens per block of the block ids passed to ``kvbridge_send_kv``."""
-        ...
-
-    def kvbridge_cache_dtype(self) -> Any:
-        """The KV cache dtype (torch dtype or vLLM ``cache_dtype`` string)."""
-        ...
+    vllm_config: Any
+    input_batch: Any  # ``req_ids``: the order of the forward's rows
+    requests: Mapping[str, Any]  # id -> state with ``sampling_params``, ``num_computed_tokens``
 
 
 class KVBridgeModelRunnerMixin(_PayloadTransportMixin):
     """The facade: everything of the runtime and payload layers plus the vLLM connector hook."""
 
-    def kvbridge_connector_step(self, sends: Sequence[Any], finished: Mapping[str, tuple[str, str]]) -> None:
-        """One engine step's work from the vLLM KV connector (runs after the forward).
-
-        ``sends``: :class:`~vllm_kvbridge.runner.vllm_connector.KVSendSpec` items; the gather
-        happens here, while the scheduler still holds their blocks. ``finished``: internal id ->
-        (``"finished"``/``"aborted"``, transfer id) of requests that ended since the last step.
+    def kvbridge_connector_step(self, finished: Mapping[str, tuple[str, str]]) -> None:
+        """Requests that ended since the last step, from the vLLM KV connector (after the
+        forward): internal id -> (``"finished"``/``"aborted"``, transfer id).
 
         Runs inside vLLM's ``wait_for_save``: an error here would take the engine down, so it
-        fails the requests it concerns (their status says why) and never propagates.
+        fails the payload of the request it concerns (its status says why) and never propagates.
         """
-        if sends:
-            try:
-                for spec in sends:
-                    self.kvbridge_register_request(spec.req_id, spec.transfer_id)
-                self.kvbridge_send_kv(
-                    [
-                        (
-                            s.req_id,
-                            s.block_ids,
-                            s.num_tokens,
-                            {"purpose": s.purpose, "companion_of": s.companion_of},
-                        )
-                        for s in sends
-                    ]
-                )
-            except Exception as exc:
-                logger.exception("kvbridge: KV sends of this step could not start")
-                why = f"KV send could not start: {type(exc).__name__}: {exc}"
-                for spec in sends:
-                    self.kvbridge_fail_request(spec.req_id, "kv", why)
         for req_id, (kind, _transfer_id) in finished.items():
             aborted = kind == "aborted"
             try:
@@ -122,7 +94,7 @@ class KVBridgeModelRunnerMixin(_PayloadTransportMixin):
             "payload_in_flight": {peer: s.in_flight() for peer, s in senders.items()},
             "payload_tracked": {peer: sorted(s.tracked()) for peer, s in senders.items()},
             "receiving": {peer: sorted(r.pending()) for peer, r in receivers.items()},
-            "kv_pending": self._kvb_kv_manager.pending_sends() if self._kvb_kv_manager is not None else 0,
+            "kv_pending": self.kvbridge_kv_sender.pending() if self.kvbridge_kv_sender is not None else 0,
             "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("kvbridge-")),
         }
 

@@ -39,19 +39,18 @@ process once the workers are gone, and which every new runtime runs at start.
 
 from __future__ import annotations
 
-import atexit
 import logging
-import multiprocessing.util
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_kvbridge.connectors.base import Connector
 from vllm_kvbridge.connectors.registry import create_connector
 from vllm_kvbridge.errors import ConfigError
+from vllm_kvbridge.runner.exit_hook import ExitHook
 from vllm_kvbridge.runner.settings import RunnerSettings
 
 logger = logging.getLogger(__name__)
@@ -96,31 +95,6 @@ def reap_stage_leftovers(settings: RunnerSettings | Mapping[str, Any]) -> list[s
     return removed
 
 
-class _ExitHook:
-    """Runs a runtime's ``kvbridge_shutdown`` at process exit unless cancelled first.
-
-    It holds the runtime strongly on purpose: a runtime dropped without shutdown still
-    owns live threads and connectors (and their named segments), which only its
-    ``kvbridge_shutdown`` releases; ``kvbridge_shutdown`` cancels the hook.
-    """
-
-    def __init__(self, runtime: Any) -> None:
-        self._runtime = runtime
-        self._finalizer = multiprocessing.util.Finalize(None, self, exitpriority=100)
-        atexit.register(self)
-
-    def __call__(self) -> None:
-        runtime, self._runtime = self._runtime, None
-        self.cancel()
-        if runtime is not None:
-            runtime.kvbridge_shutdown()
-
-    def cancel(self) -> None:
-        self._runtime = None
-        atexit.unregister(self)
-        self._finalizer.cancel()
-
-
 @dataclass
 class RequestState:
     """What the runner holds for one live request."""
@@ -128,11 +102,22 @@ class RequestState:
     request_id: str  # the host's (engine's) id
     transfer_id: str  # the id in transfer keys (the orchestrator's)
     capture: bool = False  # payload capture selected for this request
-    kv: str = NONE  # none | pending | done | failed[: reason]
-    payload: str = NONE
+    payload: str = NONE  # none | pending | done | failed[: reason]
     finished: bool = False
     aborted: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def merge_status(kv: Mapping[str, str] | None, payload: Mapping[str, str] | None) -> dict[str, str]:
+    """One status line from a KV sender's (``kv``, ``aborted``) and a runtime's
+    (``payload``, ``aborted``) lines; a side that never heard of the request reads unknown."""
+    kv, payload = kv or {}, payload or {}
+    aborted = "true" in (kv.get("aborted"), payload.get("aborted"))
+    return {
+        "kv": kv.get("kv", "unknown"),
+        "payload": payload.get("payload", "unknown"),
+        "aborted": str(aborted).lower(),
+    }
 
 
 class _ConnectorRuntimeMixin:
@@ -172,7 +157,7 @@ class _ConnectorRuntimeMixin:
         except Exception:
             logger.exception("kvbridge: reaping leftovers of dead processes failed")
         # Fallback if the host never calls kvbridge_shutdown (see "Shutdown" above).
-        self._kvb_exit_hook = _ExitHook(self)
+        self._kvb_exit_hook = ExitHook(self.kvbridge_shutdown)
 
     @property
     def kvbridge_settings(self) -> RunnerSettings:
@@ -269,14 +254,14 @@ class _ConnectorRuntimeMixin:
     def kvbridge_fail_request(
         self, request_id: str, what: str, reason: str, *, finished: bool = False, aborted: bool = False
     ) -> None:
-        """Fail ``request_id``'s ``what`` (``"kv"`` or ``"payload"``): its status reads
-        ``failed: reason``. ``finished``: the request also ended (its state goes once
-        nothing is in flight)."""
+        """Fail ``request_id``'s payload (``what`` is ``"payload"``; a KV send fails in its
+        ``WorkerKVSender``): its status reads ``failed: reason``. ``finished``: the request
+        also ended (its state goes once nothing is in flight)."""
+        if what != "payload":
+            raise ValueError(f"kvbridge_fail_request fails payloads, not {what!r}")
         state = self.kvbridge_register_request(request_id)
         with self._kvb_lock:
-            if what == "kv":
-                state.kv = f"{FAILED}: {reason}"
-            elif state.capture:
+            if state.capture:
                 state.payload = f"{FAILED}: {reason}"
                 state.capture = False
             state.finished = state.finished or finished
@@ -296,14 +281,13 @@ class _ConnectorRuntimeMixin:
 
     def _kvbridge_in_flight(self, state: RequestState) -> bool:
         """Whether anything of ``state`` is still being sent (payload layer extends this)."""
-        return state.kv == PENDING
+        return False
 
     def _kvbridge_release(self, state: RequestState) -> None:
         """Drop a request's resources (payload layer extends this); called without the lock."""
 
     def kvbridge_reap(self) -> list[str]:
         """Forget finished requests with nothing in flight; returns their ids."""
-        self._kvbridge_poll_kv()
         with self._kvb_lock:
             candidates = [s for s in self._kvb_requests.values() if s.finished]
         # Outside the lock: the in-flight checks ask the senders, which have their own locks.
@@ -319,7 +303,6 @@ class _ConnectorRuntimeMixin:
     def _record_history(self, state: RequestState) -> None:
         # Called with the lock held.
         self._kvb_history[state.transfer_id] = {
-            "kv": state.kv,
             "payload": state.payload,
             "aborted": str(state.aborted).lower(),
         }
@@ -328,27 +311,44 @@ class _ConnectorRuntimeMixin:
             self._kvb_history.popitem(last=False)
 
     def kvbridge_transfer_status(self, request_ids: Iterable[str] | None = None) -> dict[str, dict[str, str]]:
-        """Per transfer id (or host id): ``{"kv": none|pending|done|failed: why, "payload": ...}``."""
+        """Per transfer id (or host id): ``{"kv": none|pending|done|failed: why|unknown,
+        "payload": ..., "aborted": "true"|"false"}``; the KV part is the attached sender's."""
         self.kvbridge_reap()
         with self._kvb_lock:
             live = {s.transfer_id: s for s in self._kvb_requests.values()}
             live.update({s.request_id: s for s in self._kvb_requests.values()})
             ids = list(request_ids) if request_ids is not None else list(live) + list(self._kvb_history)
-            out: dict[str, dict[str, str]] = {}
+            payload: dict[str, dict[str, str]] = {}
             for rid in ids:
                 if rid in live:
                     s = live[rid]
-                    out[rid] = {"kv": s.kv, "payload": s.payload, "aborted": str(s.aborted).lower()}
+                    payload[rid] = {"payload": s.payload, "aborted": str(s.aborted).lower()}
                 elif rid in self._kvb_history:
-                    out[rid] = dict(self._kvb_history[rid])
-                else:
-                    out[rid] = {"kv": "unknown", "payload": "unknown", "aborted": "false"}
-            return out
+                    payload[rid] = dict(self._kvb_history[rid])
+        sender = self.kvbridge_kv_sender
+        if sender is None:
+            return {rid: merge_status({"kv": NONE}, payload.get(rid)) for rid in ids}
+        kv = sender.status(ids if request_ids is not None else None)
+        return {rid: merge_status(kv.get(rid), payload.get(rid)) for rid in dict.fromkeys(ids + list(kv))}
 
-    # -- KV delegation -----------------------------------------------------------------------
+    # -- KV ----------------------------------------------------------------------------------
+    # A KV *sender* is owned by the vLLM KV connector's worker half (it holds the caches
+    # vLLM registered there; see runner/kv_sender.py); a runner that sends KV attaches it
+    # (:meth:`kvbridge_attach_kv_sender`) so one status / sender-info answer covers both
+    # the KV and the payloads. A KV *receiver* (the diffusion runner) uses
+    # :attr:`kvbridge_kv_manager`.
+    def kvbridge_attach_kv_sender(self, sender: Any) -> None:
+        """Answer KV status, sender info and discards from ``sender`` (a ``WorkerKVSender``)."""
+        self._kvb_kv_sender = sender
+
+    @property
+    def kvbridge_kv_sender(self) -> Any:
+        return getattr(self, "_kvb_kv_sender", None)
+
     @property
     def kvbridge_kv_manager(self) -> Any:
-        """The stage's ``KVTransferManager`` (created on first use; None when no KV is moved)."""
+        """The stage's receiving ``KVTransferManager`` (created on first use; None when the
+        stage receives no KV)."""
         self._kvbridge_check_ready()
         if self._kvb_settings.kv_transfer is None:
             return None
@@ -364,99 +364,28 @@ class _ConnectorRuntimeMixin:
             return self._kvb_kv_manager
 
     def kvbridge_connect(self) -> None:
-        """Create the connectors this stage moves data through now, at start-up: the model
-        thread then never sets one up mid-serving, and a broken one fails the start."""
-        manager = self.kvbridge_kv_manager
-        if manager is not None:
-            manager.connector  # noqa: B018 - created on first access
+        """Create the connectors this stage moves payloads through now, at start-up: the
+        model thread then never sets one up mid-serving, and a broken one fails the start
+        (the payload layer does it; a KV sender connects when it is built)."""
 
     def kvbridge_kv_manager_kwargs(self) -> dict[str, Any]:
-        """Extra ``KVTransferManager`` arguments (layout, heads, rank, group); hosts override."""
+        """Extra ``KVTransferManager`` arguments (heads, rank, group); hosts override."""
         return {"tp_rank": self._kvb_tp_rank, "process_group": self._kvb_tp_group}
-
-    def kvbridge_send_kv(self, sends: Sequence[tuple[Any, ...]]) -> list[str]:
-        """Gather ``(host request id, block ids, num tokens[, extra])`` now and queue the sends.
-
-        ``extra`` (optional dict): ``purpose`` and ``companion_of`` of a CFG companion (its KV
-        is keyed by the primary's id and the purpose; see ``KVTransferManager``). Returns the
-        submitted host ids. The gather runs on this thread (the caller frees the blocks
-        afterwards); a failed gather marks the request failed.
-        """
-        manager = self.kvbridge_kv_manager
-        if manager is None:
-            raise ConfigError("this stage has no kv_transfer settings but was asked to send KV")
-        finished_reqs: dict[str, dict[str, Any]] = {}
-        for request_id, block_ids, num_tokens, *rest in sends:
-            state = self.kvbridge_register_request(request_id)
-            with self._kvb_lock:
-                state.kv = PENDING
-            finished_reqs[request_id] = {"block_ids": list(block_ids), "seq_len": int(num_tokens)}
-            extra = rest[0] if rest else {}
-            if extra.get("companion_of"):
-                finished_reqs[request_id]["purpose"] = extra.get("purpose") or "kv"
-                finished_reqs[request_id]["companion_of"] = extra["companion_of"]
-        submitted = manager.handle_finished_requests_kv_transfer(
-            finished_reqs,
-            self.kvbridge_kv_caches(),
-            self.kvbridge_block_size(),
-            self.kvbridge_cache_dtype(),
-            request_id_resolver=self._kvbridge_transfer_id,
-        )
-        self._kvbridge_poll_kv()
-        return submitted
-
-    def _kvbridge_transfer_id(self, request_id: str) -> str:
-        with self._kvb_lock:
-            return self._kvb_engine_to_transfer.get(request_id, request_id)
-
-    def _kvbridge_poll_kv(self) -> None:
-        manager = self._kvb_kv_manager
-        if manager is None:
-            return
-        done, failed = manager.get_finished()
-        if not (done or failed):
-            return
-        with self._kvb_lock:
-            failed_why = [(r, f"{FAILED}: {manager.send_failure_reason(r) or 'unknown'}") for r in failed]
-            for rid, status in [(r, DONE) for r in done] + failed_why:
-                state = self._kvb_requests.get(rid)
-                if state is not None:
-                    state.kv = status
-                else:  # finished and reaped before the send completed cannot happen (kv pending)
-                    logger.warning("KV send result for unknown request %s: %s", rid, status)
 
     def kvbridge_discard_kv(self, request_ids: Iterable[str]) -> dict[str, int]:
         """Withdraw the sent KV of ``request_ids`` (transfer ids) that nobody will consume
         (the request failed elsewhere); per id, the number of keys withdrawn."""
-        manager = self._kvb_kv_manager
-        if manager is None:
-            return {}
-        return {rid: manager.discard_sent(rid) for rid in request_ids}
+        sender = self.kvbridge_kv_sender
+        return sender.discard(request_ids) if sender is not None else {}
 
     def kvbridge_sender_info(self, request_ids: Iterable[str] | None = None) -> dict[str, Any]:
         """What receivers need to reach this rank: put metadata of the KV sends of
         ``request_ids`` and of the payload edges (extended by the payload layer)."""
-        info: dict[str, Any] = {
+        sender = self.kvbridge_kv_sender
+        kv = sender.sender_info(request_ids) if sender is not None and request_ids is not None else {}
+        return {
             "stage_id": self._kvb_settings.stage_id,
             "tp_rank": self._kvb_tp_rank,
             "tp_size": self._kvb_tp_size,
-            "kv": {},
+            "kv": kv,
         }
-        manager = self._kvb_kv_manager
-        if manager is not None and request_ids is not None:
-            for rid in request_ids:
-                got = manager.get_sender_info(rid)
-                if got is not None:
-                    info["kv"][rid] = got
-        return info
-
-    # -- host hooks (see mixin.RunnerHost) ----------------------------------------------------
-    def kvbridge_kv_caches(self) -> Sequence[Any]:
-        raise NotImplementedError(f"{type(self).__name__} must provide kvbridge_kv_caches() to send KV")
-
-    def kvbridge_block_size(self) -> int:
-        raise NotImplementedError(f"{type(self).__name__} must provide kvbridge_block_size() to send KV")
-
-    def kvbridge_cache_dtype(self) -> Any:
-        caches = self.kvbridge_kv_caches()
-        return caches[0].dtype if caches else "auto"

@@ -1,8 +1,10 @@
 """What a kvbridge runner is told to do: :class:`RunnerSettings`.
 
-A vLLM stage receives it as ``vllm_config.additional_config["kvbridge"]`` (the pipeline's
-resolver builds the dict from the YAML stage config; :func:`engine_kwargs` in
-:mod:`vllm_kvbridge.runner.worker` puts it there). A non-vLLM runner (the diffusion
+A vLLM stage receives it in its ``kv_transfer_config``, as
+``kv_connector_extra_config["kvbridge"]``: the one engine argument a stock ``vllm serve``
+needs (the pipeline's resolver builds the dict from the YAML stage config;
+:func:`engine_kwargs` in :mod:`vllm_kvbridge.runner.worker` puts it there).
+``additional_config["kvbridge"]`` is read too, for engines started that way. A non-vLLM runner (the diffusion
 runner) builds it with :meth:`RunnerSettings.from_dict` too. The dict, every key optional::
 
     {
@@ -285,9 +287,12 @@ class RunnerSettings:
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> RunnerSettings:
-        """Read ``vllm_config.additional_config["kvbridge"]`` (empty settings when absent)."""
-        additional = getattr(vllm_config, "additional_config", None) or {}
-        return cls.from_dict(additional.get(ADDITIONAL_CONFIG_KEY))
+        """Read ``kv_transfer_config.kv_connector_extra_config["kvbridge"]`` or
+        ``additional_config["kvbridge"]`` (empty settings when both are absent)."""
+        from vllm_kvbridge.kv.config import vllm_settings
+
+        data, path = vllm_settings(vllm_config)
+        return cls.from_dict(data, path=path)
 
     def kv_transfer_config(self) -> Any:
         """The KV manager's ``KVTransferConfig`` (None when the stage moves no KV)."""
@@ -309,5 +314,11 @@ class RunnerSettings:
 
     @property
     def needs_connector(self) -> bool:
-        """True when this stage moves anything (KV or payloads): its runner must have the mixin."""
+        """True when this stage moves anything (KV or payloads)."""
         return self.sends_kv or self.receives_kv or bool(self.payload.outputs or self.payload.inputs)
+
+    @property
+    def needs_runner(self) -> bool:
+        """True when this stage moves payloads: its model runner must have the kvbridge mixin.
+        KV alone needs none (the KV connector gathers it; see runner/kv_sender.py)."""
+        return bool(self.payload.outputs or self.payload.inputs)

@@ -29,11 +29,17 @@ Division of labour
   - ``special_token``: once the request has sampled ``trigger_token_id``; it sends the KV
     of every token *before* the trigger token (also when the token ends the request).
 
-* Worker side (role WORKER, in every worker process) hands each step's specs to the
-  runner it is attached to (:meth:`attach_host`), in ``wait_for_save`` (after the forward),
-  and reports specs whose blocks it held back in ``finished_sending`` once the gather
-  copied them. Which requests finished or were aborted is forwarded too, so the runner's
-  payload flows can flush or cancel.
+* Worker side (role WORKER, in every worker process) owns the KV send state: vLLM's
+  runners (V1 GPU and CPU through ``initialize_kv_cache``, V2 through
+  ``gpu/kv_connector.py``'s ``ActiveKVConnector``) hand it the paged caches in
+  ``register_kv_caches``, where it builds its
+  :class:`~vllm_kvbridge.runner.kv_sender.WorkerKVSender`. After each step's forward
+  (``wait_for_save``) it gathers that step's sends from the caches, and reports the specs
+  whose blocks the scheduler held back in ``finished_sending`` (``get_finished``) once the
+  gather copied them. No model-runner hook is involved: a stock vLLM worker given only
+  ``kv_transfer_config`` sends KV. A kvbridge runner (payload capture) attaches itself
+  (:meth:`attach_host`) to hear which requests finished or were aborted, so its payload
+  flows can flush or cancel.
 
 Request ids: vLLM appends ``-<8 random chars>`` to the id a caller gives
 (``InputProcessor.assign_request_id``). The transfer id used in keys is, in order:
@@ -52,6 +58,7 @@ import logging
 import math
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -66,6 +73,8 @@ from vllm_kvbridge.runner.settings import KVSendSettings, RunnerSettings
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
+
+    from vllm_kvbridge.runner.kv_sender import WorkerKVSender
 
 logger = logging.getLogger(__name__)
 
@@ -131,9 +140,9 @@ class KVBridgeConnectorMetadata(KVConnectorMetadata):
 class ConnectorHost(Protocol):
     """What the worker side calls into (implemented by the runner mixin)."""
 
-    def kvbridge_connector_step(
-        self, sends: list[KVSendSpec], finished: dict[str, tuple[str, str]]
-    ) -> None: ...
+    def kvbridge_connector_step(self, finished: dict[str, tuple[str, str]]) -> None: ...
+
+    def kvbridge_attach_kv_sender(self, sender: WorkerKVSender) -> None: ...
 
 
 @dataclass
@@ -172,13 +181,50 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._held: set[str] = set()
         # Worker side.
         self._host: ConnectorHost | None = None
+        self._sender: WorkerKVSender | None = None
         self._released: set[str] = set()
         self._lock = threading.Lock()
+        #: Wraps the transport the sender puts KV through (``Connector -> Connector``), set
+        #: before the caches are registered: fault injection and instrumentation.
+        self.wrap_transport: Callable[[Any], Any] | None = None
 
     # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """vLLM's runner registers its paged caches (once, after allocating them): build the
+        sender now, so a broken transport fails the engine's start, not a request."""
+        if self.role != KVConnectorRole.WORKER or not self.settings.sends_kv or not kv_caches:
+            return
+        from vllm_kvbridge.kv.layout import layout_from_kv_cache_config
+        from vllm_kvbridge.runner.kv_sender import WorkerKVSender, kv_caches_in_layer_order
+
+        tp_rank, tp_size, tp_group = tp_position()
+        vllm_config = self._vllm_config
+        if self._sender is not None:
+            self._sender.shutdown()
+        self._sender = WorkerKVSender(
+            self.settings,
+            kv_caches_in_layer_order(kv_caches),
+            layout_from_kv_cache_config(vllm_config, self._kv_cache_config),
+            num_kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
+            block_size=self.block_size,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            tp_group=tp_group,
+            wrap_transport=self.wrap_transport,
+        )
+        if self._host is not None:
+            self._host.kvbridge_attach_kv_sender(self._sender)
+
+    @property
+    def kv_sender(self) -> WorkerKVSender | None:
+        """This worker's KV sender (None before ``register_kv_caches`` or when it sends no KV)."""
+        return self._sender
+
     def attach_host(self, host: ConnectorHost) -> None:
-        """Route this worker's sends to ``host`` (the runner; called once it has its KV caches)."""
+        """Tell ``host`` (a kvbridge runner) which requests end, and share the KV sender."""
         self._host = host
+        if self._sender is not None:
+            host.kvbridge_attach_kv_sender(self._sender)
 
     @property
     def host(self) -> ConnectorHost | None:
@@ -194,23 +240,31 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return None  # the gather happens once per step in wait_for_save, not per layer
 
     def wait_for_save(self) -> None:
-        """After the step's forward: hand the sends and the finished requests to the runner."""
+        """After the step's forward: gather this step's sends, then tell the runner (if
+        any) which requests ended. Never raises (an error here takes the engine down):
+        a failed send reads ``failed: why`` in the sender's status."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVBridgeConnectorMetadata) or not (meta.sends or meta.finished):
             return
-        if self._host is None:
-            if meta.sends:
-                raise RuntimeError(
-                    f"{CONNECTOR_NAME}: {len(meta.sends)} KV send(s) scheduled but the model runner has "
-                    "no kvbridge mixin attached (use vllm_kvbridge.runner.worker.KVBridgeCPUWorker/"
-                    "KVBridgeGPUWorker as worker_cls)"
-                )
-            return
         try:
-            self._host.kvbridge_connector_step(list(meta.sends), dict(meta.finished))
+            if meta.sends:
+                if self._sender is None:
+                    # register_kv_caches never ran (or this stage sends no KV): nothing to gather.
+                    logger.error(
+                        "%s: %d KV send(s) scheduled but no KV caches were registered; they fail",
+                        CONNECTOR_NAME,
+                        len(meta.sends),
+                    )
+                else:
+                    self._sender.send(meta.sends)
+            aborted = [rid for rid, (kind, _) in meta.finished.items() if kind == "aborted"]
+            if aborted and self._sender is not None:
+                self._sender.mark_aborted(aborted)
+            if self._host is not None and meta.finished:
+                self._host.kvbridge_connector_step(dict(meta.finished))
         finally:
             # Whatever happened, the gather is over: the blocks may go back to the pool.
-            # Failures are reported through the runner's transfer status, never as done.
+            # Failures are reported through the sender's transfer status, never as done.
             with self._lock:
                 self._released.update(s.req_id for s in meta.sends if s.release)
 
@@ -353,6 +407,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
         this stage's shared-memory edges (only names of dead processes are touched).
         """
         if self.role == KVConnectorRole.WORKER:
+            sender, self._sender = self._sender, None
+            if sender is not None:
+                sender.shutdown()
             host = self._host
             if host is not None and hasattr(host, "kvbridge_shutdown"):
                 host.kvbridge_shutdown()
@@ -365,11 +422,27 @@ class KVBridgeConnector(KVConnectorBase_V1):
             logger.exception("kvbridge: reaping the stage's shared-memory leftovers failed")
 
 
-def kv_transfer_config_dict() -> dict[str, Any]:
-    """vLLM ``kv_transfer_config`` (as a dict, JSON-safe) that installs :class:`KVBridgeConnector`."""
-    return {
+def tp_position() -> tuple[int, int, Any]:
+    """``(rank, size, CPU group)`` of this worker in its TP group; ``(0, 1, None)`` outside
+    a distributed environment (a connector driven directly, as in the V2 wrapper test)."""
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+        return group.rank_in_group, group.world_size, group.cpu_group
+    except (AssertionError, ImportError):
+        return 0, 1, None
+
+
+def kv_transfer_config_dict(settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM ``kv_transfer_config`` (as a dict, JSON-safe) that installs :class:`KVBridgeConnector`
+    with the stage's runner ``settings`` (``kv_connector_extra_config["kvbridge"]``)."""
+    config: dict[str, Any] = {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": CONNECTOR_MODULE,
         # We only ever produce KV (never load into vLLM's cache).
         "kv_role": "kv_producer",
     }
+    if settings is not None:
+        config["kv_connector_extra_config"] = {EXTRA_ARGS_KEY: settings}
+    return config

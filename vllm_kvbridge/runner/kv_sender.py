@@ -1,0 +1,234 @@
+"""``WorkerKVSender``: the KV send state of one worker, owned by the KV connector.
+
+vLLM's split, kept here: a KV connector's worker half owns its transfer state and any
+runner feeds it. vLLM's V1 runner (GPU and CPU) and V2 runner all hand the connector
+their paged caches through ``register_kv_caches`` and call ``wait_for_save`` after each
+forward, so :class:`~vllm_kvbridge.runner.vllm_connector.KVBridgeConnector` builds one
+:class:`WorkerKVSender` from the registered caches and gathers through it; no model-runner
+hook is involved and a stock vLLM worker sends KV.
+
+Contract
+--------
+* :meth:`send` runs on the thread that calls ``wait_for_save`` (vLLM's model thread),
+  while the scheduler still holds the blocks: it *gathers* (copies the blocks out of the
+  cache) before it returns and queues the puts for the KV manager's I/O thread. It never
+  raises: a request whose gather or put fails reads ``failed: <why>`` in :meth:`status`.
+* :meth:`status`, :meth:`sender_info` and :meth:`discard` are the worker RPCs' answers;
+  they run on the worker's RPC thread, concurrently with :meth:`send`.
+* Status per transfer id: ``pending`` | ``done`` | ``failed: why``, and ``aborted``. A
+  request's line outlives it in a bounded history (:data:`STATUS_HISTORY`), so the
+  orchestrator can ask after the fact; an id never sent reads ``unknown``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_kvbridge.kv.layout import KVCacheLayout
+from vllm_kvbridge.runner.exit_hook import ExitHook
+from vllm_kvbridge.runner.settings import RunnerSettings
+
+logger = logging.getLogger(__name__)
+
+#: Terminal statuses kept for status queries after a request ended.
+STATUS_HISTORY = 4096
+PENDING, DONE, FAILED, UNKNOWN = "pending", "done", "failed", "unknown"
+
+
+@dataclass
+class _SendState:
+    """One request's KV send, from its gather until its status is read from the history."""
+
+    transfer_id: str
+    kv: str = PENDING
+    aborted: bool = False
+
+
+class WorkerKVSender:
+    """Gathers KV from one worker's paged caches and sends it (see the module docstring).
+
+    ``layout`` is the caches' layout (None: inferred from the tensors, for the CPU layout
+    only); ``block_size`` the scheduler's block size (of the ids in the specs);
+    ``wrap_transport`` wraps the transport the puts go through (``Connector -> Connector``).
+    """
+
+    def __init__(
+        self,
+        settings: RunnerSettings,
+        kv_caches: Sequence[torch.Tensor],
+        layout: KVCacheLayout | None,
+        *,
+        num_kv_heads: int,
+        block_size: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_group: Any = None,
+        wrap_transport: Any = None,
+    ) -> None:
+        from vllm_kvbridge.connectors.registry import create_connector
+        from vllm_kvbridge.kv.manager import KVTransferManager
+
+        self.settings = settings
+        self.kv_caches = list(kv_caches)
+        self.layout = layout
+        self.block_size = block_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        config = settings.kv_transfer_config()
+        connector = None
+        if wrap_transport is not None:
+            inner = create_connector(config.connector, config.connector_config, rank=tp_rank)
+            connector = wrap_transport(inner)
+        self.manager = KVTransferManager(
+            config,
+            num_kv_heads=num_kv_heads,
+            tp_rank=tp_rank,
+            layout=layout,
+            process_group=tp_group,
+            connector=connector,
+        )
+        self.manager.connector  # noqa: B018 - set up now: a broken transport fails the start
+        self._lock = threading.Lock()
+        self._live: dict[str, _SendState] = {}  # engine id -> state, until the send settled
+        self._history: OrderedDict[str, dict[str, str]] = OrderedDict()  # transfer id -> line
+        self._closed = False
+        self._exit_hook = ExitHook(self.shutdown)
+
+    # -- model thread ------------------------------------------------------------------------
+    def send(self, specs: Sequence[Any]) -> None:
+        """Gather now and queue the puts of ``specs`` (``KVSendSpec`` items); never raises."""
+        if not specs:
+            return
+        finished_reqs: dict[str, dict[str, Any]] = {}
+        with self._lock:
+            for spec in specs:
+                self._live[spec.req_id] = _SendState(spec.transfer_id)
+                info: dict[str, Any] = {"block_ids": list(spec.block_ids), "seq_len": int(spec.num_tokens)}
+                if spec.companion_of:
+                    info["purpose"] = spec.purpose or "kv"
+                    info["companion_of"] = spec.companion_of
+                finished_reqs[spec.req_id] = info
+        ids = {s.req_id: s.transfer_id for s in specs}
+        try:
+            self.manager.handle_finished_requests_kv_transfer(
+                finished_reqs,
+                self.kv_caches,
+                self.block_size,
+                self.kv_caches[0].dtype,
+                request_id_resolver=ids.__getitem__,
+            )
+        except Exception as exc:
+            logger.exception("kvbridge: KV sends of this step could not start")
+            why = f"{FAILED}: KV send could not start: {type(exc).__name__}: {exc}"
+            with self._lock:
+                for spec in specs:
+                    self._settle(spec.req_id, why)
+        self.poll()
+
+    def mark_aborted(self, engine_ids: Iterable[str]) -> None:
+        """The requests were aborted in the engine (their status lines say so)."""
+        with self._lock:
+            for rid in engine_ids:
+                state = self._live.get(rid)
+                if state is not None:
+                    state.aborted = True
+
+    def poll(self) -> None:
+        """Move sends that completed or failed since the last call into the history."""
+        done, failed = self.manager.get_finished()
+        if not (done or failed):
+            return
+        with self._lock:
+            for rid in done:
+                self._settle(rid, DONE)
+            for rid in failed:
+                self._settle(rid, f"{FAILED}: {self.manager.send_failure_reason(rid) or 'unknown'}")
+
+    def _settle(self, engine_id: str, kv: str) -> None:
+        # Called with the lock held.
+        state = self._live.pop(engine_id, None)
+        if state is None:
+            logger.warning("KV send result for unknown request %s: %s", engine_id, kv)
+            return
+        self._history[state.transfer_id] = {"kv": kv, "aborted": str(state.aborted).lower()}
+        self._history.move_to_end(state.transfer_id)
+        while len(self._history) > STATUS_HISTORY:
+            self._history.popitem(last=False)
+
+    # -- RPC thread --------------------------------------------------------------------------
+    def status(self, request_ids: Iterable[str] | None = None) -> dict[str, dict[str, str]]:
+        """Per transfer id (or engine id): ``{"kv": pending|done|failed: why|unknown, "aborted": ..}``."""
+        self.poll()
+        with self._lock:
+            live = {s.transfer_id: s for s in self._live.values()}
+            live.update(self._live)
+            ids = list(request_ids) if request_ids is not None else list(live) + list(self._history)
+            out: dict[str, dict[str, str]] = {}
+            for rid in ids:
+                if rid in live:
+                    out[rid] = {"kv": live[rid].kv, "aborted": str(live[rid].aborted).lower()}
+                elif rid in self._history:
+                    out[rid] = dict(self._history[rid])
+                else:
+                    out[rid] = {"kv": UNKNOWN, "aborted": "false"}
+            return out
+
+    def sender_info(self, request_ids: Iterable[str]) -> dict[str, Any]:
+        """Put metadata of the KV sends of ``request_ids`` that completed (per transfer id)."""
+        out: dict[str, Any] = {}
+        for rid in request_ids:
+            got = self.manager.get_sender_info(rid)
+            if got is not None:
+                out[rid] = got
+        return out
+
+    def discard(self, request_ids: Iterable[str]) -> dict[str, int]:
+        """Withdraw the KV of ``request_ids`` (transfer ids) nobody will consume: what is out
+        now, and a send in flight or still to start when it completes; keys withdrawn per id."""
+        return {rid: self.manager.discard_sent(rid) for rid in request_ids}
+
+    def pending(self) -> int:
+        """Puts queued or in flight on the I/O thread."""
+        return self.manager.pending_sends()
+
+    def live(self) -> list[str]:
+        """Engine ids whose send has not settled (done or failed) yet."""
+        self.poll()
+        with self._lock:
+            return sorted(self._live)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def shutdown(self, timeout: float = 3.0) -> None:
+        """Stop the I/O thread and close the transport; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._exit_hook.cancel()
+        try:
+            self.manager.shutdown(timeout=timeout)
+        except Exception:
+            logger.exception("KV manager shutdown failed")
+
+
+def kv_caches_in_layer_order(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The registered ``{layer name: cache}`` as a list in model layer order.
+
+    vLLM names attention layers ``model.layers.<i>.self_attn.attn``; the receiver indexes
+    layers the same way, so the order is the layer index, never the dict's.
+    """
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    distinct: dict[int, torch.Tensor] = {}
+    for name, cache in kv_caches.items():
+        distinct.setdefault(extract_layer_index(name), cache)
+    return [distinct[i] for i in sorted(distinct)]
+
+
+__all__ = ["STATUS_HISTORY", "WorkerKVSender", "kv_caches_in_layer_order"]
