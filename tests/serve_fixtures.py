@@ -7,11 +7,13 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -35,6 +37,12 @@ class Server:
     proc: subprocess.Popen
     url: str
     log_path: Path
+    #: httpx's ``verify`` for this server (an SSL context trusting a self-signed server)
+    verify: Any = True
+
+    def http(self, headers: dict[str, str] | None = None, timeout: float = 120) -> httpx.Client:
+        """An httpx client for this server (TLS-verified against its certificate)."""
+        return httpx.Client(base_url=self.url, verify=self.verify, headers=headers, timeout=timeout)
 
     def log(self) -> str:
         try:
@@ -43,8 +51,11 @@ class Server:
             return ""
 
 
-def start_process(argv: list[str], log_path: Path, url: str, health: str, timeout_s: float) -> Server:
-    """Start ``argv`` in its own session; wait until ``GET url+health`` answers 200."""
+def start_process(
+    argv: list[str], log_path: Path, url: str, health: str, timeout_s: float, verify: Any = True
+) -> Server:
+    """Start ``argv`` in its own session; wait until ``GET url+health`` answers 200
+    (``verify``: httpx's, e.g. the CA file of a self-signed server)."""
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             argv,
@@ -53,13 +64,13 @@ def start_process(argv: list[str], log_path: Path, url: str, health: str, timeou
             env={**os.environ, **SERVER_ENV},
             start_new_session=True,
         )
-    server = Server(proc, url, log_path)
+    server = Server(proc, url, log_path, verify)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{argv[:4]} exited with {proc.returncode}:\n{server.log()}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + health, timeout=2).status_code == 200:
+            if httpx.get(url + health, timeout=2, verify=verify).status_code == 200:
                 return server
         time.sleep(0.5)
     stop(server)
@@ -67,15 +78,38 @@ def start_process(argv: list[str], log_path: Path, url: str, health: str, timeou
 
 
 def start_serve(
-    config: str | Path, tmp: Path, model: str | Path, *extra: str, timeout_s: float = 300
+    config: str | Path,
+    tmp: Path,
+    model: str | Path,
+    *extra: str,
+    timeout_s: float = 300,
+    tls: tuple[Path, Path] | None = None,
 ) -> Server:
+    """``vllm-kvbridge serve`` on a free port; ``tls``: (key, certificate) PEM files -> HTTPS."""
     port = free_port()
     argv = [
         sys.executable, "-m", "vllm_kvbridge.cli.main", "serve",
         "--stage-config", str(config), "--port", str(port), "--model", str(model),
         "--output-dir", str(tmp / "images"), "--drain-timeout", "5", *extra,
     ]  # fmt: skip
-    return start_process(argv, tmp / "serve.log", f"http://127.0.0.1:{port}", "/health", timeout_s)
+    scheme, verify = "http", True
+    if tls is not None:
+        argv += ["--ssl-keyfile", str(tls[0]), "--ssl-certfile", str(tls[1])]
+        scheme, verify = "https", ssl.create_default_context(cafile=str(tls[1]))
+    return start_process(
+        argv, tmp / "serve.log", f"{scheme}://127.0.0.1:{port}", "/health", timeout_s, verify
+    )
+
+
+def self_signed_cert(directory: Path) -> tuple[Path, Path]:
+    """A key and a self-signed certificate for 127.0.0.1 (openssl), valid one day."""
+    key, cert = directory / "key.pem", directory / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return key, cert
 
 
 def _shm_mapped_by_group(pgid: int) -> set[str]:

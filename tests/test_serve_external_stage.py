@@ -19,12 +19,23 @@ import httpx
 import openai
 import pytest
 import yaml
-from serve_fixtures import ROOT, SERVER_ENV, free_port, start_process, start_serve, stop, wait_for
+from serve_fixtures import (
+    ROOT,
+    SERVER_ENV,
+    free_port,
+    self_signed_cert,
+    start_process,
+    start_serve,
+    stop,
+    wait_for,
+)
 
 from vllm_kvbridge.connectors import shm_segments
 from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
+API_KEY = "kvb-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +65,10 @@ def servers(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untype
     # launcher asks the package metadata for its version, so start the module directly.
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *argv[3:]]
     vllm = start_process(argv, tmp / "vllm.log", f"http://127.0.0.1:{port}", "/health", 300)
+    # The kvbridge server itself is served over HTTPS with an API key (issue 15, item 5).
+    tls = self_signed_cert(tmp)
     try:
-        srv = start_serve(config, tmp, model)
+        srv = start_serve(config, tmp, model, "--api-key", API_KEY, tls=tls)
     except BaseException:
         stop(vllm)
         raise
@@ -69,15 +82,17 @@ def servers(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untype
 
 def test_stage_0_as_vllm_serve_returns_images(servers) -> None:  # type: ignore[no-untyped-def]
     vllm, srv, namespace = servers
-    health = httpx.get(srv.url + "/health").json()
+    health = srv.http().get("/health").json()  # open without the key (a probe's path)
     assert health["status"] == "ok"
-    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(
+        base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0, http_client=httpx.Client(verify=srv.verify)
+    )
     a = client.images.generate(model="ar_to_dit_external", prompt="A cute cat")
     b = client.images.generate(model="ar_to_dit_external", prompt="A red bicycle leaning on a wall")
     pa, pb = (base64.b64decode(x.data[0].b64_json or "") for x in (a, b))
     assert pa[:8] == b"\x89PNG\r\n\x1a\n" and pb[:8] == pa[:8]
     assert pa != pb  # the image depends on the KV the external stage sent
-    metrics = httpx.get(srv.url + "/metrics").text
+    metrics = srv.http().get("/metrics").text
     kv = [ln for ln in metrics.splitlines() if ln.startswith("kvbridge_edge_bytes_total{") and "kv" in ln]
     assert kv and float(kv[0].rsplit(" ", 1)[1]) > 0
     # vLLM's own metrics show the requests went through the external server
@@ -88,10 +103,66 @@ def test_stage_0_as_vllm_serve_returns_images(servers) -> None:  # type: ignore[
     assert wait_for(lambda: not published(), 10)
 
 
+def test_every_endpoint_needs_the_api_key_but_the_open_ones(servers) -> None:  # type: ignore[no-untyped-def]
+    """Issue 15, item 5: 401 with OpenAI's error body without the key (or with a wrong one),
+    on every endpoint; /health and /metrics stay open (the default); plain HTTP is refused."""
+    _vllm, srv, _ = servers
+    anonymous, wrong, keyed = srv.http(), srv.http({"Authorization": "Bearer nope"}), srv.http(AUTH)
+    protected = [
+        ("GET", "/v1/models", None),
+        ("GET", "/debug/state", None),
+        ("GET", "/images/none.png", None),
+        ("POST", "/v1/images/generations", {"prompt": "a cat"}),
+        ("POST", "/v1/completions", {"prompt": "a cat"}),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ]
+    for method, path, body in protected:
+        for client in (anonymous, wrong):
+            r = client.request(method, path, json=body)
+            assert r.status_code == 401, (path, r.status_code, r.text)
+            assert r.json()["error"]["type"] == "authentication_error", r.text
+        r = keyed.request(method, path, json=body)
+        assert r.status_code != 401, (path, r.status_code, r.text)  # the handler answered
+    assert keyed.get("/v1/models").status_code == 200 and keyed.get("/debug/state").status_code == 200
+    for path in ("/health", "/metrics"):
+        assert anonymous.get(path).status_code == 200, path
+    with pytest.raises(httpx.HTTPError):  # the port speaks TLS only
+        httpx.get(srv.url.replace("https://", "http://") + "/health", timeout=10)
+
+
+def test_the_stock_server_sends_the_exact_kv(servers) -> None:  # type: ignore[no-untyped-def]
+    """Issue 12: KV a stock `vllm serve` (only --kv-transfer-config) sends equals transformers'
+    past_key_values, for prompts on both sides of the 128-token blocks."""
+    from runner_fixtures import HFReference, assert_kv_equal, kv_receiver, prompt_ids
+
+    vllm, _srv, namespace = servers
+    model = str(ensure_tiny_model())
+    hf = HFReference(model)
+    receiver = kv_receiver(namespace)
+    try:
+        for n in (1, 127, 128, 129, 300):
+            ids = prompt_ids(n, salt=7)
+            body = {
+                "model": model,
+                "prompt": ids,
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "request_id": f"st{n}",
+            }
+            r = httpx.post(vllm.url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            transfer_id = r.json()["kv_transfer_params"]["kvbridge_transfer_id"]
+            data, _ = receiver.receive_kv_cache_for_request(transfer_id)
+            assert_kv_equal(data, hf.kv(ids))  # one token generated: the KV is the prompt's
+            del data
+    finally:
+        receiver.shutdown()
+
+
 def test_external_stage_down_gives_503_naming_it(servers) -> None:  # type: ignore[no-untyped-def]
     vllm, srv, _ = servers
     stop(vllm, signal.SIGKILL, timeout_s=10)
-    r = httpx.post(srv.url + "/v1/images/generations", json={"prompt": "a cat"}, timeout=60)
+    r = srv.http(AUTH).post("/v1/images/generations", json={"prompt": "a cat"}, timeout=60)
     assert r.status_code == 503 and "stage 0 (llm_ar)" in r.json()["error"]["message"], r.text
-    h = httpx.get(srv.url + "/health")
+    h = srv.http().get("/health")
     assert h.status_code == 503 and "stage 0" in " ".join(h.json()["down"])

@@ -2,6 +2,8 @@
 
     vllm-kvbridge serve --stage-config FILE [--host 127.0.0.1] [--port 8000] [--model DIR]
                         [--served-model-name NAME] [--output-dir DIR] [--drain-timeout S]
+                        [--api-key KEY] [--unauthenticated-paths P,...]
+                        [--ssl-keyfile PEM --ssl-certfile PEM]
 
 Starts every stage (blocking until all are ready; the port opens only then), then serves
 until SIGTERM/SIGINT: uvicorn stops accepting connections, lets in-flight requests finish
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_kvbridge.errors import ConfigError
+from vllm_kvbridge.server.auth import API_KEY_ENV, api_key_from, open_paths_from
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -41,6 +44,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=10.0,
         help="seconds in-flight requests get on shutdown (%(default)s)",
     )
+    p.add_argument(
+        "--api-key",
+        help=f"require this key (Authorization: Bearer KEY) on every endpoint; default ${API_KEY_ENV}",
+    )
+    p.add_argument(
+        "--unauthenticated-paths",
+        help="comma-separated paths open without the key (default: /health,/metrics; '' for none)",
+    )
+    p.add_argument("--ssl-keyfile", help="serve HTTPS with this private key (PEM)")
+    p.add_argument("--ssl-certfile", help="serve HTTPS with this certificate chain (PEM)")
     p.add_argument("--log-level", default="warning")
     p.add_argument(
         "--print-vllm-serve",
@@ -109,6 +122,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.print_vllm_serve is not None:
         return _print_vllm_serve(args)
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        print("error: --ssl-keyfile and --ssl-certfile go together", file=sys.stderr)
+        return 2
     # Until uvicorn installs its own handlers, SIGTERM stops the stages being started.
     old = signal.signal(signal.SIGTERM, stop)
     model = args.model
@@ -151,8 +167,14 @@ def _serve(args: argparse.Namespace) -> int:
         output_dir=output_dir,
         drain_s=args.drain_timeout,
     )
-    app = build_app(state)
-    print(f"[serve] {pipe.plan.name} on http://{args.host}:{args.port} (run {pipe.run_id})", flush=True)
+    api_key = api_key_from(args.api_key)
+    app = build_app(state, api_key=api_key, open_paths=open_paths_from(args.unauthenticated_paths))
+    scheme = "https" if args.ssl_certfile else "http"
+    print(
+        f"[serve] {pipe.plan.name} on {scheme}://{args.host}:{args.port} (run {pipe.run_id})"
+        + (" (API key required)" if api_key else ""),
+        flush=True,
+    )
     # uvicorn handles SIGTERM (graceful shutdown), then re-raises it once it has restored the
     # handler found here: make that a no-op so the pipeline is closed below and we exit 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
@@ -163,6 +185,8 @@ def _serve(args: argparse.Namespace) -> int:
             port=args.port,
             log_level=args.log_level,
             timeout_graceful_shutdown=max(1, int(args.drain_timeout)),
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
         )
     finally:
         service.close()

@@ -9,9 +9,10 @@ last stage reports while it generates), ``GET /v1/models``, ``GET /health``
 returned as URLs).
 
 Error contract (OpenAI's ``{"error": {"message", "type", "param", "code"}}`` body):
-400 bad JSON / schema / too-long prompt / wrong endpoint for this pipeline, 404 unknown
-model, 503 a stage is down or the server is shutting down, 504 the request outlived
-``runtime.request_timeout``, 500 a stage failed the request. A request never waits
+400 bad JSON / schema / too-long prompt / wrong endpoint for this pipeline, 401 no valid
+API key (with ``--api-key``), 404 unknown model, 503 a stage is down or the server is
+shutting down, 504 the request outlived ``runtime.request_timeout``, 500 a stage failed
+the request. A request never waits
 longer than the pipeline's ``request_timeout``. A client that disconnects has its
 request aborted in every stage (status 499 in the metrics).
 """
@@ -25,7 +26,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from vllm_kvbridge.pipeline.messages import StageProgress
 from vllm_kvbridge.pipeline.orchestrator import PipelineError, RequestResult
 from vllm_kvbridge.pipeline.service import PipelineService
+from vllm_kvbridge.server.auth import DEFAULT_OPEN_PATHS, ApiKeyAuth
 from vllm_kvbridge.server.metrics import ServerMetrics
 from vllm_kvbridge.server.protocol import ChatCompletionRequest, CompletionRequest, ImageRequest
 
@@ -262,8 +264,11 @@ class _CountRequests:
             self.metrics.http_requests.labels(getattr(route, "path", "other"), str(status[0])).inc()
 
 
-def build_app(state: ServerState) -> FastAPI:
-    """The app; the caller owns ``state.service`` (started before, closed on shutdown)."""
+def build_app(
+    state: ServerState, *, api_key: str | None = None, open_paths: Iterable[str] = DEFAULT_OPEN_PATHS
+) -> FastAPI:
+    """The app; the caller owns ``state.service`` (started before, closed on shutdown).
+    ``api_key``: require it on every path but ``open_paths`` (:mod:`vllm_kvbridge.server.auth`)."""
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
@@ -276,7 +281,9 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.kvbridge = state
     m = state.metrics
 
-    app.add_middleware(_CountRequests, metrics=m)
+    if api_key:
+        app.add_middleware(ApiKeyAuth, api_key=api_key, open_paths=open_paths)
+    app.add_middleware(_CountRequests, metrics=m)  # outermost: 401s are counted too
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
