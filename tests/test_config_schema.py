@@ -312,3 +312,24 @@ def test_model_override_and_empty_env_model() -> None:
     assert plan.with_model("/m").stage(1).model is None  # diffusion stages take no LLM model
     plan = resolve(ROOT / "stage_configs/ar_to_dit_shm.yaml", env={"KVBRIDGE_MODEL": "/pinned"})
     assert plan.with_model("/m").stage(0).model == "/pinned"
+
+
+def test_workers_per_stage_and_capture_stages_adapted_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 12: a KV-only stage runs vLLM's stock worker (worker_cls None), a payload stage the
+    kvbridge worker; on GPU a capture stage gets V1 and synchronous scheduling (what its hooks
+    need), a setting its config makes itself wins, and other stages are left alone."""
+    import yaml
+
+    kv_only = resolve_spec(spec_from_dict(copy.deepcopy(BASE)))
+    assert kv_only.stages[0].worker_cls is None
+    monkeypatch.setattr(sys.modules["vllm_kvbridge.config.resolve"], "_platform", lambda: "gpu")
+    talk = yaml.safe_load((ROOT / "stage_configs/thinker_talker_full_payload.yaml").read_text())
+    thinker, talker = resolve_spec(spec_from_dict(copy.deepcopy(talk))).stages
+    assert thinker.worker_cls == "vllm_kvbridge.runner.worker.KVBridgeGPUWorker"
+    assert thinker.engine_args["async_scheduling"] is False
+    assert thinker.env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert "async_scheduling" not in talker.engine_args and "VLLM_USE_V2_MODEL_RUNNER" not in talker.env
+    kv_only = resolve_spec(spec_from_dict(copy.deepcopy(BASE)))
+    assert kv_only.stages[0].worker_cls is None and "async_scheduling" not in kv_only.stages[0].engine_args
+    talk["stages"][0]["env"] = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    assert resolve_spec(spec_from_dict(talk)).stages[0].env["VLLM_USE_V2_MODEL_RUNNER"] == "1"

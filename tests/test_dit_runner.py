@@ -21,11 +21,20 @@ from kv_fixtures import fake_cpu_caches, reference_kv, request_plan
 from runner_fixtures import send_cfg_kv
 
 from vllm_kvbridge.config import resolve_spec, spec_from_dict
-from vllm_kvbridge.errors import TransferTimeout
+from vllm_kvbridge.errors import TransferCorrupt, TransferTimeout
 from vllm_kvbridge.runner.diffusion_runner import DiffusionRequest, DiffusionRunner, denoise
 
 
-def _stage(namespace: str, recv_timeout: float = 10.0, dump_dir: str | None = None):
+def _stage(
+    namespace: str,
+    recv_timeout: float = 10.0,
+    dump_dir: str | None = None,
+    dit_kwargs: dict[str, Any] | None = None,
+    expect: dict[str, Any] | None = None,
+):
+    kv_transfer = {"need_recv_cache": True, "recv_timeout": recv_timeout, "prefetch": True}
+    if expect is not None:
+        kv_transfer["expect"] = expect
     cfg = {
         "connectors": {"shm": {"name": "shm", "extra": {"namespace": namespace}}},
         "stages": [
@@ -33,8 +42,8 @@ def _stage(namespace: str, recv_timeout: float = 10.0, dump_dir: str | None = No
             {
                 "stage_id": 1,
                 "kind": "diffusion",
-                "kv_transfer": {"need_recv_cache": True, "recv_timeout": recv_timeout, "prefetch": True},
-                "diffusion": {"kwargs": {"image_size": 16}, "num_steps": 3},
+                "kv_transfer": kv_transfer,
+                "diffusion": {"kwargs": {"image_size": 16, **(dit_kwargs or {})}, "num_steps": 3},
             },
         ],
         "edges": [{"from_stage": 0, "to_stage": 1, "connector": "shm"}],
@@ -74,6 +83,33 @@ def test_receive_prefetch_and_denoise_exact() -> None:
             for i, (k, v) in enumerate(zip(keys, values)):
                 assert torch.equal(dumped[f"layer{i}.k"], k) and torch.equal(dumped[f"layer{i}.v"], v)
     shutil.rmtree(tmp_path)
+    assert _leftovers(ns) == []
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize(
+    ("dit_kwargs", "expect", "why"),
+    [
+        # heads are checked as soon as the first piece's header is read (the TP routing needs them)
+        ({"kv_heads": 4}, None, "has 2 KV heads in all; this stage expects 4"),
+        ({"kv_head_dim": 64}, None, "head_dim: sender 32, stage 1 expects 64"),
+        ({}, {"dtype": "bfloat16"}, "dtype: sender 'float32', stage 1 expects 'bfloat16'"),
+        ({}, {"num_layers": 5}, "num_layers: sender 3, stage 1 expects 5"),
+    ],
+)
+def test_a_kv_the_stage_cannot_use_fails_naming_both_sides(dit_kwargs, expect, why) -> None:  # type: ignore[no-untyped-def]
+    """Issue 15, item 4: KV whose heads / head dim / dtype / layers differ from what the
+    module attends with (or the config expects) fails that request, naming both values,
+    before the model sees it (it used to surface as a reshape error, or as garbage)."""
+    ns = f"ditcompat{os.getpid()}"
+    with send_cfg_kv(ns, fake_cpu_caches(2, seed=3), {"c-1": request_plan(1)}) as sender:
+        runner = DiffusionRunner(_stage(ns, dit_kwargs=dit_kwargs, expect=expect))
+        try:
+            with pytest.raises(TransferCorrupt) as err:
+                runner.execute(DiffusionRequest("u", "c-1", 0, sender.get_sender_info("c-1")))
+            assert why in str(err.value), str(err.value)
+        finally:
+            runner.close()
     assert _leftovers(ns) == []
 
 

@@ -20,6 +20,7 @@ from runner_fixtures import (
 
 from vllm_kvbridge.connectors.registry import create_connector, register_connector
 from vllm_kvbridge.connectors.shm import SharedMemoryConnector
+from vllm_kvbridge.errors import TransferCorrupt
 from vllm_kvbridge.kv.config import KVTransferConfig
 from vllm_kvbridge.kv.manager import KVTransferManager
 from vllm_kvbridge.runner.kv_sender import WorkerKVSender
@@ -106,6 +107,59 @@ def test_request_ended_while_its_kv_send_is_in_flight_reads_pending_until_the_se
         _GatedShm.gate.set()
         sender.shutdown()
     assert _kvbridge_threads() == []
+    assert shm_entries(ns) == []
+
+
+def test_the_senders_kv_declaration_is_checked_by_the_receiver() -> None:
+    """Issue 15, item 4: every put declares model, dtype, layers, heads and head dim; a
+    receiver that expects another model fails the request naming both, one that expects
+    what was sent gets the KV."""
+    ns = shm_namespace("decl")
+    caches, plan = fake_cpu_caches(2, 3), request_plan(5)
+    settings = RunnerSettings.from_dict(
+        {
+            "stage_id": 0,
+            "kv_transfer": {"need_send_cache": True, "to_stage": 1, "connector_config": {"namespace": ns}},
+        }
+    )
+    sender = WorkerKVSender(settings, caches, None, num_kv_heads=2, block_size=BLOCK, model="tiny-llama")
+    assert {k: sender.kv_spec[k] for k in ("model", "dtype", "num_layers", "num_kv_heads", "head_dim")} == {
+        "model": "tiny-llama",
+        "dtype": "float32",
+        "num_layers": len(caches),
+        "num_kv_heads": 2,
+        "head_dim": caches[0].shape[-1] // 2,
+    }
+    try:
+        for rid in ("good", "bad"):
+            sender.send(
+                [KVSendSpec(f"e-{rid}", rid, tuple(plan["block_ids"]), plan["seq_len"], release=True)]
+            )
+        _wait(lambda: all(s["kv"] == "done" for s in sender.status(["good", "bad"]).values()))
+        for rid, expect in (
+            ("good", {"model": "tiny-llama", "num_kv_heads": 2}),
+            ("bad", {"model": "other"}),
+        ):
+            recv = KVTransferConfig(
+                need_recv_cache=True,
+                stage_id=1,
+                from_stage=0,
+                recv_timeout=5,
+                connector_config={"namespace": ns},
+                expect_kv=expect,
+            )
+            with KVTransferManager(recv) as receiver:
+                if rid == "good":
+                    data, _ = receiver.receive_kv_cache_for_request(rid)
+                    assert data.metadata["kv_spec"]["fingerprint"] == sender.kv_spec["fingerprint"]
+                    del data
+                else:
+                    with pytest.raises(
+                        TransferCorrupt, match="model: sender 'tiny-llama', stage 1 expects 'other'"
+                    ):
+                        receiver.receive_kv_cache_for_request(rid)
+    finally:
+        sender.shutdown()
     assert shm_entries(ns) == []
 
 

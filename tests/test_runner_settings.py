@@ -118,6 +118,9 @@ def test_start_up_check_refuses_a_runner_without_the_mixin() -> None:
     assert kwargs["kv_transfer_config"]["kv_connector_extra_config"] == {"kvbridge": kv_only}
     check_worker_cls("vllm.v1.worker.cpu_worker.CPUWorker", kv_only)
     assert engine_kwargs(kv_only, worker_cls=CPU)["worker_cls"] == CPU
+    assert "worker_extension_cls" not in engine_kwargs(kv_only, worker_cls=CPU)  # it has the RPCs
+    stock = "vllm.v1.worker.cpu_worker.CPUWorker"
+    assert engine_kwargs(kv_only, worker_cls=stock)["worker_extension_cls"] == kwargs["worker_extension_cls"]
     with pytest.raises(ConfigError, match="unknown key"):
         engine_kwargs({"bogus": 1}, platform="cpu")
 

@@ -41,6 +41,8 @@ def _stage_lines(s: ResolvedStage) -> list[str]:
     if s.is_llm:
         lines.append(f"{head}  model={s.model or '<--model / tiny model>'}  tp={s.tensor_parallel_size}")
         lines.append(f"  worker_cls: {s.worker_cls or 'vLLM stock worker (the KV connector sends)'}")
+        if s.runner_cls:
+            lines.append(f"  runner_cls: {s.runner_cls}")
         lines.append(f"  engine_args: {json.dumps(s.engine_args, sort_keys=True)}")
         if s.default_sampling_params:
             lines.append(f"  sampling: {json.dumps(s.default_sampling_params, sort_keys=True)}")

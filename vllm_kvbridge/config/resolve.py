@@ -13,6 +13,7 @@ Every error is one :class:`ConfigError` line starting with the key path.
 from __future__ import annotations
 
 import itertools
+import logging
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,6 +24,8 @@ import msgspec
 from vllm_kvbridge.config.loader import load_spec
 from vllm_kvbridge.config.schema import DiffusionSpec, PipelineSpec, StageSpec
 from vllm_kvbridge.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 #: Worker classes used for LLM stages that move payloads when ``worker_cls`` is not given,
 #: per platform (a stage that only sends KV runs vLLM's stock worker: ``worker_cls`` None).
@@ -89,6 +92,8 @@ class ResolvedStage(msgspec.Struct):
     debug_dump_dir: str | None = None
     #: Base URL of an external OpenAI-compatible server running this stage (else None).
     url: str | None = None
+    #: The custom AR runner class the kvbridge worker builds (else None).
+    runner_cls: str | None = None
 
     @property
     def is_llm(self) -> bool:
@@ -194,6 +199,15 @@ def _check_stage(i: int, s: StageSpec) -> None:
         raise ConfigError(f"{p}.kv_transfer.trigger_token_id: only valid with trigger 'special_token'")
     if kv.stop_after_transfer and kv.trigger != "prefill_finished":
         raise ConfigError(f"{p}.kv_transfer.stop_after_transfer: only valid with trigger 'prefill_finished'")
+    if kv.expect is not None:
+        if not kv.need_recv_cache:
+            raise ConfigError(f"{p}.kv_transfer.expect: only valid on a stage that receives KV")
+        from vllm_kvbridge.kv.compat import check_expectation
+
+        try:
+            check_expectation(kv.expect, f"{p}.kv_transfer.expect")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if pl.chunk_size < 1:
         raise ConfigError(f"{p}.payload.chunk_size: must be >= 1, got {pl.chunk_size}")
     for name in ("stall_timeout", "recv_timeout"):
@@ -203,6 +217,7 @@ def _check_stage(i: int, s: StageSpec) -> None:
         pl.custom_process_next_stage_input_func, f"{p}.payload.custom_process_next_stage_input_func"
     )
     _check_dotted(s.worker_cls, f"{p}.worker_cls")
+    _check_dotted(s.runner_cls, f"{p}.runner_cls")
     for key in _RESERVED_ENGINE_ARGS:
         if key in s.engine_args:
             raise ConfigError(f"{p}.engine_args.{key}: set it as a stage field, not an engine argument")
@@ -218,8 +233,9 @@ def _check_stage(i: int, s: StageSpec) -> None:
             )
         if kv.need_send_cache:
             raise ConfigError(f"{p}.kv_transfer.need_send_cache: a diffusion stage does not produce KV")
-        if s.worker_cls is not None:
-            raise ConfigError(f"{p}.worker_cls: diffusion stages run the diffusion runner, not a vLLM worker")
+        for name in ("worker_cls", "runner_cls"):
+            if getattr(s, name) is not None:
+                raise ConfigError(f"{p}.{name}: diffusion stages run the diffusion runner, not a vLLM worker")
         d = s.diffusion or DiffusionSpec()
         _check_dotted(d.class_path, f"{p}.diffusion.class_path")
         if d.num_steps < 1:
@@ -398,6 +414,25 @@ def resolve_spec(spec: PipelineSpec, source: str | None = None) -> ResolvedPipel
     ).with_model(spec.model or None)
 
 
+def _adapt_for_capture(s: StageSpec, engine_args: dict[str, Any], env: dict[str, str]) -> None:
+    """A capture stage on GPU runs vLLM's V1 runner with synchronous scheduling (what the
+    capture hooks need, see runner/ar_runner.py) unless its config says otherwise."""
+    changed = []
+    if "async_scheduling" not in engine_args:
+        engine_args["async_scheduling"] = False
+        changed.append("async_scheduling=False")
+    if "VLLM_USE_V2_MODEL_RUNNER" not in env:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        changed.append("VLLM_USE_V2_MODEL_RUNNER=0")
+    if changed:
+        logger.info(
+            "stage %s captures hidden states, which hooks vLLM's V1 runner and needs synchronous "
+            "scheduling: set %s",
+            s.stage_id,
+            ", ".join(changed),
+        )
+
+
 def _resolve_stage(
     s: StageSpec,
     inputs: list[ResolvedEdge],
@@ -408,6 +443,7 @@ def _resolve_stage(
     kv = msgspec.structs.asdict(s.kv_transfer)
     payload = msgspec.structs.asdict(s.payload)
     engine_args: dict[str, Any] = {}
+    env = {k: str(v) for k, v in s.env.items()}
     worker_cls = None
     if s.kind in LLM_KINDS:
         engine_args = {**DEFAULT_ENGINE_ARGS, **s.engine_args}
@@ -417,13 +453,15 @@ def _resolve_stage(
             # The received hidden states become the prompt (vLLM's prompt-embeds input).
             engine_args["enable_prompt_embeds"] = True
         worker_cls = s.worker_cls
-        if worker_cls is None and any(e.payload_mode != "none" for e in inputs + outputs):
+        captures = any(e.payload_mode != "none" for e in outputs)
+        if worker_cls is None and (s.runner_cls or captures or any(e.payload_mode != "none" for e in inputs)):
             # Payload capture hooks the model runner; KV alone runs on vLLM's stock worker.
             worker_cls = DEFAULT_WORKER_CLS[platform]
+        if captures and platform == "gpu":
+            _adapt_for_capture(s, engine_args, env)
     diffusion = None
     if s.kind == "diffusion":
         diffusion = msgspec.structs.asdict(s.diffusion or DiffusionSpec())
-    env = {k: str(v) for k, v in s.env.items()}
     return ResolvedStage(
         stage_id=s.stage_id,
         kind=s.kind,
@@ -442,6 +480,7 @@ def _resolve_stage(
         start_timeout=s.start_timeout,
         debug_dump_dir=debug_dump_dir,
         url=s.url.rstrip("/") if s.url else None,
+        runner_cls=s.runner_cls,
     )
 
 

@@ -31,6 +31,8 @@ def kv_transfer_config_dict(stage: ResolvedStage) -> dict[str, Any]:
         "recv_timeout": float(kv.get("recv_timeout", 30.0)),
         "enable_kv_async_prefetch": bool(kv.get("prefetch", True)) and bool(kv.get("need_recv_cache")),
     }
+    if kv.get("expect") and kv.get("need_recv_cache"):
+        out["expect_kv"] = dict(kv["expect"])
     if int((stage.diffusion or {}).get("num_ranks", 1)) > 1:
         # Rank 0 receives every head and hands the KV to the other rank (LEADER -> FOLLOWER).
         out["distribution"] = "leader"
@@ -95,4 +97,6 @@ def runner_settings(stage: ResolvedStage) -> dict[str, Any]:
     }
     if kv.get("need_send_cache") or kv.get("need_recv_cache"):
         settings["kv_transfer"] = kv_transfer_config_dict(stage)
+    if stage.runner_cls:
+        settings["runner_cls"] = stage.runner_cls
     return settings

@@ -56,7 +56,9 @@ class KVTransferSpec(_Spec):
     ``stop_after_transfer`` the request then ends); ``special_token`` sends when the
     sampled token equals ``trigger_token_id``. ``recv_timeout`` (receiver) is the
     deadline in seconds for a KV cache to arrive; ``prefetch`` lets the receiver start
-    pulling the next queued request's KV while the current one runs.
+    pulling the next queued request's KV while the current one runs; ``expect`` (receiver)
+    is what the KV must be (``model``, ``dtype``, ``num_layers``, ``num_kv_heads``,
+    ``head_dim``), checked against the sender's declaration before it is used.
     """
 
     need_send_cache: bool = False
@@ -67,6 +69,7 @@ class KVTransferSpec(_Spec):
     recv_timeout: float = 30.0
     send_timeout: float = 30.0
     prefetch: bool = True
+    expect: dict[str, Any] | None = None
 
 
 class PayloadSpec(_Spec):
@@ -128,6 +131,9 @@ class StageSpec(_Spec):
     kind: StageKind
     model: str | None = None
     worker_cls: str | None = None
+    #: A custom model runner (``pkg.mod.Class``, a subclass of kvbridge's AR runner for the
+    #: runner class in use) that the kvbridge worker builds; see runner/ar_runner.py.
+    runner_cls: str | None = None
     engine_args: dict[str, Any] = {}
     tensor_parallel_size: int = 1
     devices: str | None = None

@@ -43,6 +43,10 @@ class KVTransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     (group rank 0 receives the full KV and broadcasts it to the other ranks of the stage's
     process group, e.g. a diffusion stage whose ranks all need all heads).
 
+    ``expect_kv`` (receiver): what the received KV must be (``model``, ``dtype``,
+    ``num_layers``, ``num_kv_heads``, ``head_dim``; any subset), checked against the sender's
+    declaration before the KV is used (:mod:`vllm_kvbridge.kv.compat`).
+
     ``connector`` is a registry name (see :mod:`vllm_kvbridge.connectors.registry`),
     ``connector_config`` its config dict.
     """
@@ -66,6 +70,7 @@ class KVTransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     max_prefetch_inflight: int = 4
     max_unconsumed: int = 256
     distribution: Literal["local", "leader"] = "local"
+    expect_kv: dict[str, Any] | None = None
     connector: str = "SharedMemoryConnector"
     connector_config: dict[str, Any] = msgspec.field(default_factory=dict)
 
@@ -92,6 +97,12 @@ class KVTransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
             raise bad("kv_prefetch_min_free_mem_ratio", "must be in [0, 1)")
         if self.need_send_cache and self.to_stage is None:
             raise ConfigError("kv_transfer.to_stage: required when need_send_cache is true")
+        from vllm_kvbridge.kv.compat import check_expectation
+
+        try:
+            self.expect_kv = check_expectation(self.expect_kv, "kv_transfer.expect_kv")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.need_recv_cache and self.from_stage is None and not self.engine_input_source:
             raise ConfigError(
                 "kv_transfer.from_stage: required when need_recv_cache is true (or set engine_input_source)"

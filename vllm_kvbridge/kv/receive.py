@@ -28,6 +28,7 @@ from typing import Any
 
 from vllm_kvbridge.connectors.base import Connector
 from vllm_kvbridge.errors import ConfigError, TransferCorrupt, TransferError, TransferTimeout
+from vllm_kvbridge.kv.compat import check_kv_compat
 from vllm_kvbridge.kv.config import KVTransferConfig, StageId
 from vllm_kvbridge.kv.metrics import KVTransferMetrics
 from vllm_kvbridge.kv.sender_info import StageSenderInfo
@@ -268,6 +269,7 @@ class KVReceiver:
                 i += 1
             try:
                 merged = self._merge(rid, pieces, target_device)
+                check_kv_compat(merged, cfg.expect_kv, receiver=f"stage {cfg.stage_id}")
             except Exception as exc:
                 raise Consumed(exc) from exc
             with self._lock:

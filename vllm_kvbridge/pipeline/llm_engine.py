@@ -85,7 +85,7 @@ class LLMStageEngine(StageEngine):
         self.settings = runner_settings(stage)
         self.moves_data = bool(stage.outputs or stage.inputs)
         kwargs = dict(stage.engine_args)
-        if self.moves_data:
+        if self.moves_data or stage.runner_cls:
             kwargs.update(engine_kwargs(self.settings, worker_cls=stage.worker_cls))
         self.llm = LLM(model=stage.model, tensor_parallel_size=stage.tensor_parallel_size, **kwargs)
         self.engine = self.llm.llm_engine

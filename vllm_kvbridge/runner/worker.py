@@ -141,8 +141,25 @@ class _KVBridgeWorkerMixin(KVBridgeWorkerExtension):
 
     vllm_config: Any
 
+    #: The runner the worker builds unless the settings name a ``runner_cls`` (a subclass).
+    runner_cls: type
+
     def _kvbridge_check_runner(self) -> None:
         validate_runner(self.model_runner, RunnerSettings.from_vllm_config(self.vllm_config))
+
+    def _kvbridge_make_runner(self) -> Any:
+        """The stage's AR runner: the settings' ``runner_cls`` if given (it must subclass this
+        worker's runner class, the one that matches vLLM's runner in use), else ``runner_cls``."""
+        cls = self.runner_cls
+        name = RunnerSettings.from_vllm_config(self.vllm_config).runner_cls
+        if name is not None:
+            cls = load_dotted(name, "runner_cls")
+            if not (isinstance(cls, type) and issubclass(cls, self.runner_cls)):
+                raise ConfigError(
+                    f"runner_cls: {name!r} must subclass {self.runner_cls.__module__}."
+                    f"{self.runner_cls.__qualname__} (the kvbridge runner for the vLLM runner in use)"
+                )
+        return cls(self.vllm_config, self.device)
 
     def shutdown(self) -> None:
         runner = self.model_runner
@@ -158,7 +175,7 @@ class KVBridgeCPUWorker(_KVBridgeWorkerMixin, CPUWorker):
 
     def init_device(self) -> None:
         super().init_device()  # builds vLLM's CPUModelRunner; replaced before the model loads
-        self.model_runner = self.runner_cls(self.vllm_config, self.device)
+        self.model_runner = self._kvbridge_make_runner()
         self._kvbridge_check_runner()
 
 
@@ -174,7 +191,7 @@ class KVBridgeGPUWorker(_KVBridgeWorkerMixin, Worker):
                 "VLLM_USE_V2_MODEL_RUNNER=0 in its environment (a stage that only sends KV runs on "
                 "any runner: leave worker_cls unset)"
             )
-        return self.runner_cls(self.vllm_config, self.device)
+        return self._kvbridge_make_runner()
 
     def init_device(self) -> None:
         super().init_device()
@@ -205,11 +222,12 @@ def engine_kwargs(
 
             platform = "cpu" if current_platform.is_cpu() else "gpu"
         worker_cls = CPU_WORKER if platform == "cpu" else GPU_WORKER
-    if worker_cls is None:
-        kwargs["worker_extension_cls"] = WORKER_EXTENSION
-    else:
+    if worker_cls is not None:
         check_worker_cls(worker_cls, data)
         kwargs["worker_cls"] = worker_cls
+    cls = load_dotted(worker_cls, "worker_cls") if worker_cls is not None else None
+    if not (isinstance(cls, type) and issubclass(cls, KVBridgeWorkerExtension)):
+        kwargs["worker_extension_cls"] = WORKER_EXTENSION  # the RPCs, on a worker without them
     return kwargs
 
 
