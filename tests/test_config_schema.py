@@ -147,6 +147,20 @@ def test_check_config_cli_broken_file_is_one_line_naming_the_key(tmp_path: Path)
         ("stages.0.diffusion", {}, "stages[0].diffusion: only valid for kind 'diffusion'"),
         ("stages.0.engine_args", {"model": "x"}, "stages[0].engine_args.model: set it as a stage field"),
         ("stages.0.worker_cls", "nodots", "stages[0].worker_cls: 'nodots' is not a dotted path"),
+        ("stages.0.runner_cls", "nodots", "stages[0].runner_cls: 'nodots' is not a dotted path"),
+        ("stages.1.runner_cls", "a.B", "stages[1].runner_cls: diffusion stages run the diffusion runner"),
+        ("stages.1.kv_transfer.expect", {"heads": 2}, "stages[1].kv_transfer.expect.heads: unknown key"),
+        (
+            "stages.1.kv_transfer.expect",
+            {"head_dim": 0},
+            "stages[1].kv_transfer.expect.head_dim: must be >= 1",
+        ),
+        (
+            "stages.0.kv_transfer.expect",
+            {"head_dim": 32},
+            "stages[0].kv_transfer.expect: only valid on a stage that receives KV",
+        ),
+        ("runtime.max_in_flight", 0, "runtime.max_in_flight: must be > 0"),
         (
             "stages.0.output_connectors",
             {"to_stage_5": "shm"},

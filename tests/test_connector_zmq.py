@@ -241,3 +241,58 @@ def test_tp_ranks_with_a_fixed_port_bind_one_port_each():
             conn.close()
     with create_connector("zmq", {"host": "127.0.0.1", "port": 0}, rank=3) as any_port:
         assert any_port.port == 0  # ephemeral ports need no offset
+
+
+def test_a_run_binding_zmq_beyond_loopback_gets_curve_and_refuses_peers_without_the_key(monkeypatch):
+    """Issue 15, item 5: CURVE is on by default for a ZMQ edge bound beyond loopback. The
+    pipeline gives the edge's two stages (only them) one keypair per run in their environment;
+    the edge's own stages talk, a peer without the key (plain or another keypair) gets nothing.
+    A loopback edge, and one with keys of its own, are left alone."""
+    import json
+
+    from vllm_kvbridge.config import resolve_spec, spec_from_dict
+    from vllm_kvbridge.pipeline.stage_handles import with_run_curve_keys
+
+    def plan(extra):
+        cfg = {
+            "connectors": {"z": {"name": "zmq", "extra": extra}},
+            "stages": [
+                {"stage_id": 0, "kind": "llm_ar", "model": "m", "kv_transfer": {"need_send_cache": True}},
+                {"stage_id": 1, "kind": "diffusion", "kv_transfer": {"need_recv_cache": True}},
+            ],
+            "edges": [{"from_stage": 0, "to_stage": 1, "connector": "z"}],
+        }
+        return resolve_spec(spec_from_dict(cfg)).stages
+
+    for extra in ({"host": "127.0.0.1"}, {"host": "0.0.0.0", "curve_public_key": "x" * 40}):
+        assert with_run_curve_keys(plan(extra)) == plan(extra)
+    sender_stage, receiver_stage = with_run_curve_keys(plan({"host": "0.0.0.0"}))
+    [var] = list(sender_stage.env)
+    assert receiver_stage.env == sender_stage.env  # both ends, the same pair
+    assert sender_stage.outputs[0].connector.config["curve_keys_env"] == var
+    assert receiver_stage.inputs[0].connector.config["curve_keys_env"] == var
+    assert set(json.loads(sender_stage.env[var])) == {"public", "secret"}
+    other = with_run_curve_keys(plan({"host": "0.0.0.0"}))[0].env[var]
+    assert other != sender_stage.env[var]  # a new pair per run
+
+    monkeypatch.setenv(var, sender_stage.env[var])
+    edge_config = dict(sender_stage.outputs[0].connector.config)
+    with create_connector("zmq", edge_config) as server:
+        result = server.put(0, 1, key(), make_payload(1))
+        assert result.ok
+        port = result.metadata["endpoint"].rsplit(":", 1)[1]
+        metadata = {**result.metadata, "endpoint": f"tcp://127.0.0.1:{port}"}  # reach it on loopback
+        stranger_pub, stranger_sec = (k.decode() for k in zmq.curve_keypair())
+        strangers = [
+            zmq_conn(),  # plain TCP
+            zmq_conn(curve_public_key=stranger_pub, curve_secret_key=stranger_sec, curve_allowed_clients=[]),
+        ]
+        for stranger in strangers:
+            with stranger, pytest.raises(TransferTimeout):
+                stranger.get(0, 1, key(), metadata, deadline=deadline(0.5))
+        assert server.health()["held_payloads"] == 1
+        with create_connector("zmq", {**edge_config, "host": "127.0.0.1"}) as peer:
+            assert same(peer.get(0, 1, key(), metadata, deadline=deadline(5)), make_payload(1))
+    monkeypatch.delenv(var)
+    with pytest.raises(ConfigError, match=f"{var} is not set"):
+        create_connector("zmq", edge_config)

@@ -13,6 +13,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 
 import httpx
@@ -68,7 +69,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untype
     # The kvbridge server itself is served over HTTPS with an API key (issue 15, item 5).
     tls = self_signed_cert(tmp)
     try:
-        srv = start_serve(config, tmp, model, "--api-key", API_KEY, tls=tls)
+        srv = start_serve(config, tmp, model, "--api-key", API_KEY, "--max-in-flight", "2", tls=tls)
     except BaseException:
         stop(vllm)
         raise
@@ -128,6 +129,39 @@ def test_every_endpoint_needs_the_api_key_but_the_open_ones(servers) -> None:  #
         assert anonymous.get(path).status_code == 200, path
     with pytest.raises(httpx.HTTPError):  # the port speaks TLS only
         httpx.get(srv.url.replace("https://", "http://") + "/health", timeout=10)
+
+
+def test_beyond_max_in_flight_the_server_answers_429_and_stays_bounded(servers) -> None:  # type: ignore[no-untyped-def]
+    """Issue 15, item 2: with --max-in-flight 2, a third request while two are in flight is
+    answered 429 with Retry-After at once (nothing queued), and the in-flight count never
+    went above 2. The two are held in flight by stopping the diffusion stage (SIGSTOP) until
+    the third was refused; once it continues they complete."""
+    _vllm, srv, _ = servers
+    state = lambda: srv.http(AUTH).get("/debug/state").json()  # noqa: E731
+    stages = srv.http().get("/health").json()["stages"]
+    dit_pid = next(s["pid"] for s in stages if s["kind"] == "diffusion")
+    statuses: list[int] = []
+
+    def request() -> None:
+        r = srv.http(AUTH, timeout=120).post("/v1/images/generations", json={"prompt": "A cute cat"})
+        statuses.append(r.status_code)
+
+    threads = [threading.Thread(target=request) for _ in range(2)]
+    os.kill(dit_pid, signal.SIGSTOP)
+    try:
+        for t in threads:
+            t.start()
+        assert wait_for(lambda: state()["in_flight"] == 2, 60)
+        r = srv.http(AUTH).post("/v1/images/generations", json={"prompt": "one too many"})
+        assert r.status_code == 429, r.text
+        assert r.headers["Retry-After"] == "1" and r.json()["error"]["type"] == "rate_limit_exceeded"
+    finally:
+        os.kill(dit_pid, signal.SIGCONT)
+    for t in threads:
+        t.join(120)
+    assert statuses == [200, 200]
+    after = state()
+    assert after["in_flight"] == 0 and after["in_flight_high_water"] == 2 and after["max_in_flight"] == 2
 
 
 def test_the_stock_server_sends_the_exact_kv(servers) -> None:  # type: ignore[no-untyped-def]

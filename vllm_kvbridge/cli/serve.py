@@ -2,7 +2,7 @@
 
     vllm-kvbridge serve --stage-config FILE [--host 127.0.0.1] [--port 8000] [--model DIR]
                         [--served-model-name NAME] [--output-dir DIR] [--drain-timeout S]
-                        [--api-key KEY] [--unauthenticated-paths P,...]
+                        [--api-key KEY] [--unauthenticated-paths P,...] [--max-in-flight N]
                         [--ssl-keyfile PEM --ssl-certfile PEM]
 
 Starts every stage (blocking until all are ready; the port opens only then), then serves
@@ -51,6 +51,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--unauthenticated-paths",
         help="comma-separated paths open without the key (default: /health,/metrics; '' for none)",
+    )
+    p.add_argument(
+        "--max-in-flight",
+        type=int,
+        help="requests in flight at most; beyond, 429 with Retry-After (default: runtime.max_in_flight, 256)",
     )
     p.add_argument("--ssl-keyfile", help="serve HTTPS with this private key (PEM)")
     p.add_argument("--ssl-certfile", help="serve HTTPS with this certificate chain (PEM)")
@@ -146,7 +151,10 @@ def _serve(args: argparse.Namespace) -> int:
                 )
             else:
                 raise
-        service = PipelineService(pipe)
+        if args.max_in_flight is not None and args.max_in_flight < 1:
+            print("error: --max-in-flight must be >= 1", file=sys.stderr)
+            return 2
+        service = PipelineService(pipe, max_in_flight=args.max_in_flight or pipe.plan.max_in_flight)
         try:
             service.start()
         except StageError as exc:

@@ -114,6 +114,8 @@ class ResolvedPipeline(msgspec.Struct):
     request_timeout: float
     shutdown_timeout: float
     debug_dump_dir: str | None
+    #: requests in flight at most (``vllm-kvbridge serve`` answers 429 beyond)
+    max_in_flight: int = 256
 
     def stage(self, stage_id: int) -> ResolvedStage:
         for s in self.stages:
@@ -202,12 +204,10 @@ def _check_stage(i: int, s: StageSpec) -> None:
     if kv.expect is not None:
         if not kv.need_recv_cache:
             raise ConfigError(f"{p}.kv_transfer.expect: only valid on a stage that receives KV")
-        from vllm_kvbridge.kv.compat import check_expectation
-
-        try:
-            check_expectation(kv.expect, f"{p}.kv_transfer.expect")
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(kv.expect, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{p}.kv_transfer.expect.{name}: must be >= 1, got {value}")
     if pl.chunk_size < 1:
         raise ConfigError(f"{p}.payload.chunk_size: must be >= 1, got {pl.chunk_size}")
     for name in ("stall_timeout", "recv_timeout"):
@@ -400,7 +400,7 @@ def resolve_spec(spec: PipelineSpec, source: str | None = None) -> ResolvedPipel
         for s in spec.stages
     ]
     rt = spec.runtime
-    for name in ("request_timeout", "shutdown_timeout"):
+    for name in ("request_timeout", "shutdown_timeout", "max_in_flight"):
         if getattr(rt, name) <= 0:
             raise ConfigError(f"runtime.{name}: must be > 0, got {getattr(rt, name)}")
     return ResolvedPipeline(
@@ -411,6 +411,7 @@ def resolve_spec(spec: PipelineSpec, source: str | None = None) -> ResolvedPipel
         request_timeout=rt.request_timeout,
         shutdown_timeout=rt.shutdown_timeout,
         debug_dump_dir=rt.debug_dump_dir,
+        max_in_flight=rt.max_in_flight,
     ).with_model(spec.model or None)
 
 
@@ -441,6 +442,8 @@ def _resolve_stage(
     debug_dump_dir: str | None,
 ) -> ResolvedStage:
     kv = msgspec.structs.asdict(s.kv_transfer)
+    if s.kv_transfer.expect is not None:
+        kv["expect"] = msgspec.structs.asdict(s.kv_transfer.expect)
     payload = msgspec.structs.asdict(s.payload)
     engine_args: dict[str, Any] = {}
     env = {k: str(v) for k, v in s.env.items()}

@@ -31,8 +31,9 @@ def kv_transfer_config_dict(stage: ResolvedStage) -> dict[str, Any]:
         "recv_timeout": float(kv.get("recv_timeout", 30.0)),
         "enable_kv_async_prefetch": bool(kv.get("prefetch", True)) and bool(kv.get("need_recv_cache")),
     }
-    if kv.get("expect") and kv.get("need_recv_cache"):
-        out["expect_kv"] = dict(kv["expect"])
+    expect = {k: v for k, v in (kv.get("expect") or {}).items() if v is not None}
+    if expect and kv.get("need_recv_cache"):
+        out["expect_kv"] = expect
     if int((stage.diffusion or {}).get("num_ranks", 1)) > 1:
         # Rank 0 receives every head and hands the KV to the other rank (LEADER -> FOLLOWER).
         out["distribution"] = "leader"

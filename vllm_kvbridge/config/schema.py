@@ -48,6 +48,17 @@ class ConnectorSpec(_Spec):
     extra: dict[str, Any] = {}
 
 
+class KVExpectSpec(_Spec):
+    """What a receiving stage requires of the KV it gets (any subset); checked against the
+    sender's declaration before the KV is used (``vllm_kvbridge.kv.compat``)."""
+
+    model: str | None = None
+    dtype: str | None = None
+    num_layers: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+
+
 class KVTransferSpec(_Spec):
     """When a stage sends or receives KV caches.
 
@@ -69,7 +80,7 @@ class KVTransferSpec(_Spec):
     recv_timeout: float = 30.0
     send_timeout: float = 30.0
     prefetch: bool = True
-    expect: dict[str, Any] | None = None
+    expect: KVExpectSpec | None = None
 
 
 class PayloadSpec(_Spec):
@@ -162,6 +173,8 @@ class RuntimeSpec(_Spec):
     request_timeout: float = 300.0
     shutdown_timeout: float = 10.0
     debug_dump_dir: str | None = None
+    #: requests in flight at most; ``serve`` answers 429 (with Retry-After) beyond
+    max_in_flight: int = 256
 
 
 class PipelineSpec(_Spec):

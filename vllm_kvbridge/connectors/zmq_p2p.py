@@ -40,7 +40,11 @@ CURVE (optional): give the connector its keypair (``curve_public_key``,
 admits clients listed in ``curve_allowed_clients`` (z85 public keys; ZAP handler in the
 connector's own context); as a client it authenticates with its keypair and pins the
 server key from ``curve_server_key`` or, failing that, ``metadata["server_key"]``. A peer
-without an admitted key gets nothing: its gets time out.
+without an admitted key gets nothing: its gets time out. ``curve_keys_env: NAME`` instead
+takes one keypair from the environment variable ``NAME`` (JSON ``{"public", "secret"}``)
+and uses it on both ends: the server admits exactly that key and a client pins it. The
+pipeline does that for every ZMQ edge bound beyond loopback (a keypair per edge and run,
+handed to the edge's two stages in their environment, never in a config or a log).
 
 Other config keys: ``host`` (default 127.0.0.1), ``port`` (0), ``advertise_host`` (address
 put in the metadata; default ``host``, or this host's name when binding 0.0.0.0/``*``),
@@ -53,6 +57,8 @@ unconfirmed payload is held).
 
 from __future__ import annotations
 
+import json
+import os
 import socket as pysocket
 import struct
 import threading
@@ -78,6 +84,33 @@ _U64 = struct.Struct("<Q")
 _GET, _OK, _DATA, _MISSING, _TOOBIG, _BAD = b"GET", b"OK", b"DATA", b"MISSING", b"TOOBIG", b"BAD"
 _ACK, _ACKED = b"ACK", b"ACKED"
 _MAX_IDLE_SOCKETS = 8
+
+
+def _with_env_keys(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``curve_keys_env``: the edge's shared CURVE keypair, from the environment (see above)."""
+    name = config.get("curve_keys_env")
+    if not name:
+        return config
+    given = [k for k in ("curve_public_key", "curve_secret_key", "curve_allowed_clients") if k in config]
+    if given:
+        raise ConfigError(f"connector option curve_keys_env excludes {given}: give one or the other")
+    raw = os.environ.get(str(name))
+    if not raw:
+        raise ConfigError(f"connector option curve_keys_env: ${name} is not set")
+    try:
+        keys = json.loads(raw)
+        public, secret = str(keys["public"]), str(keys["secret"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f'connector option curve_keys_env: ${name} must hold {{"public", "secret"}}: {exc}'
+        ) from None
+    return {
+        **config,
+        "curve_public_key": public,
+        "curve_secret_key": secret,
+        "curve_allowed_clients": [public],
+        "curve_server_key": public,
+    }
 
 
 def _z85(config: Mapping[str, Any], name: str) -> bytes | None:
@@ -115,7 +148,7 @@ class ZmqConnector(Connector):
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__(config)
-        cfg = self.config
+        cfg = _with_env_keys(self.config)
         self.host = str(cfg.get("host", "127.0.0.1"))
         self.port = number_option(cfg, "port", 0, int)
         advertise = cfg.get("advertise_host")

@@ -58,6 +58,7 @@ from vllm_kvbridge.pipeline.stage_handles import (
     StageHandle,
     last_error_line,
     log_tail,
+    with_run_curve_keys,
     with_run_namespaces,
 )
 
@@ -83,9 +84,8 @@ class Pipeline:
     ) -> None:
         self.run_id = f"r{uuid.uuid4().hex[:10]}"
         external = frozenset(s.stage_id for s in plan.stages if s.url is not None)
-        self.plan = msgspec.structs.replace(
-            plan, stages=[with_run_namespaces(s, self.run_id, external) for s in plan.stages]
-        )
+        stages = [with_run_namespaces(s, self.run_id, external) for s in plan.stages]
+        self.plan = msgspec.structs.replace(plan, stages=with_run_curve_keys(stages, external))
         self._own_log_dir = log_dir is None
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"kvbridge-{self.run_id}-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)

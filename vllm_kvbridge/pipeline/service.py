@@ -12,6 +12,10 @@ Contract:
   :class:`RequestResult` (its ``error`` set when the request failed in a stage, timed out or
   was aborted), or raises :class:`StageError` / :class:`PipelineError` when the pipeline is
   down. Nothing waits forever: every request has the pipeline's ``request_timeout``.
+* Admission: at most ``max_in_flight`` requests are in flight (default
+  :data:`DEFAULT_MAX_IN_FLIGHT`); beyond that :meth:`submit` raises :class:`Overloaded` at
+  once (the server answers 429 with ``Retry-After``), so queues and memory stay bounded
+  under overload instead of growing. :attr:`high_water` is the most ever in flight.
 * :meth:`abort` finishes a request (``error`` = the reason) and tells every stage working on
   it to drop it; an unknown or finished id is ignored.
 * A dead stage fails every in-flight request with its :class:`StageError`; later submits
@@ -49,6 +53,12 @@ from vllm_kvbridge.pipeline.orchestrator import (
 #: How long the pump thread waits on the stages' socket per round (seconds); commands
 #: posted meanwhile wait at most this long.
 PUMP_S = 0.01
+#: Requests in flight at most, unless the caller says otherwise.
+DEFAULT_MAX_IN_FLIGHT = 256
+
+
+class Overloaded(RuntimeError):
+    """``max_in_flight`` requests are in flight: come back later (nothing was queued)."""
 
 
 class PipelineService:
@@ -57,8 +67,13 @@ class PipelineService:
         pipeline: Pipeline,
         *,
         on_result: Callable[[RequestResult], None] | None = None,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     ) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.pipeline = pipeline
+        self.max_in_flight = max_in_flight
+        self.high_water = 0
         self.on_result: Callable[[RequestResult], None] = on_result or (lambda r: None)
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._futures: dict[str, Future[RequestResult]] = {}
@@ -114,15 +129,21 @@ class PipelineService:
         on_progress: Callable[[StageProgress], None] | None = None,
     ) -> tuple[str, Future[RequestResult]]:
         """Queue a request; returns its id and a future of its :class:`RequestResult`.
-        With ``on_progress`` the request streams (see the module docstring)."""
+        With ``on_progress`` the request streams (see the module docstring). Raises
+        :class:`Overloaded` when ``max_in_flight`` requests are in flight."""
         fut: Future[RequestResult] = Future()
         with self._lock:
+            if len(self._futures) >= self.max_in_flight:
+                raise Overloaded(
+                    f"{len(self._futures)} requests in flight, the limit (max_in_flight) is reached"
+                )
             self._counter += 1
             rid = f"{prefix}-{self._counter}"
             if self._closed or self.failure is not None:
                 fut.set_exception(self.failure or PipelineError("pipeline is closed"))
                 return rid, fut
             self._futures[rid] = fut
+            self.high_water = max(self.high_water, len(self._futures))
         progress = None if on_progress is None else _never_raising(on_progress)
         self._commands.put(("submit", (rid, prompt, dict(sampling_params or {}), stage_params, progress)))
         return rid, fut

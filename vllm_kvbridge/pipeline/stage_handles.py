@@ -2,7 +2,8 @@
 
 :class:`StageHandle` is what :class:`~vllm_kvbridge.pipeline.orchestrator.Pipeline` holds
 per spawned stage (process, log, readiness, failure); :func:`with_run_namespaces` gives a
-run's shared-memory and Mooncake-store edges their own namespace; :func:`log_tail` /
+run's shared-memory and Mooncake-store edges their own namespace; :func:`with_run_curve_keys`
+gives a run's ZMQ edges bound beyond loopback their own CURVE keypair; :func:`log_tail` /
 :func:`last_error_line` read a stage's log for error reports.
 """
 
@@ -83,3 +84,59 @@ def with_run_namespaces(
         for e in stage.outputs
     ]
     return msgspec.structs.replace(stage, inputs=inputs, outputs=outputs)
+
+
+ZMQ_CONNECTOR = "ZmqConnector"
+CURVE_ENV_PREFIX = "KVBRIDGE_CURVE_"
+
+
+def binds_beyond_loopback(config: dict[str, Any]) -> bool:
+    """Whether a ZMQ connector with ``config`` listens on more than this host's loopback."""
+    host = str(config.get("host", "127.0.0.1"))
+    return not (host.startswith("127.") or host in ("localhost", "::1"))
+
+
+def with_run_curve_keys(
+    stages: list[ResolvedStage], external: frozenset[int] = frozenset()
+) -> list[ResolvedStage]:
+    """CURVE on by default where a ZMQ edge binds beyond loopback (issue 15): one keypair per
+    such edge and run, in the environment of the edge's two stages (``curve_keys_env``; see
+    :mod:`vllm_kvbridge.connectors.zmq_p2p`), so a peer without it is refused. Edges with
+    keys of their own, or touching an ``external`` stage, are left as they are."""
+    import json
+
+    import zmq
+
+    keys: dict[tuple[int, int], str] = {}
+    for s in stages:
+        for e in s.outputs:
+            c = e.connector
+            if (
+                c.name == ZMQ_CONNECTOR
+                and binds_beyond_loopback(c.config)
+                and not any(k.startswith("curve_") for k in c.config)
+                and not {e.from_stage, e.to_stage} & external
+            ):
+                public, secret = zmq.curve_keypair()
+                keys[(e.from_stage, e.to_stage)] = json.dumps(
+                    {"public": public.decode(), "secret": secret.decode()}
+                )
+    if not keys:
+        return stages
+
+    def fix(e: Any, env: dict[str, str]) -> Any:
+        pair = keys.get((e.from_stage, e.to_stage))
+        if pair is None:
+            return e
+        var = f"{CURVE_ENV_PREFIX}{e.from_stage}_{e.to_stage}"
+        env[var] = pair
+        connector = msgspec.structs.replace(e.connector, config={**e.connector.config, "curve_keys_env": var})
+        return msgspec.structs.replace(e, connector=connector)
+
+    out = []
+    for s in stages:
+        env = dict(s.env)
+        inputs = [fix(e, env) for e in s.inputs]
+        outputs = [fix(e, env) for e in s.outputs]
+        out.append(msgspec.structs.replace(s, inputs=inputs, outputs=outputs, env=env))
+    return out

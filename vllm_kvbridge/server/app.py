@@ -10,7 +10,8 @@ returned as URLs).
 
 Error contract (OpenAI's ``{"error": {"message", "type", "param", "code"}}`` body):
 400 bad JSON / schema / too-long prompt / wrong endpoint for this pipeline, 401 no valid
-API key (with ``--api-key``), 404 unknown model, 503 a stage is down or the server is
+API key (with ``--api-key``), 404 unknown model, 429 ``max_in_flight`` requests are in
+flight (with ``Retry-After``), 503 a stage is down or the server is
 shutting down, 504 the request outlived ``runtime.request_timeout``, 500 a stage failed
 the request. A request never waits
 longer than the pipeline's ``request_timeout``. A client that disconnects has its
@@ -36,32 +37,19 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 
 from vllm_kvbridge.pipeline.messages import StageProgress
 from vllm_kvbridge.pipeline.orchestrator import PipelineError, RequestResult
-from vllm_kvbridge.pipeline.service import PipelineService
+from vllm_kvbridge.pipeline.service import Overloaded, PipelineService
 from vllm_kvbridge.server.auth import DEFAULT_OPEN_PATHS, ApiKeyAuth
+from vllm_kvbridge.server.errors import ApiError, ClientGone, error_body
 from vllm_kvbridge.server.metrics import ServerMetrics
 from vllm_kvbridge.server.protocol import ChatCompletionRequest, CompletionRequest, ImageRequest
 
 #: How often a waiting handler checks whether its client is still connected (seconds).
 DISCONNECT_POLL_S = 0.1
+#: ``Retry-After`` (seconds) of a 429 answer (``max_in_flight`` requests in flight).
+RETRY_AFTER_S = "1"
 _IMAGE_NAME = re.compile(r"[A-Za-z0-9_.-]+\.png")
 #: ASGI scope key of the per-request flags :class:`_CountRequests` sets (``client_gone``).
 _SCOPE_KEY = "kvbridge"
-
-
-class ApiError(Exception):
-    def __init__(
-        self, status: int, message: str, kind: str = "invalid_request_error", reason: str = ""
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.reason = status, message, kind, reason
-
-
-class ClientGone(Exception):
-    """The client disconnected; its request was aborted."""
-
-
-def _error_body(status: int, message: str, kind: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 class ServerState:
@@ -133,7 +121,7 @@ class ServerState:
     ) -> RequestResult:
         svc = self.service
         self._check_up()
-        rid, fut = svc.submit(prompt, params, stage_params=stage_params, prefix=prefix)
+        rid, fut = self._submit(prompt, params, stage_params=stage_params, prefix=prefix)
         waiter = asyncio.wrap_future(fut)
         try:
             while True:
@@ -166,7 +154,7 @@ class ServerState:
         def on_progress(p: StageProgress) -> None:
             loop.call_soon_threadsafe(items.put_nowait, p)
 
-        rid, fut = svc.submit(prompt, params, prefix=prefix, on_progress=on_progress)
+        rid, fut = self._submit(prompt, params, prefix=prefix, on_progress=on_progress)
         waiter = asyncio.wrap_future(fut)
         waiter.add_done_callback(items.put_nowait)
         finished = False
@@ -202,6 +190,18 @@ class ServerState:
                 svc.abort(rid, "client disconnected")
                 self.metrics.failures.labels("client_disconnect").inc()
         yield self._checked(rid, waiter)
+
+    def _submit(self, prompt: str, params: dict[str, Any], **kwargs: Any) -> tuple[str, Any]:
+        try:
+            return self.service.submit(prompt, params, **kwargs)
+        except Overloaded as exc:
+            raise ApiError(
+                429,
+                f"server busy: {exc}",
+                "rate_limit_exceeded",
+                "overloaded",
+                {"Retry-After": RETRY_AFTER_S},
+            ) from None
 
     def _check_up(self) -> None:
         if self.service.failure is not None:
@@ -288,7 +288,9 @@ def build_app(
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         m.failures.labels(exc.reason or ("bad_request" if exc.status < 500 else "error")).inc()
-        return JSONResponse(_error_body(exc.status, exc.message, exc.kind), status_code=exc.status)
+        return JSONResponse(
+            error_body(exc.status, exc.message, exc.kind), status_code=exc.status, headers=exc.headers
+        )
 
     @app.exception_handler(ClientGone)
     async def client_gone(request: Request, exc: ClientGone) -> Response:
@@ -307,7 +309,7 @@ def build_app(
                 parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
         m.failures.labels("bad_request").inc()
         return JSONResponse(
-            _error_body(400, "; ".join(parts) or "invalid request", "BadRequestError", param), status_code=400
+            error_body(400, "; ".join(parts) or "invalid request", "BadRequestError", param), status_code=400
         )
 
     # -- introspection -----------------------------------------------------------------
@@ -362,6 +364,8 @@ def build_app(
         return {
             "run_id": run,
             "in_flight": state.service.in_flight(),
+            "in_flight_high_water": state.service.high_water,
+            "max_in_flight": state.service.max_in_flight,
             "shm_segments": names,
             # published and not yet consumed payloads/KV caches (pool segments are reused)
             "shm_published": [n for n in names if ".k." in n],
@@ -495,7 +499,7 @@ def build_app(
                             result = item
             except ApiError as exc:
                 m.failures.labels(exc.reason or "error").inc()
-                yield f"data: {json.dumps(_error_body(exc.status, exc.message, exc.kind))}\n\n"
+                yield f"data: {json.dumps(error_body(exc.status, exc.message, exc.kind))}\n\n"
                 yield "data: [DONE]\n\n"
                 return
             except ClientGone:

@@ -19,6 +19,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from vllm_kvbridge.server.errors import error_body
+
 #: Environment variable read when ``--api-key`` is not given.
 API_KEY_ENV = "VLLM_KVBRIDGE_API_KEY"
 DEFAULT_OPEN_PATHS = ("/health", "/metrics")
@@ -58,16 +60,8 @@ class ApiKeyAuth:
         if scope["type"] != "http" or scope.get("path") in self.open_paths or self._authorized(scope):
             await self.app(scope, receive, send)
             return
-        body = json.dumps(
-            {
-                "error": {
-                    "message": "Unauthorized: a valid API key is required (Authorization: Bearer <key>)",
-                    "type": "authentication_error",
-                    "param": None,
-                    "code": 401,
-                }
-            }
-        ).encode()
+        why = "Unauthorized: a valid API key is required (Authorization: Bearer <key>)"
+        body = json.dumps(error_body(401, why, "authentication_error")).encode()
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
