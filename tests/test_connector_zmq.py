@@ -253,19 +253,31 @@ def test_a_run_binding_zmq_beyond_loopback_gets_curve_and_refuses_peers_without_
     from vllm_kvbridge.config import resolve_spec, spec_from_dict
     from vllm_kvbridge.pipeline.stage_handles import with_run_curve_keys
 
-    def plan(extra):
+    def plan(extra, receiver_extra=None):
         cfg = {
-            "connectors": {"z": {"name": "zmq", "extra": extra}},
+            "connectors": {
+                "z": {"name": "zmq", "extra": extra},
+                "zin": {"name": "zmq", "extra": receiver_extra},
+            },
             "stages": [
                 {"stage_id": 0, "kind": "llm_ar", "model": "m", "kv_transfer": {"need_send_cache": True}},
                 {"stage_id": 1, "kind": "diffusion", "kv_transfer": {"need_recv_cache": True}},
             ],
             "edges": [{"from_stage": 0, "to_stage": 1, "connector": "z"}],
         }
+        if receiver_extra is not None:  # the receiving end names a connector of its own
+            cfg["stages"][1]["input_connectors"] = {"from_stage_0": "zin"}
+        else:
+            del cfg["connectors"]["zin"]
         return resolve_spec(spec_from_dict(cfg)).stages
 
-    for extra in ({"host": "127.0.0.1"}, {"host": "0.0.0.0", "curve_public_key": "x" * 40}):
-        assert with_run_curve_keys(plan(extra)) == plan(extra)
+    own_keys = {"curve_public_key": "x" * 40}
+    for args in (
+        ({"host": "127.0.0.1"},),
+        ({"host": "0.0.0.0", **own_keys},),
+        ({"host": "0.0.0.0"}, own_keys),
+    ):
+        assert with_run_curve_keys(plan(*args)) == plan(*args), args
     sender_stage, receiver_stage = with_run_curve_keys(plan({"host": "0.0.0.0"}))
     [var] = list(sender_stage.env)
     assert receiver_stage.env == sender_stage.env  # both ends, the same pair

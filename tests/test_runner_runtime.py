@@ -80,7 +80,7 @@ def test_request_ended_while_its_kv_send_is_in_flight_reads_pending_until_the_se
         spec = KVSendSpec("eng-1", "user-1", tuple(plan["block_ids"]), plan["seq_len"], release=True)
         sender.send([spec])  # gathers now: the blocks may be reused once it returns
         if aborted:
-            sender.mark_aborted(["eng-1"])
+            sender.mark_aborted({"eng-1": "user-1"})
         time.sleep(0.2)  # the I/O thread is now blocked in the put
         assert sender.pending() == 1
         assert sender.status(["user-1", "eng-1"]) == {
@@ -92,6 +92,8 @@ def test_request_ended_while_its_kv_send_is_in_flight_reads_pending_until_the_se
         assert sender.pending() == 0
         assert sender.status(["user-1"])["user-1"] == {"kv": "done", "aborted": str(aborted).lower()}
         assert sender.status(["never-sent"])["never-sent"]["kv"] == "unknown"
+        sender.mark_aborted({"eng-1": "user-1"})  # an abort after the send settled is recorded too
+        assert sender.status(["user-1"])["user-1"] == {"kv": "done", "aborted": "true"}
         # The KV that left is whole.
         info = sender.sender_info(["user-1"])["user-1"]
         recv = KVTransferConfig(

@@ -101,26 +101,26 @@ def with_run_curve_keys(
 ) -> list[ResolvedStage]:
     """CURVE on by default where a ZMQ edge binds beyond loopback (issue 15): one keypair per
     such edge and run, in the environment of the edge's two stages (``curve_keys_env``; see
-    :mod:`vllm_kvbridge.connectors.zmq_p2p`), so a peer without it is refused. Edges with
-    keys of their own, or touching an ``external`` stage, are left as they are."""
+    :mod:`vllm_kvbridge.connectors.zmq_p2p`), so a peer without it is refused. Edges whose
+    either end has keys of its own, or that touch an ``external`` stage, are left alone."""
     import json
 
     import zmq
 
+    # Each end of an edge may name its own connector (output_connectors / input_connectors).
+    senders = {(e.from_stage, e.to_stage): e.connector for s in stages for e in s.outputs}
+    receivers = {(e.from_stage, e.to_stage): e.connector for s in stages for e in s.inputs}
     keys: dict[tuple[int, int], str] = {}
-    for s in stages:
-        for e in s.outputs:
-            c = e.connector
-            if (
-                c.name == ZMQ_CONNECTOR
-                and binds_beyond_loopback(c.config)
-                and not any(k.startswith("curve_") for k in c.config)
-                and not {e.from_stage, e.to_stage} & external
-            ):
-                public, secret = zmq.curve_keypair()
-                keys[(e.from_stage, e.to_stage)] = json.dumps(
-                    {"public": public.decode(), "secret": secret.decode()}
-                )
+    for edge, sender in senders.items():
+        connectors = [sender] + ([receivers[edge]] if edge in receivers else [])
+        if (
+            all(c.name == ZMQ_CONNECTOR for c in connectors)
+            and binds_beyond_loopback(sender.config)
+            and not any(k.startswith("curve_") for c in connectors for k in c.config)
+            and not set(edge) & external
+        ):
+            public, secret = zmq.curve_keypair()
+            keys[edge] = json.dumps({"public": public.decode(), "secret": secret.decode()})
     if not keys:
         return stages
 

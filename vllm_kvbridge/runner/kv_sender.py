@@ -146,13 +146,16 @@ class WorkerKVSender:
                     self._settle(spec.req_id, why)
         self.poll()
 
-    def mark_aborted(self, engine_ids: Iterable[str]) -> None:
-        """The requests were aborted in the engine (their status lines say so)."""
+    def mark_aborted(self, aborted: Mapping[str, str]) -> None:
+        """The requests (engine id -> transfer id) were aborted in the engine: their status
+        lines say so, whether their send is still under way or already settled."""
         with self._lock:
-            for rid in engine_ids:
-                state = self._live.get(rid)
+            for engine_id, transfer_id in aborted.items():
+                state = self._live.get(engine_id)
                 if state is not None:
                     state.aborted = True
+                elif transfer_id in self._history:
+                    self._history[transfer_id]["aborted"] = "true"
 
     def poll(self) -> None:
         """Move sends that completed or failed since the last call into the history."""

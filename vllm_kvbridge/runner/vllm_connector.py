@@ -258,7 +258,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                     )
                 else:
                     self._sender.send(meta.sends)
-            aborted = [rid for rid, (kind, _) in meta.finished.items() if kind == "aborted"]
+            aborted = {rid: tid for rid, (kind, tid) in meta.finished.items() if kind == "aborted"}
             if aborted and self._sender is not None:
                 self._sender.mark_aborted(aborted)
             if self._host is not None and meta.finished:
