@@ -3,8 +3,16 @@
 One real server for the module (two vLLM engines); completions, chat completions,
 streaming (SSE, incremental: the talker reports its text while it generates), a client
 leaving mid-stream, text-endpoint errors, and a graceful SIGTERM with requests in flight.
-The talker generates up to ``TALKER_TOKENS`` tokens (the shipped config says 8) so that a
-stream is still running for a while after its first piece arrived.
+
+The streaming tests hold the talker (SIGSTOP on its process group) the moment the client
+has read the first piece of text, and ask the server, while it is held, whether the request
+is still in flight: a server that forwards pieces as they come says yes, one that sends the
+text once the request finished says no. The hold takes out the race with a second HTTP
+call; one is left: a process stalled on this 2-core machine (seconds, seen under load) can
+let the talker finish before the first piece was read, and then the attempt shows nothing.
+Such an attempt is repeated (``ATTEMPTS``); a server that does not stream fails every one.
+The talker generates ``TALKER_TOKENS`` tokens, ignoring EOS (the shipped config says up to
+8), so that it has many steps to go after its first piece.
 """
 
 from __future__ import annotations
@@ -26,14 +34,15 @@ from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 CONFIG = ROOT / "stage_configs/thinker_talker_async_chunk.yaml"
 MODEL_NAME = "thinker_talker_async_chunk"
-TALKER_TOKENS = 64
+TALKER_TOKENS = 128
+ATTEMPTS = 5
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("serve-thinker-talker")
     spec = yaml.safe_load(CONFIG.read_text())
-    spec["stages"][1]["default_sampling_params"]["max_tokens"] = TALKER_TOKENS
+    spec["stages"][1]["default_sampling_params"].update(max_tokens=TALKER_TOKENS, ignore_eos=True)
     config = tmp / "thinker_talker.yaml"
     config.write_text(yaml.safe_dump(spec))
     srv = start_serve(config, tmp, ensure_tiny_model())
@@ -84,6 +93,53 @@ def test_completions_chat_and_streaming(server: Server) -> None:
     assert 'kvbridge_edge_bytes_total{from_stage="0",to_stage="1",what="payload"}' in metrics
 
 
+class _Talker:
+    """The talker's (the last stage's) process group: SIGSTOP there holds its generation."""
+
+    def __init__(self, server: Server) -> None:
+        self.pgid = int(httpx.get(server.url + "/health").json()["stages"][-1]["pid"])
+        self.held = False
+
+    def hold(self) -> None:
+        os.killpg(self.pgid, signal.SIGSTOP)
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            os.killpg(self.pgid, signal.SIGCONT)
+            self.held = False
+
+
+def _held_at_first_piece(
+    server: Server,
+    talker: _Talker,
+    body: dict,
+    leave: bool,  # type: ignore[type-arg]
+) -> tuple[list[tuple[float, object]], int | None]:
+    """Stream ``body`` to /v1/completions; at the first piece of text hold the talker and read
+    the server's ``in_flight`` (returned; None when no text came). ``leave``: close the
+    connection there, the talker still held (the caller releases it); otherwise release
+    it and read the stream to its end."""
+    debug = httpx.Client(base_url=server.url, timeout=30)
+    in_flight: list[int] = []
+
+    def on_event(event: object) -> bool:
+        if not in_flight and isinstance(event, dict) and event["choices"][0]["text"]:
+            talker.hold()
+            try:
+                in_flight.append(debug.get("/debug/state").json()["in_flight"])
+            finally:
+                if not leave:
+                    talker.release()
+        return leave and bool(in_flight)
+
+    try:
+        events = _sse(server, "/v1/completions", body, on_event)
+    finally:
+        debug.close()
+    return events, in_flight[0] if in_flight else None
+
+
 def _sse(server: Server, path: str, body: dict, on_event=None) -> list[tuple[float, object]]:  # type: ignore[no-untyped-def, type-arg]
     """POST a streaming request; (arrival time, parsed event) per ``data:`` line, ``[DONE]`` as
     the string. ``on_event(event)`` runs as each event arrives; returning True closes the
@@ -110,28 +166,25 @@ def test_streaming_is_incremental(server: Server) -> None:
     text = full.choices[0].text
     assert full.usage is not None and full.usage.completion_tokens >= 8, full  # long enough to stream
 
-    debug = httpx.Client(base_url=server.url, timeout=30)
-    in_flight_at_first: list[int] = []
-
-    def first_piece(event: object) -> bool:
-        if not in_flight_at_first and isinstance(event, dict) and event["choices"][0]["text"]:
-            in_flight_at_first.append(debug.get("/debug/state").json()["in_flight"])
-        return False
-
-    events = _sse(
-        server, "/v1/completions", {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 32}, first_piece
-    )
-    debug.close()
+    # The first piece arrived while the request was still generating (see the module
+    # docstring): in flight while the talker is held there. 0 means it had finished, so
+    # the attempt showed nothing (a stall) or the server does not stream: try again.
+    talker = _Talker(server)
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 32}
+    for _ in range(ATTEMPTS):
+        try:
+            events, in_flight = _held_at_first_piece(server, talker, body, leave=False)
+        finally:
+            talker.release()
+        if in_flight != 0:
+            break
+    assert in_flight == 1, f"in flight at the first piece: {in_flight} (in {ATTEMPTS} attempts)"
     assert events[-1][1] == "[DONE]"
     chunks = [e for _, e in events[:-1]]
     assert all(isinstance(c, dict) and c["object"] == "text_completion" for c in chunks)
     pieces = [c["choices"][0]["text"] for c in chunks if c["choices"][0]["text"]]  # type: ignore[index]
     # several pieces, concatenating to the non-streaming answer (greedy: the same text)
     assert len(pieces) > 1 and "".join(pieces) == text, (pieces, text)
-    # the first piece arrived while the request was still generating, not after it finished
-    assert in_flight_at_first == [1]
-    first = next(t for t, c in events if isinstance(c, dict) and c["choices"][0]["text"])
-    assert first < events[-2][0]
     finish = [c["choices"][0]["finish_reason"] for c in chunks]  # type: ignore[index]
     assert finish[:-1] == [None] * (len(finish) - 1) and finish[-1] == full.choices[0].finish_reason
 
@@ -156,19 +209,26 @@ def test_client_leaving_mid_stream_aborts_the_request(server: Server) -> None:
             if line.startswith("kvbridge_request_failures_total{") and 'reason="client_disconnect"' in line
         )
 
-    before = disconnects()
-    # leave as soon as the first piece of text arrived
-    events = _sse(
-        server,
-        "/v1/completions",
-        {"model": MODEL_NAME, "prompt": "A long walk along the river", "max_tokens": 32},
-        lambda e: isinstance(e, dict) and bool(e["choices"][0]["text"]),
-    )
-    assert events[-1][1] != "[DONE]"
-    left = time.monotonic()
-    # counted: the request was still running when the server saw the client leave
-    assert wait_for(lambda: disconnects() == before + 1, 10), (before, disconnects(), time.monotonic() - left)
-    assert wait_for(lambda: httpx.get(server.url + "/debug/state").json()["in_flight"] == 0, 10)
+    # Leave at the first piece of text, the talker held there: the request is still in
+    # flight when the server sees the client leave (it polls for that while it waits for
+    # the next piece). As in test_streaming_is_incremental, an attempt whose request had
+    # finished before the hold shows nothing and is repeated.
+    talker = _Talker(server)
+    body = {"model": MODEL_NAME, "prompt": "A long walk along the river", "max_tokens": 32}
+    for _ in range(ATTEMPTS):
+        before = disconnects()
+        try:
+            events, in_flight = _held_at_first_piece(server, talker, body, leave=True)
+            if in_flight == 1:
+                assert events[-1][1] != "[DONE]"
+                counted = lambda n=before + 1: disconnects() == n  # noqa: E731
+                assert wait_for(counted, 10), (before, disconnects())
+        finally:
+            talker.release()
+        assert wait_for(lambda: httpx.get(server.url + "/debug/state").json()["in_flight"] == 0, 10)
+        if in_flight != 0:
+            break
+    assert in_flight == 1, f"in flight at the first piece: {in_flight} (in {ATTEMPTS} attempts)"
     # the stages dropped it and still serve
     res = _client(server).completions.create(model=MODEL_NAME, prompt="Still there?", max_tokens=4)
     assert res.choices[0].text
