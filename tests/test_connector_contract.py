@@ -246,9 +246,39 @@ def test_ttl_reaps_unclaimed_payloads(spec, token):
         time.sleep(1.5)
         assert receiver.get(0, 1, key(), result.metadata) is None
         assert sender.health().get("held_payloads", 0) == 0 and sender.health().get("published", 0) == 0
+        assert sender.health()["expired"] == 1
         # ...while a payload claimed in time is delivered
         result = sender.put(0, 1, key(2), make_payload(2))
         assert same(receiver.get(0, 1, key(2), result.metadata, deadline=deadline(5)), make_payload(2))
+    assert spec.leftovers(token) == []
+
+
+def test_a_renewed_payload_outlives_its_ttl_and_goes_a_lease_after_the_last_renewal(spec, token):
+    """Issue 11 case 11 / issue 15 item 3: a receiver that still waits renews what it waits
+    for, and keeps it past the TTL (a long queue in front of it); once it stops renewing
+    (it died), the payload is dropped about one lease later and counted as expired.
+    The margins: renewals every 0.2 s against a 2 s lease; the TTL is 0.5 s."""
+    ttl_s, lease_s = 0.5, 2.0
+    with spec.make(token, ttl_s=ttl_s, lease_s=lease_s) as sender, spec.make(token) as receiver:
+        kept, dropped = sender.put(0, 1, key(1), make_payload(1)), sender.put(0, 1, key(2), make_payload(2))
+        assert kept.ok and dropped.ok
+        assert kept.metadata["lease_s"] == lease_s
+        end = time.monotonic() + 4 * ttl_s
+        while time.monotonic() < end:  # four TTLs, renewing both
+            assert receiver.renew(0, 1, key(1), kept.metadata)
+            assert receiver.renew(0, 1, key(2), dropped.metadata)
+            time.sleep(0.2)
+        assert same(receiver.get(0, 1, key(1), kept.metadata, deadline=deadline(5)), make_payload(1))
+        assert not receiver.renew(0, 1, key(1), kept.metadata)  # read: nothing to keep
+        # key(2) is not renewed any more: gone within a lease (plus a sweep)
+        gone = deadline(lease_s + 5)
+        while sender.health()["expired"] < 1:
+            assert time.monotonic() < gone, sender.health()
+            time.sleep(0.1)
+        assert receiver.get(0, 1, key(2), dropped.metadata) is None
+        assert not receiver.renew(0, 1, key(2), dropped.metadata)
+        assert not receiver.renew(0, 1, key(3), dropped.metadata)  # never put
+        assert sender.health()["expired"] == 1
     assert spec.leftovers(token) == []
 
 

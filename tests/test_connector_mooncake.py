@@ -242,6 +242,27 @@ def test_unread_key_is_removed_by_ttl(mooncake_master: MooncakeMaster):
         assert sender.health()["published"] == 0
 
 
+def test_renew_needs_a_live_sender_and_its_control_endpoint(mooncake_master: MooncakeMaster):
+    """A renewal goes to the sender's control server: once the sender closed (its endpoint
+    is gone) it raises TransferError within its bound; put metadata without a control
+    endpoint (an older sender) renews nothing."""
+    cfg = mooncake_master.connector_config(namespace=NS)
+    with MooncakeStoreConnector({**cfg, "global_segment_size": 0}) as receiver:
+        sender = MooncakeStoreConnector(cfg)
+        result = sender.put(0, 1, key(), payload(1))
+        assert result.ok and result.metadata["control"].startswith("tcp://")
+        assert receiver.renew(0, 1, key(), result.metadata) is True
+        old = {k: v for k, v in result.metadata.items() if k != "control"}
+        assert receiver.renew(0, 1, key(), old) is False
+        sender.close()
+        start = time.monotonic()
+        with pytest.raises(TransferError):
+            receiver.renew(0, 1, key(), result.metadata)
+        assert time.monotonic() - start < 5
+        assert receiver.renew(0, 1, key(), old) is False
+    assert mooncake_master.keys() == []
+
+
 def test_cleanup_and_close_remove_keys_from_the_store(mooncake_master: MooncakeMaster):
     cfg = mooncake_master.connector_config(namespace=NS)
     sender, receiver = MooncakeStoreConnector(cfg), MooncakeStoreConnector(cfg)

@@ -223,6 +223,45 @@ def test_a_claimed_key_is_invisible_to_other_receivers():
         assert same(got, make_payload(3)) and sender.health()["held_payloads"] == 0
 
 
+def test_renew_leaves_a_claim_to_its_lease_and_a_read_key_is_not_renewed():
+    """RENEW (te_control): a claimed key answers True but keeps its claim's expiry, so
+    renewals by a waiting receiver cannot keep a dead reader's slab; once read: False."""
+    with te(lease_s=0.3) as sender, te() as first, te() as second:
+        result = sender.put(0, 1, key(1), make_payload(1))
+        assert first._claim(result.metadata["endpoint"], key(1), deadline(5)) is not None  # then dies
+        assert second.renew(0, 1, key(1), result.metadata)  # held (claimed): True
+        give_up = deadline(5)
+        while second.renew(0, 1, key(1), result.metadata):  # renewing as a waiting receiver does
+            assert time.monotonic() < give_up, "a renewal extended a claim's lease"
+            time.sleep(0.05)
+        assert sender.health()["lease_expired"] == 1 and sender.health()["expired"] == 0
+        result = sender.put(0, 1, key(2), make_payload(2))
+        assert same(first.get(0, 1, key(2), result.metadata, deadline=deadline(5)), make_payload(2))
+        assert not first.renew(0, 1, key(2), result.metadata)
+        assert not second.renew(0, 1, key(2), result.metadata)
+
+
+def test_renew_against_a_dead_or_hung_sender_raises_within_its_bound():
+    with te(request_timeout_s=0.5) as receiver:
+        with socket.socket() as hung:  # listens, never answers
+            hung.bind(("127.0.0.1", 0))
+            hung.listen()
+            free = socket.socket()
+            free.bind(("127.0.0.1", 0))
+            dead = f"tcp://127.0.0.1:{free.getsockname()[1]}"
+            free.close()  # nobody listens there now
+            start = time.monotonic()
+            with pytest.raises(TransferError, match="gone"):
+                receiver.renew(0, 1, key(), {"endpoint": dead})
+            assert time.monotonic() - start < 0.5
+            start = time.monotonic()
+            with pytest.raises(TransferTimeout):
+                receiver.renew(0, 1, key(), {"endpoint": f"tcp://127.0.0.1:{hung.getsockname()[1]}"})
+            assert 0.5 <= time.monotonic() - start < 2.5
+        with pytest.raises(TransferError, match="endpoint"):
+            receiver.renew(0, 1, key(), {})
+
+
 # -- resources ------------------------------------------------------------------------
 def _cycle() -> None:
     with te() as sender, te() as receiver:

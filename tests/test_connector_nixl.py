@@ -317,6 +317,22 @@ def test_the_same_receiver_asking_again_gets_its_claim():
         assert sender.health()["lent"] == 0  # the READ's notification released it
 
 
+def test_a_key_just_read_is_not_renewed_though_the_sender_has_not_seen_the_notification():
+    """The sender holds a read key until the READ's notification arrives, which here often
+    comes after the receiver's next request: the reader itself answers its renew False.
+    Another receiver renewing a key claimed by someone else gets True (still held)."""
+    with create_connector("nixl", CONFIG) as sender, create_connector("nixl", CONFIG) as receiver:
+        for i in range(20):
+            result = sender.put(0, 1, key(i), make_payload(i))
+            assert same(receiver.get(0, 1, key(i), result.metadata, deadline=deadline(10)), make_payload(i))
+            assert not receiver.renew(0, 1, key(i), result.metadata), i
+        result = sender.put(0, 1, key("claimed"), make_payload(1))
+        with create_connector("nixl", CONFIG) as other:
+            assert _claim(other, result.metadata["endpoint"], key("claimed"))[0] == b"OK"
+        assert receiver.renew(0, 1, key("claimed"), result.metadata)
+        assert not receiver.renew(0, 1, key("never"), result.metadata)
+
+
 def test_a_claim_whose_lease_is_over_is_not_read():
     with (
         create_connector("nixl", {**CONFIG, "lease_s": 0}) as sender,

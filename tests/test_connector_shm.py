@@ -39,7 +39,7 @@ def test_corrupt_segment_raises_transfer_corrupt_and_is_removed(token, case):
         key_raw = key(9).encode()
     if case == "size_past_end":
         size = 1 << 30
-    fields = (seg.MAGIC, seg.READY, size, 1, os.getpid(), 0, time.time_ns(), len(key_raw))
+    fields = (seg.MAGIC, seg.READY, size, 1, os.getpid(), 0, time.time_ns(), len(key_raw), 0)
     seg._HDR.pack_into(header, 0, *fields)
     header[seg._KEY_OFFSET : seg._KEY_OFFSET + len(key_raw)] = key_raw
     if case == "bad_magic":

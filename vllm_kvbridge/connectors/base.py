@@ -20,6 +20,14 @@ Semantics every implementation keeps (the shared contract test suite checks them
   * ``cleanup(key)`` releases everything held for that key on this side; ``close()``
     releases everything and is idempotent. Both are safe to call twice.
   * ``health()`` returns a JSON-safe dict of counters; counters are thread-safe.
+  * Lifetime of a payload nobody has read: its sender drops it ``ttl_s`` after the put,
+    unless a receiver renews it. ``renew(key, metadata)`` (receiver side) moves the expiry
+    to ``lease_s`` after the renewal (the sender's option; ``PutResult.metadata["lease_s"]``
+    tells receivers). A live consumer that still waits for the data renews it every
+    ``lease_s / 6`` and keeps it however long its queue is; a dead one's is freed about
+    one lease after its last renewal. ``renew`` returns False when the sender does not
+    hold the key (not yet, or no more) and raises :class:`TransferError` when the sender
+    cannot be reached. ``health()["expired"]`` counts payloads dropped unread this way.
 """
 
 from __future__ import annotations
@@ -75,6 +83,11 @@ class ConnectorStats:
         with self._lock:
             return dict(self._values)
 
+
+#: Default ``lease_s`` of every connector: how long one renewal keeps a payload nobody read.
+DEFAULT_LEASE_S = 60.0
+#: A receiver renews what it waits for this often, in leases (vLLM's NIXL connector: 1/6).
+RENEW_FRACTION = 1 / 6
 
 #: Longest transfer key the in-memory connectors accept (store/file keys have their own rules).
 MAX_KEY = 512
@@ -157,6 +170,14 @@ class Connector(ABC):
         deadline: float | None = None,
     ) -> Any | None:
         """Return the payload stored under ``key`` (see the module docstring for semantics)."""
+
+    def renew(
+        self, from_stage: int | str, to_stage: int | str, key: str, metadata: Mapping[str, Any] | None = None
+    ) -> bool:
+        """Receiver side: ask the sender to keep ``key`` for its ``lease_s`` from now (see the
+        module docstring). False: the sender does not hold it. This default is for a
+        connector without leases (its payloads live ``ttl_s``): it renews nothing."""
+        return False
 
     @abstractmethod
     def cleanup(self, key: str) -> None:

@@ -1,18 +1,40 @@
-"""Mooncake store set-up and return codes, for :mod:`~vllm_kvbridge.connectors.mooncake_store`.
+"""Mooncake store set-up, return codes and placement, for :mod:`~vllm_kvbridge.connectors.mooncake_store`.
 
 :func:`setup_store` runs Mooncake's ``setup`` after checks that make a dead master fail
-fast; the return-code table names Mooncake's errors and says which are transient.
+fast; the return-code table names Mooncake's errors and says which are transient;
+:func:`replicate_configs` and :func:`put_placed` keep a hard pin only for objects in the
+client's own segment (see below); :func:`read_object` reads one object.
+
+Pinning (``pin``): ``hard`` (default) means the master never evicts the object, so an
+unread payload is never lost and a full store refuses puts (our TTL reaper and ``close``
+remove what the receiver never read). A hard pin is kept only for objects in this
+client's own segment: when a sender dies, the master drops its segment (after
+``--client_ttl``) and those objects with it, but a hard-pinned object in *another*
+client's segment would outlive a killed sender forever. So a put that Mooncake placed
+elsewhere (the own segment was full) is stored again soft-pinned for ``soft_pin_ttl_ms``
+(counted as ``spilled``), and a client without a segment of its own (or with
+``prefer_local_segment: false``) soft-pins every object; ``soft`` (for ``soft_pin_ttl_ms``, default ``ttl_s``)
+only makes the object evicted after unpinned ones, and a master started with
+``--allow_evict_soft_pinned_objects=true`` (its default) does evict it under pressure
+(seen here: a full store evicted an unread soft-pinned payload); ``none`` lets Mooncake
+evict an unread object once its lease (``--default_kv_lease_ttl``) expired.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
+import numpy as np
+
 from vllm_kvbridge.errors import ConfigError, TransferError
+
+logger = logging.getLogger(__name__)
 
 # Mooncake store error codes (mooncake-store/include/types.h).
 OK = 0
@@ -63,6 +85,20 @@ sys.exit(0 if rc == 0 else 3)
 def error_name(code: int) -> str:
     """``"-704 OBJECT_NOT_FOUND"`` for a Mooncake return code."""
     return f"{code} {_ERROR_NAMES.get(code, 'UNKNOWN')}"
+
+
+def put_error(code: int, key: str, nbytes: int, master: str) -> str:
+    """The ``PutResult.error`` of a put that failed with Mooncake ``code``."""
+    if code == OBJECT_ALREADY_EXISTS:
+        return f"key {key!r} already exists in the Mooncake store"
+    if code == NO_AVAILABLE_HANDLE:
+        return (
+            f"Mooncake store full: no segment has room for {nbytes} bytes "
+            f"(grow global_segment_size or consume/clean up keys)"
+        )
+    if code in TRANSIENT:
+        return f"Mooncake put of {key!r} failed ({error_name(code)}) after retries; master {master}"
+    return f"Mooncake put of {key!r} failed: {error_name(code)}"
 
 
 def host_port(address: str, what: str) -> tuple[str, int]:
@@ -154,3 +190,83 @@ def _setup_in_child(args: list[str], timeout_s: float, where: str) -> None:
         raise TransferError(
             f"Mooncake setup check failed (exit {child.returncode}, {where}): " + " | ".join(tail)
         )
+
+
+# -- placement and reads ----------------------------------------------------------------
+def replicate_configs(pin: str, soft_pin_ttl_ms: int, segment: str | None) -> tuple[Any, Any]:
+    """``(config puts use for pin, config a misplaced hard-pinned put is stored again with)``.
+
+    A hard pin only where the object goes with this client (its own ``segment``); without
+    one (None), objects always land elsewhere: soft-pinned. The second is None when no
+    put is ever stored again (no hard pin).
+    """
+    from mooncake.store import ReplicateConfig, SoftPinAction
+
+    soft, hard = ReplicateConfig(), ReplicateConfig()
+    soft.soft_pin_action, soft.soft_pin_ttl_ms = SoftPinAction.ENABLE, soft_pin_ttl_ms
+    hard.with_hard_pin = True
+    configs = {"none": ReplicateConfig(), "soft": soft, "hard": hard if segment else soft}
+    if segment:
+        for rc in configs.values():
+            rc.preferred_segment = segment
+    return configs[pin], (soft if configs[pin] is hard else None)
+
+
+def put_placed(
+    store: Any,
+    store_key: str,
+    put: Callable[[Any], int],
+    configs: tuple[Any, Any],
+    hostname: str,
+    retrying: Callable[[Callable[[], int]], int],
+) -> tuple[int, bool]:
+    """``(code, spilled)`` of ``put(configs[0])`` (through ``retrying``); a hard-pinned object
+    that Mooncake placed in another client's segment is stored again with ``configs[1]``."""
+    replicate, spill = configs
+    code = retrying(lambda: put(replicate))
+    if code != OK or spill is None or placed_here(store, store_key, hostname):
+        return code, False
+    # Forced: a fresh put holds a lease. Nobody has the put metadata yet; a receiver
+    # polling for the key that read it meanwhile removed it (then it is delivered).
+    if store.remove(store_key, True) != OK:
+        return OK, False
+    return retrying(lambda: put(spill)), True
+
+
+def placed_here(store: Any, store_key: str, hostname: str) -> bool:
+    """Whether every memory replica of ``store_key`` lives in the segment of ``hostname``."""
+    try:
+        replicas = store.get_replica_desc(store_key)
+        return all(
+            r.get_memory_descriptor().buffer_descriptor.transport_endpoint == hostname
+            for r in replicas
+            if r.is_memory_replica()
+        )
+    except Exception as exc:  # cannot tell: keep the hard pin (the TTL reaper still runs)
+        logger.warning("Mooncake placement of %s unknown (%s): kept hard-pinned", store_key, exc)
+        return True
+
+
+def read_object(store: Any, store_key: str, size: int, zero_copy: bool) -> tuple[Any | None, int]:
+    """``(buffer, OK)`` or ``(None, code)``; the buffer is plain memory owned by the caller."""
+    if not zero_copy:
+        data = store.get(store_key)
+        if len(data) != size:
+            return None, OBJECT_NOT_FOUND if not data else TRANSFER_FAIL
+        return data, OK
+    # A fresh buffer per object: the decoded tensors are views of it and keep it alive,
+    # so it is registered only for the transfer itself.
+    buffer = np.empty(size, dtype=np.uint8)
+    ptr = buffer.ctypes.data
+    rc = store.register_buffer(ptr, size)
+    if rc != OK:
+        raise TransferError(f"Mooncake register_buffer of {size} bytes failed: {error_name(rc)}")
+    try:
+        got = store.get_into(store_key, ptr, size)
+    finally:
+        store.unregister_buffer(ptr)
+    if got == size:
+        return buffer, OK
+    if got >= 0:  # the object changed size between get_size and get_into
+        return None, TRANSFER_FAIL
+    return None, got

@@ -23,22 +23,14 @@ removed from the store once read (destructive get).
 Lifetime of store keys (nothing is left in the store after a run):
   * a key is removed by the receiver once read; ``cleanup(key)`` removes it from either side;
   * the sender tracks what it put: keys not consumed within ``ttl_s`` are removed by a
-    reaper thread, and ``close()`` removes every key it still tracks;
+    reaper thread (counted as ``expired``), and ``close()`` removes every key it still tracks;
+    a receiver's :meth:`~MooncakeStoreConnector.renew` (``RENEW`` to the sender's control
+    server, :mod:`~vllm_kvbridge.connectors.te_control`, at ``metadata["control"]``) moves
+    a tracked key's expiry to ``lease_s`` from then;
   * a receiver that could not remove a key it read retries on every sweep and at close.
 
-Pinning (``pin``): ``hard`` (default) means the master never evicts the object, so an
-unread payload is never lost and a full store refuses puts (our TTL reaper and ``close``
-remove what the receiver never read). A hard pin is kept only for objects in this
-client's own segment: when a sender dies, the master drops its segment (after
-``--client_ttl``) and those objects with it, but a hard-pinned object in *another*
-client's segment would outlive a killed sender forever. So a put that Mooncake placed
-elsewhere (the own segment was full) is stored again soft-pinned for ``soft_pin_ttl_ms``
-(counted as ``spilled``), and a client without a segment of its own (or with
-``prefer_local_segment: false``) soft-pins every object; ``soft`` (for ``soft_pin_ttl_ms``, default ``ttl_s``)
-only makes the object evicted after unpinned ones, and a master started with
-``--allow_evict_soft_pinned_objects=true`` (its default) does evict it under pressure
-(seen here: a full store evicted an unread soft-pinned payload); ``none`` lets Mooncake
-evict an unread object once its lease (``--default_kv_lease_ttl``) expired.
+Pinning (``pin``: ``hard``, the default, ``soft`` or ``none``): a hard pin is kept only for
+objects in this client's own segment, see :mod:`~vllm_kvbridge.connectors.mooncake_setup`.
 
 Failures:
   * master or metadata server unreachable at construction: :class:`TransferError` within
@@ -63,6 +55,7 @@ config is loaded, :func:`vllm_kvbridge.config.load_spec`, not here):
   only used by the bytes fallback), ``protocol`` (``tcp`` | ``rdma``), ``device_name``
   (RDMA device list, e.g. ``mlx5_0``), ``namespace`` (``kvbridge``; prefix of every store
   key), ``pin``, ``soft_pin_ttl_ms``, ``prefer_local_segment`` (true), ``ttl_s`` (300),
+  ``lease_s`` (:data:`~vllm_kvbridge.connectors.base.DEFAULT_LEASE_S`),
   ``max_payload_bytes`` (64 GiB), ``max_retries`` (3), ``retry_backoff_s`` (0.05),
   ``master_retry_s`` (5), ``connect_timeout_s`` (10), ``setup_check`` (``port`` |
   ``subprocess``), ``buffer_pool_bytes`` (512 MiB of
@@ -73,27 +66,29 @@ config is loaded, :func:`vllm_kvbridge.config.load_spec`, not here):
 
 from __future__ import annotations
 
-import logging
 import re
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
+import zmq
 
-from vllm_kvbridge.connectors.base import Connector, PutResult, number_option, parse_size
+from vllm_kvbridge.connectors import te_control as ctl
+from vllm_kvbridge.connectors.base import DEFAULT_LEASE_S, Connector, PutResult, number_option, parse_size
 from vllm_kvbridge.connectors.mooncake_setup import (
     MASTER_UNREACHABLE,
-    NO_AVAILABLE_HANDLE,
     OBJECT_ALREADY_EXISTS,
     OBJECT_NOT_FOUND,
     OK,
     RPC_FAIL,
-    TRANSFER_FAIL,
     TRANSIENT,
     error_name,
     host_port,
+    put_error,
+    put_placed,
+    read_object,
+    replicate_configs,
     setup_store,
 )
 from vllm_kvbridge.connectors.registered_pool import RegisteredBufferPool
@@ -106,10 +101,9 @@ from vllm_kvbridge.errors import (
     TransferTimeout,
 )
 
-logger = logging.getLogger(__name__)
-
 _NAMESPACE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _MAX_KEY = 512
+_RENEW_TIMEOUT_S = 3.0  # a renewal the sender does not answer by then raises TransferError
 
 
 class MooncakeStoreConnector(Connector):
@@ -128,6 +122,9 @@ class MooncakeStoreConnector(Connector):
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
         self._inflight_puts: dict[str, int] = {}
+        self._ctx: zmq.Context | None = None  # control channel: server (sender), client (receiver)
+        self._server: ctl.ControlServer | None = None
+        self._client: ctl.ControlClient | None = None
         self.hostname = ""
 
         cfg = self.config
@@ -151,6 +148,7 @@ class MooncakeStoreConnector(Connector):
         if self.pin not in ("none", "soft", "hard"):
             raise ConfigError(f"connector option 'pin' must be 'none', 'soft' or 'hard', got {self.pin!r}")
         self.ttl_s = number_option(cfg, "ttl_s", 300.0)
+        self.lease_s = number_option(cfg, "lease_s", DEFAULT_LEASE_S)
         self.soft_pin_ttl_ms = number_option(cfg, "soft_pin_ttl_ms", max(1000, int(self.ttl_s * 1000)), int)
         self.prefer_local_segment = bool(cfg.get("prefer_local_segment", True))
         self.max_payload_bytes = parse_size(cfg.get("max_payload_bytes", 64 << 30), "max_payload_bytes")
@@ -168,7 +166,7 @@ class MooncakeStoreConnector(Connector):
         host_port(self.master_server_address, "master_server_address")  # checked before any setup
 
         try:
-            from mooncake.store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
+            from mooncake.store import MooncakeDistributedStore
         except ImportError as exc:
             raise ImportError(
                 f"{self.name} needs Mooncake's Python binding: pip install 'vllm-kvbridge[mooncake]' ({exc})"
@@ -180,20 +178,10 @@ class MooncakeStoreConnector(Connector):
 
         self._connect(store)
         self.hostname = str(store.get_hostname())
-        # A hard pin only where the object goes with this client (its own segment), see
-        # the module docstring; without one, objects always land elsewhere: soft-pinned.
+        # A hard pin only where the object goes with this client (mooncake_setup: "Pinning").
         local = self.prefer_local_segment and self.global_segment_size > 0
-        soft, hard = ReplicateConfig(), ReplicateConfig()
-        soft.soft_pin_action, soft.soft_pin_ttl_ms = SoftPinAction.ENABLE, self.soft_pin_ttl_ms
-        hard.with_hard_pin = True
-        configs = {"none": ReplicateConfig(), "soft": soft, "hard": hard if local else soft}
-        if local:
-            for rc in configs.values():
-                rc.preferred_segment = self.hostname
-        self._replicate = configs[self.pin]
-        #: what a hard-pinned put that landed in another client's segment is stored again with
-        self._spill_replicate: Any = soft if self._replicate is hard else None
-        self.stats.add(spilled=0)  # shown in health() from the start
+        self._replicates = replicate_configs(self.pin, self.soft_pin_ttl_ms, self.hostname if local else None)
+        self.stats.add(spilled=0, expired=0)  # shown in health() from the start
         self._pool = (
             RegisteredBufferPool(store.register_buffer, store.unregister_buffer, self.buffer_pool_bytes)
             if self.zero_copy
@@ -273,6 +261,10 @@ class MooncakeStoreConnector(Connector):
         need = enc.packed_size()
         if (refused := self._refuse_oversize(need)) is not None:
             return refused
+        try:
+            control = self._ensure_server()
+        except TransferError as exc:  # cannot bind: nobody could renew the key
+            return self._put_failed(str(exc))
         with self._lock:
             self._check_open()
             if store_key in self._published or store_key in self._inflight_puts:
@@ -293,19 +285,7 @@ class MooncakeStoreConnector(Connector):
             with self._lock:
                 self._inflight_puts.pop(store_key, None)
         if code != OK:
-            if code == OBJECT_ALREADY_EXISTS:
-                return self._put_failed(f"key {key!r} already exists in the Mooncake store")
-            if code == NO_AVAILABLE_HANDLE:
-                return self._put_failed(
-                    f"Mooncake store full: no segment has room for {need} bytes "
-                    f"(grow global_segment_size or consume/clean up keys)"
-                )
-            if code in TRANSIENT:
-                return self._put_failed(
-                    f"Mooncake put of {key!r} failed ({error_name(code)}) after retries; "
-                    f"master {self.master_server_address}"
-                )
-            return self._put_failed(f"Mooncake put of {key!r} failed: {error_name(code)}")
+            return self._put_failed(put_error(code, key, need, self.master_server_address))
         with self._lock:
             closed = self._closed
             if not closed:
@@ -323,8 +303,41 @@ class MooncakeStoreConnector(Connector):
                 "key": store_key,
                 "nbytes": need,
                 "master": self.master_server_address,
+                "control": control,
+                "lease_s": self.lease_s,
             },
         )
+
+    def _ensure_server(self) -> str:
+        """The control endpoint receivers renew at (its server started at the first put)."""
+        with self._lock:
+            self._check_open()
+            if self._server is None:
+                host = self.local_hostname.rpartition(":")[0] or self.local_hostname
+                server = ctl.ControlServer(self._context_locked(), host, 0, host, self._answer)
+                server.start(lambda: None, 3600.0)  # the reaper thread sweeps, not the server
+                self._server = server
+            return self._server.endpoint
+
+    def _context_locked(self) -> zmq.Context:
+        if self._ctx is None:
+            self._ctx = zmq.Context()
+        return self._ctx
+
+    def _answer(self, request: list[bytes]) -> list[bytes]:
+        """The control server's handler (its thread): RENEW of a key this sender tracks."""
+        if request[0] != ctl.RENEW or len(request) != 2:
+            return [ctl.BAD]
+        store_key = request[1].decode("ascii")
+        with self._lock:
+            tracked = store_key in self._published
+        # A key read by its receiver stays tracked until a sweep notices: ask the store.
+        if tracked and self._store.is_exist(store_key) != 0:  # 1, or unknown: keep it
+            with self._lock:
+                if store_key in self._published:
+                    self._published[store_key] = time.monotonic() + self.lease_s
+                    return [ctl.OK]
+        return [ctl.MISSING]
 
     def _put_packed(self, store_key: str, enc: Any, need: int) -> int:
         if self._pool is None:  # bytes fallback: Mooncake copies through its local buffer
@@ -339,30 +352,12 @@ class MooncakeStoreConnector(Connector):
             self._pool.release(slab, pooled)
 
     def _put_placed(self, store_key: str, put: Callable[[Any], int]) -> int:
-        """``put`` with this connector's pin; a hard-pinned object that Mooncake placed in
-        another client's segment is stored again soft-pinned (see the module docstring)."""
-        code = self._retrying(lambda: put(self._replicate))
-        if code != OK or self._spill_replicate is None or self._placed_here(store_key):
-            return code
-        # Forced: a fresh put holds a lease. Nobody has the put metadata yet; a receiver
-        # polling for the key that read it meanwhile removed it (then it is delivered).
-        if self._store.remove(store_key, True) != OK:
-            return OK
-        self.stats.add(spilled=1)
-        return self._retrying(lambda: put(self._spill_replicate))
-
-    def _placed_here(self, store_key: str) -> bool:
-        """Whether every memory replica of ``store_key`` lives in this client's segment."""
-        try:
-            replicas = self._store.get_replica_desc(store_key)
-            return all(
-                r.get_memory_descriptor().buffer_descriptor.transport_endpoint == self.hostname
-                for r in replicas
-                if r.is_memory_replica()
-            )
-        except Exception as exc:  # cannot tell: keep the hard pin (the TTL reaper still runs)
-            logger.warning("Mooncake placement of %s unknown (%s): kept hard-pinned", store_key, exc)
-            return True
+        """``put`` with this connector's pin (a misplaced hard-pinned object is spilled)."""
+        code, spilled = put_placed(
+            self._store, store_key, put, self._replicates, self.hostname, self._retrying
+        )
+        self.stats.add(spilled=int(spilled))
+        return code
 
     # -- receiver -----------------------------------------------------------------------
     def get(
@@ -414,7 +409,7 @@ class MooncakeStoreConnector(Connector):
                     raise TransferRefused(
                         f"{store_key!r} is {code} bytes, over max_payload_bytes={self.max_payload_bytes}"
                     )
-                buffer, code = self._read(store_key, code)
+                buffer, code = read_object(self._store, store_key, code, self._pool is not None)
                 if buffer is not None:
                     self._consumed(store_key)
                     return buffer
@@ -448,29 +443,28 @@ class MooncakeStoreConnector(Connector):
             time.sleep(max(0.0, min(delay, left)))
             delay = min(delay * 2, 0.02 if unreachable_since is None else 0.5)
 
-    def _read(self, store_key: str, size: int) -> tuple[Any | None, int]:
-        """``(buffer, OK)`` or ``(None, code)``; the buffer is plain memory owned by the caller."""
-        if self._pool is None:
-            data = self._store.get(store_key)
-            if len(data) != size:
-                return None, OBJECT_NOT_FOUND if not data else TRANSFER_FAIL
-            return data, OK
-        # A fresh buffer per object: the decoded tensors are views of it and keep it alive,
-        # so it is registered only for the transfer itself.
-        buffer = np.empty(size, dtype=np.uint8)
-        ptr = buffer.ctypes.data
-        rc = self._store.register_buffer(ptr, size)
-        if rc != OK:
-            raise TransferError(f"Mooncake register_buffer of {size} bytes failed: {error_name(rc)}")
-        try:
-            got = self._store.get_into(store_key, ptr, size)
-        finally:
-            self._store.unregister_buffer(ptr)
-        if got == size:
-            return buffer, OK
-        if got >= 0:  # the object changed size between get_size and get_into
-            return None, TRANSFER_FAIL
-        return None, got
+    def renew(
+        self, from_stage: int | str, to_stage: int | str, key: str, metadata: Mapping[str, Any] | None = None
+    ) -> bool:
+        """Ask the sender (``metadata["control"]``) to keep ``key`` for its ``lease_s`` from now.
+
+        False: the sender does not track the key, or ``metadata`` names no control endpoint
+        (an older sender). :class:`TransferError` when the sender does not answer within
+        ``_RENEW_TIMEOUT_S`` (sooner when it refuses connections: it is gone).
+        """
+        self._check_open()
+        store_key = self._receiver_key(key, metadata)
+        endpoint = (metadata or {}).get("control")
+        if endpoint is None:
+            return False
+        if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+            raise TransferError(f"put metadata carries an invalid control endpoint {endpoint!r}")
+        with self._lock:
+            self._check_open()
+            if self._client is None:
+                self._client = ctl.ControlClient(self._context_locked(), lambda: self._closed)
+            client = self._client
+        return client.renew(endpoint, store_key, _RENEW_TIMEOUT_S)
 
     def _decode(self, store_key: str, buffer: Any) -> Any:
         from vllm_kvbridge.wire import decode_packed
@@ -516,7 +510,7 @@ class MooncakeStoreConnector(Connector):
             self._reaper.start()
 
     def _reap_loop(self) -> None:
-        every = max(0.05, min(self.ttl_s / 4, 1.0))
+        every = max(0.05, min(self.ttl_s / 4, self.lease_s / 4, 1.0))
         while not self._stop.wait(every):
             try:
                 self.sweep()
@@ -538,7 +532,10 @@ class MooncakeStoreConnector(Connector):
             # Keys the receiver consumed need no removal at close: stop tracking them.
             exists = self._store.batch_is_exist(live)
             gone = [k for k, e in zip(live, exists) if e == 0]
-        removed = [k for k in expired + retry if self._remove(k)]
+        codes = [self._store.remove(k, True) for k in expired]
+        self.stats.add(expired=codes.count(OK))  # OBJECT_NOT_FOUND: read meanwhile
+        removed = [k for k, c in zip(expired, codes) if c in (OK, OBJECT_NOT_FOUND)]
+        removed += [k for k in retry if self._remove(k)]
         with self._lock:
             for k in (*gone, *removed):
                 self._published.pop(k, None)
@@ -570,8 +567,16 @@ class MooncakeStoreConnector(Connector):
         reaper = self._reaper
         if reaper is not None and reaper is not threading.current_thread():
             reaper.join(5)
+        with self._lock:  # a put or renew that got past _check_open set these before
+            server, client, ctx = self._server, self._client, self._ctx
+        if server is not None:
+            server.close()  # no renewal is answered while the keys go
+        if client is not None:
+            client.close()
         store = self._store
         if store is None:
+            if ctx is not None:
+                ctx.term()
             return
         with self._lock:
             keys = set(self._published) | self._pending_removals
@@ -585,6 +590,8 @@ class MooncakeStoreConnector(Connector):
         if self._pool is not None:
             self._pool.close()
         store.close()
+        if ctx is not None:
+            ctx.term()
 
 
 __all__ = ["MooncakeStoreConnector", "error_name", "parse_size"]

@@ -23,7 +23,10 @@ read). The sender releases a slab when the receiver confirms, when an unclaimed 
 ``ttl_s`` passes, or when a claim's ``lease_s`` passes (a long read renews its claim between
 batches once a third of ``lease_s`` has gone); a slab whose lease expired is
 unregistered and never reused (a late reader's read fails instead of reading another
-payload), and the late reader's DONE is answered EXPIRED, which fails its get.
+payload), and the late reader's DONE is answered EXPIRED, which fails its get. A receiver
+still waiting for an unclaimed key RENEWs it (:meth:`~MooncakeTransferEngineConnector.renew`):
+its expiry moves to ``lease_s`` from then, so it can outlive ``ttl_s``; ``health()["expired"]``
+counts unclaimed payloads dropped when their ``ttl_s`` or renewal lease passed.
 
 **Large transfers** are split into ``piece_bytes`` pieces read in batches of at most
 ``max_batch_pieces``; at most ``max_queued_pieces`` pieces are queued at once per connector
@@ -40,10 +43,11 @@ the wait for the key, never a read in progress.
 Config keys: ``local_hostname`` (``127.0.0.1``; the address peers reach this host at),
 ``host`` (control bind address, default ``local_hostname``), ``control_port`` (0: any),
 ``protocol`` (``tcp`` | ``rdma``), ``device_name`` (RDMA devices, e.g. ``mlx5_0``),
-``ttl_s`` (300), ``lease_s`` (120), ``piece_bytes`` (4 MiB), ``max_batch_pieces`` (256),
+``ttl_s`` (300), ``lease_s`` (60: a claim's lease, and what one renewal grants an
+unclaimed key; every put's metadata says it), ``piece_bytes`` (4 MiB), ``max_batch_pieces`` (256),
 ``max_queued_pieces`` (1024), ``max_payload_bytes`` (64 GiB), ``max_held_bytes`` (8 GiB of
 unconsumed payloads per sender), ``buffer_pool_bytes`` (1 GiB of slabs kept registered),
-``request_timeout_s`` (5: how long a get without deadline waits for an answer),
+``request_timeout_s`` (5: how long a get without deadline, or a renew, waits for an answer),
 ``limits`` (:class:`~vllm_kvbridge.wire.Limits`).
 """
 
@@ -61,7 +65,7 @@ import numpy as np
 import zmq
 
 from vllm_kvbridge.connectors import te_control as ctl
-from vllm_kvbridge.connectors.base import Connector, PutResult, number_option, offset_port
+from vllm_kvbridge.connectors.base import DEFAULT_LEASE_S, Connector, PutResult, number_option, offset_port
 from vllm_kvbridge.connectors.registered_pool import RegisteredBufferPool
 from vllm_kvbridge.errors import (
     ConfigError,
@@ -131,7 +135,7 @@ class MooncakeTransferEngineConnector(Connector):
             raise ConfigError(f"connector option 'protocol' must be 'tcp' or 'rdma', got {self.protocol!r}")
         self.device_name = str(cfg.get("device_name", "") or "")
         self.ttl_s = number_option(cfg, "ttl_s", 300.0)
-        self.lease_s = number_option(cfg, "lease_s", 120.0)
+        self.lease_s = number_option(cfg, "lease_s", DEFAULT_LEASE_S)
         self.piece_bytes = max(1, number_option(cfg, "piece_bytes", PIECE_BYTES, int))
         self.max_batch_pieces = max(1, number_option(cfg, "max_batch_pieces", MAX_BATCH_PIECES, int))
         self.max_queued_pieces = max(
@@ -180,7 +184,7 @@ class MooncakeTransferEngineConnector(Connector):
     def receiver_metadata(self) -> dict[str, Any]:
         """The control endpoint (bound now if it was not yet) and this engine's segment:
         what every put's metadata holds besides the size, the same for every key."""
-        return {"endpoint": self._ensure_server(), "segment": self.segment}
+        return {"endpoint": self._ensure_server(), "segment": self.segment, "lease_s": self.lease_s}
 
     def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
         """Pack ``payload`` into a registered slab and hold it under ``key`` for a receiver.
@@ -235,7 +239,7 @@ class MooncakeTransferEngineConnector(Connector):
         return PutResult(
             ok=True,
             nbytes=need,
-            metadata={"endpoint": endpoint, "segment": self.segment, "nbytes": need},
+            metadata={"endpoint": endpoint, "segment": self.segment, "nbytes": need, "lease_s": self.lease_s},
         )
 
     def _ensure_server(self) -> str:
@@ -282,10 +286,16 @@ class MooncakeTransferEngineConnector(Connector):
                 self._held_bytes -= held.nbytes
             self._pool.release(held.slab)
             return [ctl.DONE]
+        if op == ctl.RENEW and len(request) == 2:
+            with self._lock:
+                held = self._held.get(request[1].decode("ascii", "replace"))
+                if held is not None and not held.lease:  # a claim's own lease governs a claimed key
+                    held.expires = time.monotonic() + self.lease_s
+            return [ctl.OK if held is not None else ctl.MISSING]
         return [ctl.BAD]
 
     def sweep(self) -> None:
-        """Drop unclaimed payloads past ``ttl_s`` and claims past ``lease_s``."""
+        """Drop unclaimed payloads past ``ttl_s`` (or their renewal's lease) and claims past ``lease_s``."""
         now = time.monotonic()
         with self._lock:
             gone = [(k, h) for k, h in self._held.items() if h.expires <= now]
@@ -338,6 +348,18 @@ class MooncakeTransferEngineConnector(Connector):
             raise
         self.stats.add(gets=1, get_bytes=nbytes, get_seconds=time.perf_counter() - start)
         return payload
+
+    def renew(
+        self, from_stage: int | str, to_stage: int | str, key: str, metadata: Mapping[str, Any] | None = None
+    ) -> bool:
+        """RENEW ``key`` at the sender in ``metadata`` (see the module docstring): True while it
+        holds the key, False once not; :class:`TransferError` past ``request_timeout_s``."""
+        self._check_open()
+        self._check_key(key)
+        endpoint = (metadata or {}).get("endpoint")
+        if not isinstance(endpoint, str):
+            raise TransferError(f"cannot renew {key!r}: the put metadata lacks the sender's 'endpoint'")
+        return self._client.renew(endpoint, key, self.request_timeout_s)
 
     def _claim(self, endpoint: str, key: str, deadline: float | None) -> tuple[int, int, int, int] | None:
         """``(address, nbytes, lease, lease_ms)`` of the claimed key, ``None`` if missing (no deadline)."""

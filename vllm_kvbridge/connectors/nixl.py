@@ -23,8 +23,10 @@ returned tensors are views of the slab, which goes back to the pool when the las
 is freed. When the notification arrives, the sender returns its slab to its pool.
 
 Lifetimes (nothing stays registered or held):
-  * a published payload nobody claims is released after ``ttl_s``; ``cleanup(key)``
-    releases it at once;
+  * a published payload nobody claims is released after ``ttl_s``, unless a receiver still
+    waiting for it RENEWs it (:meth:`NixlConnector.renew`): each renewal moves its expiry
+    to ``lease_s`` from then; ``health()["expired"]`` counts those released unread this
+    way. ``cleanup(key)`` releases it at once;
   * a claimed payload stays registered until its notification (or the reader's NACK)
     arrives, or until its lease (``lease_s``) ends (a receiver that died mid-read): its slab
     is then unregistered and never reused. The receiver never reads past 80% of the lease
@@ -48,6 +50,7 @@ Side channel (ZMQ multipart; ``nonce`` pairs a reply with its request; integers 
          | [nonce, b"MISSING"] | [nonce, b"TOOBIG", nbytes] | [nonce, b"BAD"]
     [b"MD", nonce]           -> [nonce, b"MD", agent, metadata, gen, dgen]
     [b"NACK", nonce, token]  -> [nonce, b"OK"]  (the claimed READ failed: release it now)
+    [b"RENEW", nonce, key]   -> [nonce, b"OK"] | [nonce, b"MISSING"]  (te_control's RENEW)
 
 ``metadata`` is NIXL's own agent metadata (NIXL parses it; no pickle crosses processes).
 
@@ -56,8 +59,10 @@ Config keys: ``host`` (127.0.0.1; where the side channel binds), ``port`` (0: ep
 binding 0.0.0.0), ``backends`` (``["UCX"]``), ``backend_params`` (per backend, NIXL init
 params), ``ucx_tls`` (``"cma,tcp"``), ``ucx_modules`` (``"^ib"``; see
 :func:`~vllm_kvbridge.connectors.nixl_agent.prepare_ucx_env`), ``ttl_s`` (300), ``lease_s``
-(60), ``transfer_timeout_s`` (30), ``request_timeout_s`` (5), ``buffer_pool_bytes`` (512 MiB
-kept registered per side), ``max_payload_bytes`` (64 GiB), ``limits`` (decoding).
+(60: a claim's lease, and what one renewal grants a published key; every put's metadata
+says it), ``transfer_timeout_s`` (30), ``request_timeout_s`` (5; also bounds a renew),
+``buffer_pool_bytes`` (512 MiB kept registered per side), ``max_payload_bytes`` (64 GiB),
+``limits`` (decoding).
 """
 
 from __future__ import annotations
@@ -77,7 +82,14 @@ from typing import Any
 import numpy as np
 import zmq
 
-from vllm_kvbridge.connectors.base import Connector, PutResult, number_option, offset_port, parse_size
+from vllm_kvbridge.connectors.base import (
+    DEFAULT_LEASE_S,
+    Connector,
+    PutResult,
+    number_option,
+    offset_port,
+    parse_size,
+)
 from vllm_kvbridge.connectors.nixl_agent import (
     DEFAULT_UCX_MODULES,
     DEFAULT_UCX_TLS,
@@ -85,7 +97,7 @@ from vllm_kvbridge.connectors.nixl_agent import (
     prepare_ucx_env,
 )
 from vllm_kvbridge.connectors.registered_pool import RegisteredBufferPool
-from vllm_kvbridge.connectors.te_control import ControlClient, ControlServer
+from vllm_kvbridge.connectors.te_control import RENEW, ControlClient, ControlServer
 from vllm_kvbridge.errors import (
     ConfigError,
     PayloadError,
@@ -155,14 +167,16 @@ class NixlConnector(Connector):
         self._claims: dict[tuple[bytes, str], bytes] = {}  # (receiver id, key) -> token
         self._quarantine: list[np.ndarray] = []  # local slabs a failed READ may still write
         # Claims this receiver READ to the end: until the sender has seen the notification it
-        # would answer a second get of the key with the same claim (gets are destructive).
-        self._consumed: OrderedDict[bytes, None] = OrderedDict()
+        # would answer a second get of the key with the same claim (gets are destructive),
+        # and a renew with OK. By token, and by (endpoint, key) for renew.
+        self._consumed: OrderedDict[bytes | tuple[str, str], None] = OrderedDict()
         self._control: ControlServer | None = None
         self._client: ControlClient | None = None
         self._receiver_id = os.urandom(8)
         self._agent: NixlAgent | None = None
         self._pool: RegisteredBufferPool | None = None
         self.endpoint: str | None = None
+        self._expired = 0  # published payloads released unread (ttl_s or renewal lease)
 
         cfg = self.config
         self.host = str(cfg.get("host", "127.0.0.1"))
@@ -179,7 +193,7 @@ class NixlConnector(Connector):
                 f"connector option 'backends' must be a list of NIXL backend names, got {backends!r}"
             )
         self.ttl_s = number_option(cfg, "ttl_s", 300.0)
-        self.lease_s = number_option(cfg, "lease_s", 60.0)
+        self.lease_s = number_option(cfg, "lease_s", DEFAULT_LEASE_S)
         self._sweep_every = max(0.01, min(self.ttl_s / 4, self.lease_s / 4, 1.0))
         self._next_sweep = 0.0
         self.transfer_timeout_s = number_option(cfg, "transfer_timeout_s", 30.0)
@@ -208,7 +222,7 @@ class NixlConnector(Connector):
     def receiver_metadata(self) -> dict[str, Any]:
         """The side channel's endpoint (bound now if it was not yet) and the agent's name:
         what every put's metadata holds, the same for every key."""
-        return {"endpoint": self._ensure_server(), "agent": self._agent.name}
+        return {"endpoint": self._ensure_server(), "agent": self._agent.name, "lease_s": self.lease_s}
 
     def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
         """Pack ``payload`` into a registered slab and publish it under ``key``.
@@ -248,7 +262,8 @@ class NixlConnector(Connector):
             why = f"{self.name} closed during put" if self._closed else f"key {key!r} is already published"
             return self._put_failed(why)
         self.stats.add(puts=1, put_bytes=need, put_seconds=time.perf_counter() - start)
-        return PutResult(ok=True, nbytes=need, metadata={"endpoint": endpoint, "agent": self._agent.name})
+        metadata = {"endpoint": endpoint, "agent": self._agent.name, "lease_s": self.lease_s}
+        return PutResult(ok=True, nbytes=need, metadata=metadata)
 
     def _ensure_server(self) -> str:
         with self._lock:
@@ -272,7 +287,19 @@ class NixlConnector(Connector):
         if verb == _NACK and len(request) == 2:
             self._release_lent(request[1])
             return [_OK]
+        if verb == RENEW and len(request) == 2:
+            return [self._answer_renew(request[1].decode("ascii", "replace"))]
         return [_BAD]
+
+    def _answer_renew(self, key: str) -> bytes:
+        with self._lock:
+            held = self._published.get(key)
+            if held is not None:
+                held.expires = time.monotonic() + self.lease_s
+                return _OK
+            # Claimed: its claim lease governs it. (Read already, but our notification not
+            # seen yet: the reader itself answers False, see renew.)
+            return _OK if any(h.key == key for h in self._lent.values()) else _MISSING
 
     def _answer_get(self, key_raw: bytes, receiver: bytes, limit: int) -> list[bytes]:
         key = key_raw.decode("ascii", "replace")
@@ -330,6 +357,7 @@ class NixlConnector(Connector):
             expired = [self._lent.pop(t) for t, h in list(self._lent.items()) if h.expires <= now]
             for held in expired:
                 self._claims.pop((held.receiver, held.key), None)
+            self._expired += len(gone)
         for held in gone:
             self._pool.release(held.slab)
         for held in expired:
@@ -377,6 +405,20 @@ class NixlConnector(Connector):
         payload, nbytes = result
         self.stats.add(gets=1, get_bytes=nbytes, get_seconds=time.perf_counter() - start)
         return payload
+
+    def renew(
+        self, from_stage: int | str, to_stage: int | str, key: str, metadata: Mapping[str, Any] | None = None
+    ) -> bool:
+        """RENEW ``key`` at the sender in ``metadata`` (see the module docstring): True while it
+        holds the key, False once not; :class:`TransferError` past ``request_timeout_s``."""
+        self._check_open()
+        self._check_key(key)
+        endpoint = (metadata or {}).get("endpoint") or self.config.get("endpoint")
+        if not endpoint:
+            raise TransferError(f"cannot renew {key!r}: no endpoint in the put metadata or the config")
+        if self._was_consumed((str(endpoint), key)):
+            return False  # we read it; the sender has not seen our notification yet
+        return self._client.renew(str(endpoint), key, self.request_timeout_s)
 
     def _pull(self, endpoint: str, key: str, deadline: float | None) -> tuple[Any, int] | None:
         delay = 0.001
@@ -436,8 +478,8 @@ class NixlConnector(Connector):
             self._nack(endpoint, token)
             raise
         with self._lock:
-            self._consumed[token] = None
-            while len(self._consumed) > _MAX_CONSUMED:
+            self._consumed[token] = self._consumed[(endpoint, key)] = None
+            while len(self._consumed) > 2 * _MAX_CONSUMED:
                 self._consumed.popitem(last=False)
         view = self._pool.lend_view(slab, nbytes)  # slab goes home when the last tensor dies
         try:
@@ -447,7 +489,7 @@ class NixlConnector(Connector):
         finally:
             del view
 
-    def _was_consumed(self, token: bytes) -> bool:
+    def _was_consumed(self, token: bytes | tuple[str, str]) -> bool:
         with self._lock:
             return token in self._consumed
 
@@ -495,6 +537,7 @@ class NixlConnector(Connector):
                 "published": len(self._published),
                 "lent": len(self._lent),
                 "held_payloads": len(self._published) + len(self._lent),
+                "expired": self._expired,
             }
         agent = self._agent
         regions, nbytes = agent.registered if agent is not None else (0, 0)

@@ -19,7 +19,9 @@ Config keys (all optional):
 
 * ``namespace``: per-edge namespace in segment names (default: the edge name
   ``"<from>-<to>"``, escaped by ``keys.edge_name``).
-* ``ttl_s`` (default 300): unclaimed published segments are reaped after this long.
+* ``ttl_s`` (default 300): unclaimed published segments are reaped after this long,
+  unless a receiver renews them (:meth:`SharedMemoryConnector.renew`).
+* ``lease_s`` (default ``DEFAULT_LEASE_S``): how long one renewal keeps a segment.
 * ``destructive`` (default True): a get claims the segment (read once, zero copy).
   With False, gets copy the payload out and leave it for other readers (the sender's
   TTL or ``cleanup`` removes it).
@@ -50,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from vllm_kvbridge.connectors import shm_segments as seg
-from vllm_kvbridge.connectors.base import Connector, PutResult, number_option
+from vllm_kvbridge.connectors.base import DEFAULT_LEASE_S, Connector, PutResult, number_option
 from vllm_kvbridge.connectors.keys import edge_name
 from vllm_kvbridge.errors import PayloadError, TransferCorrupt, TransferTimeout
 
@@ -93,6 +95,7 @@ class SharedMemoryConnector(Connector):
             seg.check_namespace(cfg["namespace"]) if cfg.get("namespace") is not None else None
         )
         self.ttl_s = number_option(cfg, "ttl_s", 300.0)
+        self.lease_s = number_option(cfg, "lease_s", DEFAULT_LEASE_S)
         self.destructive = bool(cfg.get("destructive", True))
         self.pool_keep_bytes = number_option(cfg, "pool_keep_bytes", 2 << 30, int)
         self.max_payload_bytes = number_option(cfg, "max_payload_bytes", 64 << 30, int)
@@ -109,6 +112,7 @@ class SharedMemoryConnector(Connector):
         self._maps: dict[tuple[int, int], seg.ReceiverMapping] = {}  # receiver: (dev, inode) -> map
         self._reaper: threading.Thread | None = None
         self._stop = threading.Event()
+        self._expired = 0  # published payloads reaped unread (TTL or lease)
 
     # -- naming -------------------------------------------------------------------------
     def namespace(self, from_stage: int | str, to_stage: int | str) -> str:
@@ -186,7 +190,9 @@ class SharedMemoryConnector(Connector):
             self._start_reaper_locked()
         self.stats.add(puts=1, put_bytes=written, put_seconds=time.perf_counter() - start)
         name = os.path.basename(seg.key_path(namespace, key, self.shm_dir))
-        return PutResult(ok=True, nbytes=written, metadata={"namespace": namespace, "name": name})
+        return PutResult(
+            ok=True, nbytes=written, metadata={"namespace": namespace, "name": name, "lease_s": self.lease_s}
+        )
 
     def _take_free_locked(self, namespace: str, need: int) -> seg.PoolSegment | None:
         best = None
@@ -230,13 +236,17 @@ class SharedMemoryConnector(Connector):
 
     def _sweep_locked(self) -> None:
         """TTL-reap unclaimed segments; take back segments receivers released (or died holding)."""
-        now = time.monotonic()
+        now, wall_ns = time.monotonic(), time.time_ns()
         for (namespace, key), segment in list(self._published.items()):
             state = segment.state
-            if state == seg.READY and now - segment.published_at < self.ttl_s:
+            lease_end = segment.lease_end_ns
+            if state == seg.READY and (
+                wall_ns < lease_end if lease_end else now - segment.published_at < self.ttl_s
+            ):
                 continue
             del self._published[(namespace, key)]
             if state == seg.READY and self._unpublish(namespace, key):
+                self._expired += 1
                 segment.state = seg.FREE
                 self._free.append(segment)
             else:
@@ -277,6 +287,22 @@ class SharedMemoryConnector(Connector):
                 self._sweep_maps_locked()
 
     # -- receiver -----------------------------------------------------------------------
+    def _namespace_of(
+        self, from_stage: int | str, to_stage: int | str, metadata: Mapping[str, Any] | None
+    ) -> str:
+        if metadata and metadata.get("namespace") is not None:
+            return seg.check_namespace(metadata["namespace"])
+        return self.namespace(from_stage, to_stage)
+
+    def renew(
+        self, from_stage: int | str, to_stage: int | str, key: str, metadata: Mapping[str, Any] | None = None
+    ) -> bool:
+        """Keep the published segment ``key`` for the sender's ``lease_s`` (from ``metadata``)."""
+        self._check_open()
+        seg.check_key(key)
+        lease_s = float((metadata or {}).get("lease_s", DEFAULT_LEASE_S))
+        return seg.renew(self._namespace_of(from_stage, to_stage, metadata), key, lease_s, self.shm_dir)
+
     def get(
         self,
         from_stage: int | str,
@@ -297,9 +323,7 @@ class SharedMemoryConnector(Connector):
         """
         self._check_open()
         seg.check_key(key)
-        namespace = self.namespace(from_stage, to_stage)
-        if metadata and metadata.get("namespace") is not None:
-            namespace = seg.check_namespace(metadata["namespace"])
+        namespace = self._namespace_of(from_stage, to_stage, metadata)
         start = time.perf_counter()
         delay = 0.00005
         while True:
@@ -481,6 +505,7 @@ class SharedMemoryConnector(Connector):
                 "pool_free_segments": len(self._free),
                 "pool_free_bytes": sum(s.capacity for s in self._free),
                 "published": len(self._published),
+                "expired": self._expired,
                 "lent": len(self._lent),
                 "mapped_segments": len(self._maps),
                 "mapped_bytes": sum(m.size for m in self._maps.values()),

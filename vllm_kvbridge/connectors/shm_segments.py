@@ -3,7 +3,7 @@
 Layout of a segment (a file in ``/dev/shm``)::
 
     [0, 4096)        header: magic, state, payload size, generation, owner pid, claimer pid,
-                     publish time (ns), key length, key bytes
+                     publish time (ns), key length, lease end (ns), key bytes
     [4096, 4096+n)   the packed payload (``Encoded.pack_into``), page aligned
 
 Names (every one starts with ``kvbridge.`` so an operator can tell them apart)::
@@ -35,7 +35,10 @@ Protocol (why it is leak-free and needs no lock files):
   place. When the last tensor viewing the mapping is freed, a finalizer writes FREE and
   the sender reuses the segment.
 * The sender reaps a published segment after its TTL by unlinking the key name (whoever
-  unlinks/renames the key name first owns the segment). A segment CLAIMED whose claim lock
+  unlinks/renames the key name first owns the segment). A receiver that still waits for
+  the payload renews it (:func:`renew`): it writes the end of a lease (wall-clock ns; one
+  host, one clock, in every PID namespace) into the header, and from then on that end,
+  not the TTL, decides. A segment CLAIMED whose claim lock
   nobody holds (its receiver died) is taken back. ``close()`` unlinks every name the
   connector owns.
 * A crashed process leaves pool names and published key names whose owner lock nobody
@@ -60,14 +63,16 @@ from vllm_kvbridge.errors import ConfigError, TransferCorrupt
 SHM_DIR = "/dev/shm"
 PREFIX = "kvbridge"
 HEADER_SIZE = 4096
-MAGIC = int.from_bytes(b"KVBSHM01", "little")
+MAGIC = int.from_bytes(b"KVBSHM02", "little")  # 02: the lease word
 
-# magic, state, payload_size, generation, owner_pid, claimer_pid, published_ns, key_len
-_HDR = struct.Struct("<8Q")
+# magic, state, payload_size, generation, owner_pid, claimer_pid, published_ns, key_len,
+# lease_end_ns (0: never renewed)
+_HDR = struct.Struct("<9Q")
 _KEY_OFFSET = _HDR.size
 MAX_KEY_BYTES = HEADER_SIZE - _KEY_OFFSET
 _STATE_WORD = 1  # index of the state word when the header is viewed as uint64 words
 _CLAIMER_WORD = 5
+_LEASE_WORD = 8
 
 FREE, WRITING, READY, CLAIMED, RETIRED = 0, 1, 2, 3, 4
 
@@ -183,6 +188,7 @@ class Header:
     owner_pid: int
     claimer_pid: int
     published_ns: int
+    lease_end_ns: int
     key: str
 
 
@@ -190,7 +196,7 @@ def parse_header(raw: bytes) -> Header:
     """Validate and decode a header; raises :class:`TransferCorrupt` naming the problem."""
     if len(raw) < _HDR.size:
         raise TransferCorrupt(f"shared-memory segment too short for a header ({len(raw)} bytes)")
-    magic, state, size, gen, owner, claimer, published, key_len = _HDR.unpack_from(raw, 0)
+    magic, state, size, gen, owner, claimer, published, key_len, lease_end = _HDR.unpack_from(raw, 0)
     if magic != MAGIC:
         raise TransferCorrupt(f"shared-memory segment has bad magic {magic:#018x}")
     if state > RETIRED:
@@ -201,7 +207,7 @@ def parse_header(raw: bytes) -> Header:
         key = raw[_KEY_OFFSET : _KEY_OFFSET + key_len].decode("ascii")
     except UnicodeDecodeError:
         raise TransferCorrupt("shared-memory segment key is not ASCII") from None
-    return Header(magic, state, size, gen, owner, claimer, published, key)
+    return Header(magic, state, size, gen, owner, claimer, published, lease_end, key)
 
 
 class PoolSegment:
@@ -252,6 +258,11 @@ class PoolSegment:
     def claim_held(self) -> bool:
         return claim_held(self.fd)
 
+    @property
+    def lease_end_ns(self) -> int:
+        """Wall-clock ns a receiver's renewal keeps this payload until; 0: never renewed."""
+        return self._words[_LEASE_WORD]
+
     def begin_write(self) -> None:
         self.generation += 1
         self.state = WRITING
@@ -271,6 +282,7 @@ class PoolSegment:
             0,
             time.time_ns(),
             len(raw),
+            0,
         )
         self.state = READY
 
@@ -379,6 +391,35 @@ def open_shared(namespace: str, key: str, shm_dir: str = SHM_DIR) -> int | None:
         return os.open(key_path(namespace, key, shm_dir), os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
+
+
+def renew(namespace: str, key: str, lease_s: float, shm_dir: str = SHM_DIR) -> bool:
+    """Keep the published, unclaimed segment ``key`` for ``lease_s`` from now (see the
+    module docstring); False when no such payload is published. Between the open and the
+    store the sender may reap the key and reuse the segment for another payload, whose
+    lease is then extended once: it is read or expires later, it is never lost."""
+    try:
+        fd = os.open(key_path(namespace, key, shm_dir), os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        mm = mmap.mmap(fd, HEADER_SIZE, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except (OSError, ValueError):  # shorter than a header: not a segment of ours
+        os.close(fd)
+        return False
+    os.close(fd)
+    try:
+        header = parse_header(mm[:HEADER_SIZE])
+        if header.state != READY or header.key != key:
+            return False
+        words = memoryview(mm)[: _HDR.size].cast("Q")
+        try:  # one aligned 8-byte store: the sender's sweep never reads a torn value
+            words[_LEASE_WORD] = time.time_ns() + int(lease_s * 1e9)
+        finally:
+            words.release()
+        return True
+    finally:
+        mm.close()
 
 
 def set_state_word(mm: mmap.mmap, state: int, claimer_pid: int | None = None) -> None:

@@ -14,6 +14,8 @@ timed-out request is never taken for the answer to the next one)::
          | [nonce, b"MISSING"] | [nonce, b"TOOBIG", nbytes(u64)]
     [b"DONE", nonce(8), key, lease(u64)]
         -> [nonce, b"DONE"] | [nonce, b"EXPIRED"]
+    [b"RENEW", nonce(8), key]
+        -> [nonce, b"OK"] | [nonce, b"MISSING"]
     anything else -> [nonce, b"BAD"]
 
 A CLAIM by the receiver that already holds the claim answers the same lease again and
@@ -21,7 +23,12 @@ renews it for ``lease_ms``, so a claim whose answer arrived after the receiver's
 is simply re-issued by its next get (nothing is lost between a timed-out claim and the next
 poll), and a long read keeps its claim by claiming again between batches. (These are the
 transfer-engine connector's messages; the NIXL connector speaks its own over the same
-server and client.)
+server and client, and RENEW.)
+
+RENEW is the receiver's :meth:`~vllm_kvbridge.connectors.base.Connector.renew` (both
+connectors, via :meth:`ControlClient.renew`): the sender moves an unclaimed key's expiry to
+its ``lease_s`` from now and answers OK; a claimed key answers OK unchanged (its claim
+lease governs it); a key it does not hold answers MISSING.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import zmq
 from vllm_kvbridge.errors import ConnectorClosed, TransferError, TransferTimeout
 
 U64 = struct.Struct("<Q")
-CLAIM, DONE = b"CLAIM", b"DONE"
+CLAIM, DONE, RENEW = b"CLAIM", b"DONE", b"RENEW"
 OK, MISSING, TOOBIG, EXPIRED, BAD = b"OK", b"MISSING", b"TOOBIG", b"EXPIRED", b"BAD"
 _MAX_IDLE = 8
 
@@ -172,6 +179,17 @@ class ControlClient:
             raise TransferError(f"control request to {endpoint} failed: {exc}") from exc
         finally:
             self._checkin(endpoint, sock, healthy)
+
+    def renew(self, endpoint: str, key: str, timeout_s: float) -> bool:
+        """RENEW ``key`` at ``endpoint``: True if the sender holds it, False if not.
+
+        :class:`TransferError` (a :class:`TransferTimeout` included) when the sender does
+        not answer within ``timeout_s`` or is gone.
+        """
+        answer = self.request(endpoint, [RENEW, key.encode("ascii")], time.monotonic() + timeout_s)
+        if answer in ([OK], [MISSING]):
+            return answer == [OK]
+        raise TransferError(f"{endpoint} answered {answer!r} to a renewal of {key!r}")
 
     def _checkout(self, endpoint: str) -> zmq.Socket:
         with self._lock:

@@ -4,8 +4,9 @@ Sender: :meth:`ZmqConnector.put` encodes the payload (:func:`vllm_kvbridge.wire.
 tensors are referenced, not copied) and keeps the frames in memory under ``key``. A
 background thread owns a ROUTER socket bound to ``host``/``port`` (port 0: ephemeral) and
 answers requests; the address is in ``PutResult.metadata["endpoint"]``. Frames are sent
-with ``copy=False``. Unclaimed payloads are dropped after ``ttl_s``; the bytes held at
-once are bounded by ``max_inflight_bytes`` (a put over it is refused with ``ok=False``).
+with ``copy=False``. Unclaimed payloads are dropped after ``ttl_s``, or ``lease_s`` after a
+receiver's last ``RENEW``; the bytes held at once are bounded by ``max_inflight_bytes``
+(a put over it is refused with ``ok=False``).
 
 Receiver: :meth:`ZmqConnector.get` sends ``GET`` over a DEALER socket connected to the
 endpoint (sockets are pooled per endpoint; a socket is used by one thread at a time),
@@ -29,14 +30,16 @@ Wire protocol (multipart messages; ``nonce`` pairs a reply with its request)::
     replies  [nonce, b"OK", sizes(u64 le * n)] then [nonce, b"DATA", frame_1 .. frame_n]
              [nonce, b"MISSING"] | [nonce, b"TOOBIG", size(u64 le)] | [nonce, b"BAD"]
     confirm  [b"ACK", nonce(8), key]  ->  [nonce, b"ACKED"]
+    renew    [b"RENEW", nonce(8), key]  ->  [nonce, b"OK"] | [nonce, b"MISSING"]
 
 Size checks happen before allocation on both sides: the request carries the receiver's
 ``max_payload_bytes`` and the server answers ``TOOBIG`` instead of sending; the receiver
 also sets ``ZMQ_MAXMSGSIZE`` so libzmq drops any larger frame before allocating it, and
 checks the advertised sizes against the frames before decoding.
 
-CURVE (optional): give the connector its keypair (``curve_public_key``,
-``curve_secret_key``, z85 strings from :func:`zmq.curve_keypair`). As a server it only
+CURVE (optional; :mod:`~vllm_kvbridge.connectors.zmq_curve`): give the connector its
+keypair (``curve_public_key``, ``curve_secret_key``, z85 strings from
+:func:`zmq.curve_keypair`). As a server it only
 admits clients listed in ``curve_allowed_clients`` (z85 public keys; ZAP handler in the
 connector's own context); as a client it authenticates with its keypair and pins the
 server key from ``curve_server_key`` or, failing that, ``metadata["server_key"]``. A peer
@@ -52,13 +55,11 @@ put in the metadata; default ``host``, or this host's name when binding 0.0.0.0/
 (5: how long a get without deadline waits for an answer, and the base of the data wait),
 ``min_transfer_bytes_per_s`` (10 MB/s: below this the data wait gives up),
 ``max_payload_bytes`` (64 GiB), ``max_inflight_bytes`` (8 GiB), ``ttl_s`` (300: how long an
-unconfirmed payload is held).
+unconfirmed payload is held), ``lease_s`` (``DEFAULT_LEASE_S``: how long one renewal holds it).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import socket as pysocket
 import struct
 import threading
@@ -69,7 +70,8 @@ from typing import Any
 
 import zmq
 
-from vllm_kvbridge.connectors.base import Connector, PutResult, number_option, offset_port
+from vllm_kvbridge.connectors.base import DEFAULT_LEASE_S, Connector, PutResult, number_option, offset_port
+from vllm_kvbridge.connectors.zmq_curve import CurveKeys
 from vllm_kvbridge.errors import (
     ConfigError,
     ConnectorClosed,
@@ -82,45 +84,8 @@ from vllm_kvbridge.errors import (
 
 _U64 = struct.Struct("<Q")
 _GET, _OK, _DATA, _MISSING, _TOOBIG, _BAD = b"GET", b"OK", b"DATA", b"MISSING", b"TOOBIG", b"BAD"
-_ACK, _ACKED = b"ACK", b"ACKED"
+_ACK, _ACKED, _RENEW = b"ACK", b"ACKED", b"RENEW"
 _MAX_IDLE_SOCKETS = 8
-
-
-def _with_env_keys(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``curve_keys_env``: the edge's shared CURVE keypair, from the environment (see above)."""
-    name = config.get("curve_keys_env")
-    if not name:
-        return config
-    given = [k for k in ("curve_public_key", "curve_secret_key", "curve_allowed_clients") if k in config]
-    if given:
-        raise ConfigError(f"connector option curve_keys_env excludes {given}: give one or the other")
-    raw = os.environ.get(str(name))
-    if not raw:
-        raise ConfigError(f"connector option curve_keys_env: ${name} is not set")
-    try:
-        keys = json.loads(raw)
-        public, secret = str(keys["public"]), str(keys["secret"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(
-            f'connector option curve_keys_env: ${name} must hold {{"public", "secret"}}: {exc}'
-        ) from None
-    return {
-        **config,
-        "curve_public_key": public,
-        "curve_secret_key": secret,
-        "curve_allowed_clients": [public],
-        "curve_server_key": public,
-    }
-
-
-def _z85(config: Mapping[str, Any], name: str) -> bytes | None:
-    value = config.get(name)
-    if value is None:
-        return None
-    raw = value.encode("ascii") if isinstance(value, str) else bytes(value)
-    if len(raw) != 40:
-        raise ConfigError(f"connector option {name!r} must be a 40-character z85 CURVE key")
-    return raw
 
 
 @dataclass
@@ -131,16 +96,6 @@ class _Entry:
     expires: float
 
 
-class _AllowList:
-    """ZAP credentials provider: admits exactly the configured client public keys."""
-
-    def __init__(self, keys: set[bytes]) -> None:
-        self.keys = keys
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.keys
-
-
 class ZmqConnector(Connector):
     """Point-to-point TCP transport: the sender serves payloads from memory, receivers pull."""
 
@@ -148,7 +103,7 @@ class ZmqConnector(Connector):
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__(config)
-        cfg = _with_env_keys(self.config)
+        cfg = self.config
         self.host = str(cfg.get("host", "127.0.0.1"))
         self.port = number_option(cfg, "port", 0, int)
         advertise = cfg.get("advertise_host")
@@ -157,6 +112,7 @@ class ZmqConnector(Connector):
         self.advertise_host = str(advertise)
         self.default_endpoint = cfg.get("endpoint")
         self.ttl_s = number_option(cfg, "ttl_s", 300.0)
+        self.lease_s = number_option(cfg, "lease_s", DEFAULT_LEASE_S)
         self.request_timeout_s = number_option(cfg, "request_timeout_s", 5.0)
         self.min_transfer_bytes_per_s = number_option(cfg, "min_transfer_bytes_per_s", 10e6)
         if self.min_transfer_bytes_per_s <= 0:
@@ -164,26 +120,13 @@ class ZmqConnector(Connector):
         self.max_payload_bytes = number_option(cfg, "max_payload_bytes", 64 << 30, int)
         self.max_inflight_bytes = number_option(cfg, "max_inflight_bytes", 8 << 30, int)
         self._limits = cfg.get("limits")
-        self._public = _z85(cfg, "curve_public_key")
-        self._secret = _z85(cfg, "curve_secret_key")
-        self._server_key = _z85(cfg, "curve_server_key")
-        if (self._public is None) != (self._secret is None):
-            raise ConfigError("CURVE needs both curve_public_key and curve_secret_key")
-        allowed = cfg.get("curve_allowed_clients")
-        self._allowed = (
-            None
-            if allowed is None
-            else {k.encode("ascii") if isinstance(k, str) else bytes(k) for k in allowed}
-        )
-        if self._allowed is not None and self._public is None:
-            raise ConfigError("curve_allowed_clients needs the server keypair (curve_public_key/secret_key)")
-        if self._public is not None and self._allowed is None:
-            raise ConfigError("a CURVE server needs curve_allowed_clients (the client public keys it admits)")
+        self._curve = CurveKeys.from_config(self.config)
 
         self._ctx = zmq.Context()
         self._lock = threading.Lock()  # store, in-flight bytes, socket pool
         self._store: dict[str, _Entry] = {}
         self._inflight = 0
+        self._expired = 0  # payloads dropped unread (TTL or lease)
         self._idle: dict[tuple[str, bytes | None], list[zmq.Socket]] = {}
         self._busy: set[zmq.Socket] = set()
         self._nonce = 0
@@ -196,8 +139,8 @@ class ZmqConnector(Connector):
     def receiver_metadata(self) -> dict[str, Any]:
         """The server's endpoint (it binds now if it has not yet) and its CURVE key."""
         metadata = {"endpoint": self._ensure_server()}
-        if self._public is not None:
-            metadata["server_key"] = self._public.decode("ascii")
+        if self._curve.public is not None:
+            metadata["server_key"] = self._curve.public.decode("ascii")
         return metadata
 
     @classmethod
@@ -237,9 +180,9 @@ class ZmqConnector(Connector):
             self._store[key] = _Entry(frames, sizes_raw, total, time.monotonic() + self.ttl_s)
             self._inflight += total
         self.stats.add(puts=1, put_bytes=total, put_seconds=time.perf_counter() - start)
-        metadata = {"endpoint": endpoint}
-        if self._public is not None:
-            metadata["server_key"] = self._public.decode("ascii")
+        metadata: dict[str, Any] = {"endpoint": endpoint, "lease_s": self.lease_s}
+        if self._curve.public is not None:
+            metadata["server_key"] = self._curve.public.decode("ascii")
         return PutResult(ok=True, nbytes=total, metadata=metadata)
 
     def _ensure_server(self) -> str:
@@ -249,17 +192,8 @@ class ZmqConnector(Connector):
             self._check_open()
             router = self._ctx.socket(zmq.ROUTER)
             router.linger = 0
-            if self._public is not None:
-                from zmq.auth.thread import ThreadAuthenticator
-
-                self._auth = ThreadAuthenticator(self._ctx)
-                self._auth.start()
-                self._auth.configure_curve_callback(
-                    domain="*", credentials_provider=_AllowList(self._allowed)
-                )
-                router.curve_server = True
-                router.curve_publickey = self._public
-                router.curve_secretkey = self._secret
+            if self._curve.enabled:
+                self._auth = self._curve.secure_server(self._ctx, router)
             try:
                 if self.port:
                     router.bind(f"tcp://{self.host}:{self.port}")
@@ -312,9 +246,17 @@ class ZmqConnector(Connector):
             wake.close(linger=0)
 
     def _answer(self, router: zmq.Socket, request: list[bytes]) -> None:
-        if len(request) == 4 and request[1] == _ACK and len(request[2]) == 8:
-            self._confirm(request[3].decode("ascii", "replace"))
-            router.send_multipart([request[0], request[2], _ACKED])
+        if len(request) == 4 and request[1] in (_ACK, _RENEW) and len(request[2]) == 8:
+            key = request[3].decode("ascii", "replace")
+            if request[1] == _ACK:
+                self._confirm(key)
+                router.send_multipart([request[0], request[2], _ACKED])
+                return
+            with self._lock:
+                entry = self._store.get(key)
+                if entry is not None:
+                    entry.expires = time.monotonic() + self.lease_s
+            router.send_multipart([request[0], request[2], _MISSING if entry is None else _OK])
             return
         if len(request) != 5 or request[1] != _GET or len(request[2]) != 8 or len(request[4]) != 8:
             if len(request) >= 3:
@@ -347,6 +289,7 @@ class ZmqConnector(Connector):
         with self._lock:
             for key in [k for k, e in self._store.items() if e.expires <= now]:
                 self._inflight -= self._store.pop(key).nbytes
+                self._expired += 1
 
     # -- receiver -----------------------------------------------------------------------
     def get(
@@ -366,25 +309,10 @@ class ZmqConnector(Connector):
         within ``request_timeout_s``. :class:`TransferRefused` when the payload exceeds
         ``max_payload_bytes``; :class:`TransferCorrupt` when it does not decode.
         """
-        self._check_open()
-        self._check_key(key)
-        endpoint = (metadata or {}).get("endpoint") or self.default_endpoint
-        if not endpoint:
-            raise TransferError(
-                f"cannot get {key!r}: no endpoint in the put metadata "
-                f"(metadata={metadata!r}) and no 'endpoint' in the {self.name} config"
-            )
-        server_key = self._server_key
-        if server_key is None and self._public is not None:
-            server_key = _z85(metadata or {}, "server_key")
-            if server_key is None:
-                raise TransferError(
-                    f"cannot get {key!r}: CURVE is configured but neither curve_server_key "
-                    "nor metadata['server_key'] gives the server's public key"
-                )
+        endpoint, server_key = self._peer(key, metadata)
         start = time.perf_counter()
         try:
-            frames = self._pull(str(endpoint), server_key, key, deadline)
+            frames = self._pull(endpoint, server_key, key, deadline)
         except TransferTimeout:
             self.stats.add(timeouts=1)
             raise
@@ -397,6 +325,46 @@ class ZmqConnector(Connector):
         payload, nbytes = self._decode(key, frames)
         self.stats.add(gets=1, get_bytes=nbytes, get_seconds=time.perf_counter() - start)
         return payload
+
+    def _peer(self, key: str, metadata: Mapping[str, Any] | None) -> tuple[str, bytes | None]:
+        """The sender's endpoint and CURVE server key for ``key`` (TransferError if unknown)."""
+        self._check_open()
+        self._check_key(key)
+        endpoint = (metadata or {}).get("endpoint") or self.default_endpoint
+        if not endpoint:
+            raise TransferError(
+                f"cannot reach the sender of {key!r}: no endpoint in the put metadata "
+                f"(metadata={metadata!r}) and no 'endpoint' in the {self.name} config"
+            )
+        server_key = self._curve.server_key_for(metadata)
+        if server_key is None and self._curve.enabled:
+            raise TransferError(
+                f"cannot reach the sender of {key!r}: CURVE is configured but neither "
+                "curve_server_key nor metadata['server_key'] gives the server's public key"
+            )
+        return str(endpoint), server_key
+
+    def renew(
+        self, from_stage: int | str, to_stage: int | str, key: str, metadata: Mapping[str, Any] | None = None
+    ) -> bool:
+        """Ask the sender to hold ``key`` for its ``lease_s``; TransferError without an answer
+        within ``request_timeout_s``."""
+        endpoint, server_key = self._peer(key, metadata)
+        sock = self._checkout(endpoint, server_key)
+        answer = None
+        try:
+            nonce = self._next_nonce()
+            wait_until = time.monotonic() + self.request_timeout_s
+            if self._poll(sock, zmq.POLLOUT, wait_until):
+                sock.send_multipart([_RENEW, nonce, key.encode("ascii")], zmq.NOBLOCK)
+                answer = self._recv_reply(sock, nonce, wait_until)
+        except zmq.ContextTerminated:
+            raise ConnectorClosed(f"{self.name} closed during renew") from None
+        finally:
+            self._checkin(endpoint, server_key, sock, answer is not None)
+        if answer is None:
+            raise TransferError(f"no answer from {endpoint} to the renewal of {key!r}")
+        return answer[1].bytes == _OK
 
     def _pull(
         self, endpoint: str, server_key: bytes | None, key: str, deadline: float | None
@@ -538,9 +506,7 @@ class ZmqConnector(Connector):
         # libzmq drops any frame over this before allocating it (a hostile or broken peer).
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_payload_bytes)
         if server_key is not None:
-            sock.curve_serverkey = server_key
-            sock.curve_publickey = self._public
-            sock.curve_secretkey = self._secret
+            self._curve.secure_client(sock, server_key)
         sock.connect(endpoint)
         return sock
 
@@ -569,6 +535,7 @@ class ZmqConnector(Connector):
                 "endpoint": self.endpoint,
                 "held_payloads": len(self._store),
                 "inflight_bytes": self._inflight,
+                "expired": self._expired,
             }
         return {**super().health(), **extra}
 

@@ -81,6 +81,7 @@ from vllm_kvbridge.kv.cfg import CollectFunc, receive_with_companions
 from vllm_kvbridge.kv.config import KVTransferConfig, StageId, vllm_settings
 from vllm_kvbridge.kv.distribution import KVDistributor
 from vllm_kvbridge.kv.layout import KVCacheLayout
+from vllm_kvbridge.kv.leases import LeaseKeeper
 from vllm_kvbridge.kv.metrics import KVTransferMetrics
 from vllm_kvbridge.kv.prefetch import KVPrefetchConsumeError, KVPrefetcher, free_memory_ratio
 from vllm_kvbridge.kv.receive import Consumed, KVReceiver, ReceivedKV, ReceivedStore, request_id_of
@@ -143,6 +144,11 @@ class KVTransferManager:
         self._distributor = KVDistributor(config.distribution, process_group)
         self._prefetcher = KVPrefetcher(
             config.max_prefetch_inflight, config.max_unconsumed, lambda rid: dropped()
+        )
+        self._leases = (
+            LeaseKeeper(self._get_connector, config.recv_stages[0], config.stage_id)
+            if config.need_recv_cache and config.recv_stages
+            else None
         )
 
     # -- construction ------------------------------------------------------------------
@@ -501,6 +507,19 @@ class KVTransferManager:
             req, cfg_kv_collect_func, target_device, sender_info=sender_info
         )
 
+    # -- leases ------------------------------------------------------------------------
+    def hold_leases(self, request_id: str, sender_info: Mapping[str, Any] | None) -> int:
+        """While ``request_id`` waits in this stage, renew at its senders every key its
+        producer announced (:mod:`vllm_kvbridge.kv.leases`); how many keys."""
+        if self._leases is None or self._closed:
+            return 0
+        return self._leases.hold(request_id, sender_info)
+
+    def release_leases(self, request_id: str) -> None:
+        """``request_id`` no longer waits (it is being received, or was dropped)."""
+        if self._leases is not None:
+            self._leases.release(request_id)
+
     # -- lifecycle ---------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
         conn = self._connector
@@ -511,6 +530,7 @@ class KVTransferManager:
             "parts_waiting": self._receiver.waiting_parts(),
             "prefetched": len(self._prefetcher),
             "sender_info_entries": len(self._sent_info),
+            "leases": self._leases.health() if self._leases is not None else None,
             "closed": self._closed,
         }
         return {**state, "metrics": self.metrics.health(), "connector": conn.health() if conn else None}
@@ -522,6 +542,8 @@ class KVTransferManager:
                 return
             self._closed = True
         self._stop.set()  # queued prefetches are cancelled, running ones see the flag
+        if self._leases is not None:
+            self._leases.close()
         self._prefetcher.shutdown()
         self._sends.shutdown(timeout)
         self._receiver.clear()

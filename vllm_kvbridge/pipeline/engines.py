@@ -173,8 +173,11 @@ class DiffusionStageEngine(StageEngine):
         )
 
     def submit(self, msg: m.Submit) -> None:
+        req = self._request(msg)
+        # A queue longer than the sender's TTL must not lose its tail's KV: renew it.
+        self._safe(lambda: self.runner.hold_kv(req))
         with self._lock:
-            self._queue.append((msg, self._request(msg)))
+            self._queue.append((msg, req))
             self._pending += 1
         self._wakeup.set()
 
@@ -208,6 +211,7 @@ class DiffusionStageEngine(StageEngine):
                     nxt = self._queue[0][1] if self._queue else None
                     aborted = msg.request_id in self._aborted
                     self._aborted.discard(msg.request_id)
+                self._safe(lambda r=req: self.runner.release_kv(r))
                 if aborted:
                     # The producer reports a request done only once its KV send completed, so
                     # the KV is there: consume it now so its segment/keys are freed at once
@@ -259,7 +263,8 @@ class DiffusionStageEngine(StageEngine):
         try:
             fn()
         except Exception:
-            # A failed prefetch is retried by the regular receive, which reports the error.
+            # A failed prefetch is retried by the regular receive, which reports the error;
+            # a lease that could not be held leaves the KV to its TTL.
             traceback.print_exc()
 
     def close(self) -> None:

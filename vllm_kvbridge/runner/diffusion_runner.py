@@ -303,6 +303,17 @@ class DiffusionRunner(KVBridgeModelRunnerMixin):
     def kv_job(self, req: DiffusionRequest) -> KVJob:
         return KVJob(req.transfer_request_id, list(req.cfg_purposes))
 
+    def hold_kv(self, req: DiffusionRequest) -> None:
+        """While ``req`` waits in this stage's queue, keep its KV at the sender past the TTL:
+        the manager renews every announced key (leases) until :meth:`release_kv`."""
+        if self._kv is not None and req.from_stage >= 0:
+            self._kv.hold_leases(req.transfer_request_id, req.sender_info)
+
+    def release_kv(self, req: DiffusionRequest) -> None:
+        """``req`` left the queue (it is received now, or dropped): stop renewing its KV."""
+        if self._kv is not None:
+            self._kv.release_leases(req.transfer_request_id)
+
     def prefetch(self, req: DiffusionRequest) -> None:
         """Start pulling ``req``'s KV (and companions) in the background (no-op when disabled)."""
         if not (self.need_kv and self.prefetch_enabled):
