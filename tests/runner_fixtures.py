@@ -76,8 +76,15 @@ def stop_engine_and_reap(
     from vllm_kvbridge.runner.runtime import reap_stage_leftovers
 
     procs = list(llm.llm_engine.engine_core.resources.engine_manager.processes)
-    tree = [psutil.Process(p.pid) for p in procs if p.is_alive()]
-    tree += [c for t in list(tree) for c in t.children(recursive=True)]
+    tree: list[psutil.Process] = []
+    for p in procs:
+        # An engine core that failed may exit by itself at any moment, also between the
+        # looks below: one that is gone has nothing left to wait for.
+        try:
+            proc = psutil.Process(p.pid)
+            tree += [proc, *proc.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
     stop_engine(llm)
     _, alive = psutil.wait_procs(tree, timeout=timeout_s)
     assert not alive, f"engine processes still running after {timeout_s:g} s: {alive}"

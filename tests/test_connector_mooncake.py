@@ -263,6 +263,37 @@ def test_renew_needs_a_live_sender_and_its_control_endpoint(mooncake_master: Moo
     assert mooncake_master.keys() == []
 
 
+def test_two_receivers_reading_one_object_only_one_gets_it(
+    mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch
+):
+    """Issue 11 case 13: a store read is not atomic with its removal. Receiver A has read
+    the object but not removed it yet when receiver B reads and removes it: only B's get
+    returns it (a destructive get is read once); A's finds it gone, counted."""
+    from vllm_kvbridge.connectors import mooncake_store
+
+    cfg = mooncake_master.connector_config(namespace=NS)
+    with (
+        create_connector("mooncake", cfg) as sender,
+        MooncakeStoreConnector({**cfg, "global_segment_size": 0}) as a,
+        MooncakeStoreConnector({**cfg, "global_segment_size": 0}) as b,
+    ):
+        result = sender.put(0, 1, key(), payload(1))
+        assert result.ok
+        real_read, got_b = mooncake_store.read_object, []
+
+        def read_then_b(store, store_key, size, zero_copy):  # type: ignore[no-untyped-def]
+            got = real_read(store, store_key, size, zero_copy)
+            if store is a._store and not got_b:  # A has its bytes; B takes the object now
+                got_b.append(b.get(0, 1, key(), result.metadata))
+            return got
+
+        monkeypatch.setattr(mooncake_store, "read_object", read_then_b)
+        assert a.get(0, 1, key(), result.metadata) is None
+        assert len(got_b) == 1 and same(got_b[0], payload(1))
+        assert a.health()["read_lost_to_another"] == 1 and b.health().get("read_lost_to_another", 0) == 0
+        assert not a._store.is_exist(result.metadata["key"])
+
+
 def test_cleanup_and_close_remove_keys_from_the_store(mooncake_master: MooncakeMaster):
     cfg = mooncake_master.connector_config(namespace=NS)
     sender, receiver = MooncakeStoreConnector(cfg), MooncakeStoreConnector(cfg)

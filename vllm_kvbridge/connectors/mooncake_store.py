@@ -18,7 +18,8 @@ Receiver (:meth:`MooncakeStoreConnector.get`): ``get_size`` (cheap master RPC; a
 duration of the transfer, then :func:`vllm_kvbridge.wire.decode_packed` over it without a
 copy. The returned tensors are views of that buffer and keep it alive; it is unregistered
 from Mooncake before ``get`` returns, so nothing has to be released later. The object is
-removed from the store once read (destructive get).
+removed from the store once read (destructive: of two receivers that read it, the one
+whose removal found it returns it).
 
 Lifetime of store keys (nothing is left in the store after a run):
   * a key is removed by the receiver once read; ``cleanup(key)`` removes it from either side;
@@ -55,12 +56,11 @@ config is loaded, :func:`vllm_kvbridge.config.load_spec`, not here):
   only used by the bytes fallback), ``protocol`` (``tcp`` | ``rdma``), ``device_name``
   (RDMA device list, e.g. ``mlx5_0``), ``namespace`` (``kvbridge``; prefix of every store
   key), ``pin``, ``soft_pin_ttl_ms``, ``prefer_local_segment`` (true), ``ttl_s`` (300),
-  ``lease_s`` (:data:`~vllm_kvbridge.connectors.base.DEFAULT_LEASE_S`),
-  ``max_payload_bytes`` (64 GiB), ``max_retries`` (3), ``retry_backoff_s`` (0.05),
-  ``master_retry_s`` (5), ``connect_timeout_s`` (10), ``setup_check`` (``port`` |
-  ``subprocess``), ``buffer_pool_bytes`` (512 MiB of
-  registered staging buffers kept for reuse), ``zero_copy`` (true; false forces the bytes
-  API ``put``/``get``, which Mooncake copies through its local buffer), ``limits``
+  ``lease_s`` (``DEFAULT_LEASE_S``), ``max_payload_bytes`` (64 GiB), ``max_retries`` (3),
+  ``retry_backoff_s`` (0.05), ``master_retry_s`` (5), ``connect_timeout_s`` (10),
+  ``setup_check`` (``port`` | ``subprocess``), ``buffer_pool_bytes`` (512 MiB of registered
+  staging buffers kept for reuse), ``zero_copy`` (true; false forces the bytes API
+  ``put``/``get``, which Mooncake copies through its local buffer), ``limits``
   (:class:`~vllm_kvbridge.wire.Limits` for decoding).
 """
 
@@ -411,8 +411,9 @@ class MooncakeStoreConnector(Connector):
                     )
                 buffer, code = read_object(self._store, store_key, code, self._pool is not None)
                 if buffer is not None:
-                    self._consumed(store_key)
-                    return buffer
+                    if self._consumed(store_key):
+                        return buffer
+                    code = OBJECT_NOT_FOUND  # another receiver read it too and removed it first
             elif code == 0:  # the codec never writes an empty object
                 self._remove(store_key)
                 raise TransferCorrupt(f"{store_key!r} is an empty object")
@@ -480,13 +481,18 @@ class MooncakeStoreConnector(Connector):
         code = self._store.remove(store_key, True)
         return code in (OK, OBJECT_NOT_FOUND)
 
-    def _consumed(self, store_key: str) -> None:
+    def _consumed(self, store_key: str) -> bool:
+        """Remove what a get read; False when it was gone (a read is not atomic with its
+        removal: of two receivers that read one object, the removal decides who has it)."""
         with self._lock:
             self._published.pop(store_key, None)
-        if not self._remove(store_key):
-            with self._lock:
-                self._pending_removals.add(store_key)
-                self._start_reaper_locked()
+        code = self._store.remove(store_key, True)
+        if code == OBJECT_NOT_FOUND:
+            self.stats.add(read_lost_to_another=1)
+            return False
+        if code != OK:  # cannot tell: keep what was read, retry the removal
+            self._remove_later(store_key)
+        return True
 
     def cleanup(self, key: str) -> None:
         """Remove ``key`` (this connector's namespace) from the store and forget it. Idempotent."""
@@ -497,10 +503,13 @@ class MooncakeStoreConnector(Connector):
             self._published.pop(store_key, None)
             self._pending_removals.discard(store_key)
         if not self._remove(store_key):
-            with self._lock:
-                self._pending_removals.add(store_key)
-                self._start_reaper_locked()
+            self._remove_later(store_key)
         self.stats.add(cleanups=1)
+
+    def _remove_later(self, store_key: str) -> None:
+        with self._lock:
+            self._pending_removals.add(store_key)
+            self._start_reaper_locked()
 
     def _start_reaper_locked(self) -> None:
         if self._reaper is None and not self._closed:
