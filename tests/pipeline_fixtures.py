@@ -59,6 +59,26 @@ class RaiseOnceOnRank1(TinyKVDiT):
         return super().forward(*args, **kwargs)
 
 
+class GatedDiT(TinyKVDiT):
+    """A diffusion module tests hold and release through files in ``$KVBRIDGE_TEST_GATES``:
+    its forward waits while ``hold`` exists (requests stay in the stage, which keeps sending
+    heartbeats), and a restarted one (``started`` exists) is not built until ``open``
+    exists (the stage stays ``recovering``). No sleep decides what a test sees."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.gates = Path(os.environ["KVBRIDGE_TEST_GATES"])
+        if (self.gates / "started").exists():
+            while not (self.gates / "open").exists():
+                time.sleep(0.05)
+        (self.gates / "started").touch()
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        while (self.gates / "hold").exists():
+            time.sleep(0.05)
+        return super().forward(*args, **kwargs)
+
+
 def shm_segments(prefix: str = "kvbridge.r") -> list[str]:
     """Segments of pipeline runs (orchestrator namespaces start with ``r<hex>``)."""
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))

@@ -1,8 +1,10 @@
-"""A stage that crashes on start or dies mid-run ends `run` with that stage's error, quickly,
-leaving no stage process and no shared-memory segment behind."""
+"""A stage that crashes on start ends `run` with that stage's error, quickly; one that dies
+mid-run fails the prompts in it (the supervisor restarts it) or, with no restart allowed,
+ends the run. Nothing is left behind: no stage process, no shared-memory segment."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,9 +18,10 @@ from pipeline_fixtures import ROOT, STAGE_ENV, processes_using, shm_segments
 from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
 
 
-def _config(tmp: Path, class_path: str) -> Path:
+def _config(tmp: Path, class_path: str, runtime: str = "") -> Path:
     text = (ROOT / "stage_configs/ar_to_dit_shm.yaml").read_text()
     text = text.replace("class_path: vllm_kvbridge.models.tiny_dit.TinyKVDiT", f"class_path: {class_path}")
+    text += f"runtime: {{{runtime}}}\n" if runtime else ""
     path = tmp / "faulty.yaml"
     path.write_text(text)
     return path
@@ -71,16 +74,36 @@ def test_stage_crashing_on_start_fails_run_within_seconds() -> None:
 
 @pytest.mark.forked
 @pytest.mark.timeout(240)
-def test_stage_dying_mid_run_fails_run_with_its_status() -> None:
+def test_stage_dying_mid_run_fails_the_prompt_in_it() -> None:
+    """Supervised (the default): the prompt in the dead stage fails naming it, the run
+    still writes its results and exits 1 (a request failed), not 3 (the pipeline failed)."""
     tmp = Path(tempfile.mkdtemp(prefix="kvb-die-"))
     before = set(shm_segments())
     proc, took = _run(_config(tmp, "pipeline_fixtures.DieInForward"), tmp / "out", 220)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "error: request req-1: stage 1 (diffusion) failed: process exited with status 17" in proc.stderr
+    assert "[stage 1 (diffusion)] LOST: process exited with status 17" in proc.stdout
+    assert "restart 1 of 3 (per 600 s)" in proc.stdout
+    result = json.loads((tmp / "out" / "result.json").read_text())
+    assert [r["request_id"] for r in result["requests"]] == ["req-1"]
+    assert "stage 1 (diffusion) failed" in result["requests"][0]["error"]
+    assert took < 150, took
+    assert processes_using(tmp) == []
+    assert [n for n in shm_segments() if n not in before] == []
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(240)
+def test_stage_dying_mid_run_without_restarts_fails_run_with_its_status() -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="kvb-die0-"))
+    before = set(shm_segments())
+    proc, took = _run(_config(tmp, "pipeline_fixtures.DieInForward", "max_restarts: 0"), tmp / "out", 220)
     assert proc.returncode == 3, proc.stdout + proc.stderr
-    assert "error: stage 1 (diffusion) failed: process exited with status 17" in proc.stderr
+    first = proc.stderr.strip().splitlines()[0]
+    assert first.startswith("error: stage 1 (diffusion) failed: process exited with status 17"), proc.stderr
+    assert first.endswith("(not restarted: runtime.max_restarts is 0)"), proc.stderr
     # the LLM stage finished the request; the DiT died on its first forward
     assert "[stage 0 (llm_ar)] req-1 done" in proc.stdout
-    done_line = [line for line in proc.stdout.splitlines() if "req-1 done" in line]
-    assert done_line
     assert not (tmp / "out" / "result.json").exists()
     assert took < 150, took
     assert processes_using(tmp) == []

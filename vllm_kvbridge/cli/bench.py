@@ -1,4 +1,4 @@
-"""``vllm-kvbridge bench``: measurements. Sub-commands: ``connectors`` (more to come)."""
+"""``vllm-kvbridge bench``: measurements. Sub-commands: ``connectors``, ``ar-overhead``, ``soak``."""
 
 from __future__ import annotations
 
@@ -45,6 +45,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     add_arguments(a)
     a.set_defaults(func=_run_ar_overhead)
+    s = bench_sub.add_parser(
+        "soak",
+        help="load, client aborts and stage kills against a real server",
+        description="Drive `vllm-kvbridge serve` with many concurrent requests, abandon some, kill stages; "
+        "print ok / failed / aborted, latency vs the unloaded latency, recovery seconds and leftovers.",
+    )
+    from vllm_kvbridge.bench.soak import add_arguments as add_soak_arguments
+
+    add_soak_arguments(s)
+    s.set_defaults(func=_run_soak)
 
 
 def _run_connectors(args: argparse.Namespace) -> int:
@@ -68,4 +78,14 @@ def _run_ar_overhead(args: argparse.Namespace) -> int:
     from vllm_kvbridge.bench.ar_overhead import format_result, run
 
     print(format_result(run(args)))
+    return 0
+
+
+def _run_soak(args: argparse.Namespace) -> int:
+    from vllm_kvbridge.bench.soak import format_result, run, write_json
+
+    result = run(args)
+    print(format_result(result))
+    if args.json:
+        write_json(result, args.json)
     return 0

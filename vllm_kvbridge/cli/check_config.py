@@ -101,6 +101,14 @@ def format_plan(plan: ResolvedPipeline) -> str:
         f"{plan.shutdown_timeout:g} s"
         + (f", debug dumps in {plan.debug_dump_dir}" if plan.debug_dump_dir else "")
     )
+    restarts = (
+        f"up to {plan.max_restarts} per {plan.restart_window:g} s, backoff from {plan.restart_backoff:g} s"
+        if plan.max_restarts
+        else "off (max_restarts 0)"
+    )
+    lines.append(
+        f"supervision: restarts {restarts}; stalled after {plan.heartbeat_timeout:g} s without a heartbeat"
+    )
     return "\n".join(lines)
 
 

@@ -116,6 +116,11 @@ class ResolvedPipeline(msgspec.Struct):
     debug_dump_dir: str | None
     #: requests in flight at most (``vllm-kvbridge serve`` answers 429 beyond)
     max_in_flight: int = 256
+    #: stage supervision (``runtime.*`` of the same names; see ``pipeline/supervision.py``)
+    max_restarts: int = 3
+    restart_window: float = 600.0
+    restart_backoff: float = 1.0
+    heartbeat_timeout: float = 30.0
 
     def stage(self, stage_id: int) -> ResolvedStage:
         for s in self.stages:
@@ -400,9 +405,18 @@ def resolve_spec(spec: PipelineSpec, source: str | None = None) -> ResolvedPipel
         for s in spec.stages
     ]
     rt = spec.runtime
-    for name in ("request_timeout", "shutdown_timeout", "max_in_flight"):
+    for name in (
+        "request_timeout",
+        "shutdown_timeout",
+        "max_in_flight",
+        "restart_window",
+        "restart_backoff",
+        "heartbeat_timeout",
+    ):
         if getattr(rt, name) <= 0:
             raise ConfigError(f"runtime.{name}: must be > 0, got {getattr(rt, name)}")
+    if rt.max_restarts < 0:
+        raise ConfigError(f"runtime.max_restarts: must be >= 0, got {rt.max_restarts}")
     return ResolvedPipeline(
         name=spec.name,
         description=spec.description,
@@ -412,6 +426,10 @@ def resolve_spec(spec: PipelineSpec, source: str | None = None) -> ResolvedPipel
         shutdown_timeout=rt.shutdown_timeout,
         debug_dump_dir=rt.debug_dump_dir,
         max_in_flight=rt.max_in_flight,
+        max_restarts=rt.max_restarts,
+        restart_window=rt.restart_window,
+        restart_backoff=rt.restart_backoff,
+        heartbeat_timeout=rt.heartbeat_timeout,
     ).with_model(spec.model or None)
 
 

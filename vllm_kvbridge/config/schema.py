@@ -175,6 +175,14 @@ class RuntimeSpec(_Spec):
     debug_dump_dir: str | None = None
     #: requests in flight at most; ``serve`` answers 429 (with Retry-After) beyond
     max_in_flight: int = 256
+    #: restarts of one stage allowed within ``restart_window`` seconds (0: a lost stage
+    #: ends the pipeline); see ``pipeline/supervision.py``
+    max_restarts: int = 3
+    restart_window: float = 600.0
+    #: seconds before the first restart of a lost stage, doubled for each further one
+    restart_backoff: float = 1.0
+    #: a ready stage silent (no heartbeat) this long is stalled: killed and restarted
+    heartbeat_timeout: float = 30.0
 
 
 class PipelineSpec(_Spec):

@@ -13,7 +13,10 @@ Flow of one request through ``A -> B``::
     B -> orchestrator : StageDone(request_id, output)                    # final output
 
 A stage reports ``Ready`` once its engine is up, ``RequestFailed`` for one failed request
-(the stage keeps running) and ``StageFailed`` before it exits on a fatal error. A
+(the stage keeps running) and ``StageFailed`` before it exits on a fatal error. From its
+start it sends a ``Heartbeat`` every ``--heartbeat-s`` seconds from a thread of its own
+(on a second socket), so a stage whose process is stopped or starved is told from one that
+is merely busy in a long step. A
 ``Submit`` with ``stream`` set (the orchestrator sets it on the last stage of a request
 whose caller streams) makes an LLM stage report ``StageProgress`` as it generates, in
 order and before its ``StageDone``; requests that do not stream get no progress messages.
@@ -129,10 +132,18 @@ class StageFailed(_Msg, tag="stage_failed"):
     stage_id: int
     error: str
     traceback: str = ""
+    #: The failing process (0: not said); a late word of a replaced process is told apart.
+    pid: int = 0
+
+
+class Heartbeat(_Msg, tag="heartbeat"):
+    stage_id: int
+    #: The stage process's pid: a restarted stage's beats are told from its predecessor's.
+    pid: int
 
 
 ToStage = Submit | Abort | Shutdown
-FromStage = Ready | StageDone | StageProgress | RequestFailed | StageFailed
+FromStage = Ready | StageDone | StageProgress | RequestFailed | StageFailed | Heartbeat
 
 _ENCODER = msgspec.msgpack.Encoder()
 _TO_STAGE = msgspec.msgpack.Decoder(ToStage)

@@ -12,9 +12,13 @@ sends is handed to the callback, in order, before the request finishes.
 
 Failure and shutdown contract:
 
-* a stage that reports :class:`StageFailed`, or whose process exits, ends the pipeline:
-  every stage process is stopped and :class:`StageError` is raised naming the stage and
-  its error (the tail of its log when it died without a word). The loop checks the
+* a stage that fails while the pipeline starts ends it: every stage process is stopped and
+  :class:`StageError` is raised naming the stage and its error (the tail of its log when it
+  died without a word);
+* a stage lost later (it exits, reports :class:`StageFailed`, or stops sending heartbeats)
+  is supervised (:mod:`vllm_kvbridge.pipeline.supervision`): the requests in it fail at once
+  naming it, the others go on, and it is restarted with backoff; once ``max_restarts`` per
+  ``restart_window`` are spent, it ends the pipeline as above. The loop checks the
   processes every poll interval, so this takes well under a second, never a hang;
 * a request that fails in one stage, or outlives ``runtime.request_timeout``, fails
   alone (the stages are told to abort it);
@@ -28,9 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -52,14 +54,24 @@ from vllm_kvbridge.pipeline.results import (  # re-exported: the pipeline's publ
     RequestResult,
     StageError,
     StageRecord,
+    StageRecovering,
 )
 from vllm_kvbridge.pipeline.stage_handles import (
     LOG_TAIL_LINES,
     StageHandle,
-    last_error_line,
-    log_tail,
+    kill_stage_group,
+    reap_run_edges,
+    shm_mapped_by_group,
+    spawn_stage,
+    stop_stages,
     with_run_curve_keys,
     with_run_namespaces,
+)
+from vllm_kvbridge.pipeline.supervision import (
+    RestartPolicy,
+    StageSupervision,
+    heartbeat_interval,
+    stage_status,
 )
 
 POLL_S = 0.05
@@ -108,7 +120,14 @@ class Pipeline:
         self._on_progress: dict[str, Callable[[m.StageProgress], None]] = {}  # streaming requests
         self._finished_polled: list[RequestResult] = []
         self._started = False
+        self._serving = False  # every stage was ready once: losses are supervised from now
         self._closed = False
+        self._address = ""
+        plan = self.plan
+        self.policy = RestartPolicy(
+            plan.max_restarts, plan.restart_window, plan.restart_backoff, plan.heartbeat_timeout
+        )
+        self._supervision = {sid: StageSupervision(self.policy) for sid in self._order}
         self.failure: StageError | None = None
 
     # -- construction -------------------------------------------------------------------
@@ -138,62 +157,28 @@ class Pipeline:
             self._sock = self._ctx.socket(zmq.ROUTER)
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            # A restarted stage connects under its predecessor's identity: it takes over.
+            self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
             port = self._sock.bind_to_random_port("tcp://127.0.0.1")
-            address = f"tcp://127.0.0.1:{port}"
+            self._address = f"tcp://127.0.0.1:{port}"
             for stage in self.plan.stages:
-                self._spawn(stage, address)
+                self._spawn(stage)
             self._wait_ready()
+            self._serving = True
         except BaseException:
             self.close()
             raise
 
-    def _spawn(self, stage: ResolvedStage, address: str) -> None:
-        env = {**os.environ, **self._env, **stage.env}
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        if stage.devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = stage.devices
+    def _spawn(self, stage: ResolvedStage) -> None:
         log_path = self.log_dir / f"stage_{stage.stage_id}.log"
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "vllm_kvbridge.pipeline.stage_process",
-                    "--address",
-                    address,
-                    "--stage-id",
-                    str(stage.stage_id),
-                ],
-                stdin=subprocess.PIPE,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,  # its own process group: killable as a whole
-            )
-        assert proc.stdin is not None
-        proc.stdin.write(msgspec.json.encode(stage))
-        proc.stdin.close()
-        handle = StageHandle(stage, proc, log_path, time.monotonic())
+        env = {**os.environ, **self._env}
+        handle = spawn_stage(stage, self._address, log_path, env, heartbeat_interval(self.policy))
         self._stages[stage.stage_id] = handle
-        self._progress(f"[{handle.label}] starting (pid {proc.pid}, log {log_path})")
+        self._progress(f"[{handle.label}] starting (pid {handle.proc.pid}, log {log_path})")
 
     def _wait_ready(self) -> None:
-        while True:
-            waiting = [h for h in self._stages.values() if not h.ready_at]
-            if not waiting:
-                return
-            now = time.monotonic()
-            for h in waiting:
-                if now - h.spawned > h.stage.start_timeout:
-                    self._fail(
-                        StageError(
-                            h.stage.stage_id,
-                            h.stage.kind,
-                            f"not ready after {h.stage.start_timeout:.0f} s (start_timeout)",
-                            log_tail(h.log_path),
-                        )
-                    )
+        # A stage not ready within its start_timeout fails the start (StageSupervision.check).
+        while not all(h.ready_at for h in self._stages.values()):
             self._pump(POLL_S)
 
     def close(self) -> None:
@@ -201,47 +186,21 @@ class Pipeline:
         if self._closed:
             return
         self._closed = True
-        handles = list(self._stages.values())
-        for h in handles:
-            if h.proc.poll() is None and self._sock is not None:
+        sock = self._sock
+
+        def shutdown(h: StageHandle) -> None:
+            if sock is not None:
                 with contextlib.suppress(zmq.ZMQError):
-                    self._sock.send_multipart(
-                        [f"stage-{h.stage.stage_id}".encode(), m.encode(m.Shutdown())], flags=zmq.NOBLOCK
-                    )
-        deadline = time.monotonic() + self.plan.shutdown_timeout
-        self._wait_exit(handles, deadline)
-        for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-            alive = [h for h in handles if h.proc.poll() is None]
-            for h in alive:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(h.proc.pid, sig)
-            self._wait_exit(alive, time.monotonic() + grace)
-        # The stage is gone; anything left in its group (vLLM engine-core children) goes too.
-        for h in handles:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(h.proc.pid, signal.SIGKILL)
-        self._sweep_shm()
+                    msg = [f"stage-{h.stage.stage_id}".encode(), m.encode(m.Shutdown())]
+                    sock.send_multipart(msg, flags=zmq.NOBLOCK)
+
+        stop_stages(list(self._stages.values()), shutdown, self.plan.shutdown_timeout)
+        reap_run_edges(self.plan.stages)
         if self._sock is not None:
             self._sock.close(0)
         if self._ctx is not None:
             self._ctx.term()
         self._sock = self._ctx = None
-
-    @staticmethod
-    def _wait_exit(handles: Sequence[StageHandle], deadline: float) -> None:
-        for h in handles:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                h.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-
-    def _sweep_shm(self) -> None:
-        """Reap what the stopped stages' processes left on every edge of the run."""
-        from vllm_kvbridge.connectors.leftovers import reap_dead_leftovers
-
-        reap_dead_leftovers(
-            (e.from_stage, e.to_stage, e.connector.name, e.connector.config)
-            for s in self.plan.stages
-            for e in (*s.inputs, *s.outputs)
-        )
 
     def __enter__(self) -> Pipeline:
         self.start()
@@ -278,18 +237,13 @@ class Pipeline:
                 ids.append(f"req-{self._counter}")
         if len(ids) != len(prompts) or len(set(ids)) != len(ids):
             raise ValueError("request_ids must be unique and one per prompt")
-        first = self.plan.entry_stage
-        companions = companions_for(self.plan, None)
         for rid in ids:
             self._check_new_id(rid)
-        for rid, prompt in zip(ids, prompts):
-            self._results[rid] = RequestResult(rid, prompt)
-            self._deadlines[rid] = time.monotonic() + self.plan.request_timeout
-            self._companions[rid] = companions
-            params = {**first.default_sampling_params, **(sampling_params or {})}
-            msg = m.Submit(rid, prompt=prompt, sampling_params=params, companions=companions)
-            self._submit_chain(first.stage_id, msg)
         try:
+            while self.recovering():  # a stage lost in an earlier call: wait for it first
+                self._pump(POLL_S)
+            for rid, prompt in zip(ids, prompts):
+                self._begin(rid, prompt, sampling_params, None, None)
             while not all(self._results[r].finished for r in ids):
                 self._pump(POLL_S)
                 self._expire()
@@ -314,17 +268,24 @@ class Pipeline:
     def _submit(self, stage_id: int, msg: m.Submit) -> None:
         h = self._stages[stage_id]
         self._results[msg.request_id].stages.append(StageRecord(stage_id, h.stage.kind, time.time()))
-        self._where.setdefault(msg.request_id, set()).add(stage_id)
         if stage_id == self._order[-1] and msg.request_id in self._on_progress:
             msg = msgspec.structs.replace(msg, stream=True)
+        sup = self._supervision[stage_id]
+        if sup.recovering:  # it waits for the stage (not in it: a further loss spares it)
+            sup.pending.append(msg)
+            return
+        self._send_submit(stage_id, msg)
+
+    def _send_submit(self, stage_id: int, msg: m.Submit) -> None:
+        self._where.setdefault(msg.request_id, set()).add(stage_id)
         assert self._sock is not None
         self._sock.send_multipart([f"stage-{stage_id}".encode(), m.encode(msg)])
 
-    def _finish(self, rid: str, error: str | None = None) -> None:
+    def _finish(self, rid: str, error: str | None = None, lost_stage: int | None = None) -> None:
         r = self._results.get(rid)
         if r is None or r.finished:
             return
-        r.error, r.finished = error, True
+        r.error, r.finished, r.lost_stage = error, True, lost_stage
         if error is not None:
             self._ended_in_error.add(rid)
         self._deadlines.pop(rid, None)
@@ -336,7 +297,7 @@ class Pipeline:
             # Stages still working on it (e.g. a consumer waiting for chunks) drop it.
             for sid in stages:
                 h = self._stages.get(sid)
-                if h is not None and h.proc.poll() is None:
+                if h is not None and not h.lost and h.proc.poll() is None:
                     with contextlib.suppress(zmq.ZMQError):
                         self._sock.send_multipart(
                             [f"stage-{sid}".encode(), m.encode(m.Abort([rid]))], flags=zmq.NOBLOCK
@@ -361,24 +322,49 @@ class Pipeline:
                 except zmq.Again:
                     break
                 self._handle(ident, frame)
-        for h in self._stages.values():
-            code = h.proc.poll()
-            if code is not None and not self._closed:
-                # Drain what it may have said last (its StageFailed) before reporting.
-                while self._sock.poll(0):
-                    self._handle(*self._sock.recv_multipart())
-                if h.failure is None:
-                    tail = log_tail(h.log_path)
-                    why = last_error_line(tail) or "no output"
-                    self._fail(
-                        StageError(
-                            h.stage.stage_id, h.stage.kind, f"process exited with status {code} ({why})", tail
-                        )
-                    )
-                self._fail(h.failure)
+        self._check_stages()
 
-    def _fail(self, error: StageError | None) -> None:
-        assert error is not None
+    def _check_stages(self) -> None:
+        """Notice lost stages (exited, stalled, not ready in time) and spawn due restarts."""
+        assert self._sock is not None
+        now = time.monotonic()
+        for sid, h in list(self._stages.items()):
+            if self._closed:
+                return
+            sup = self._supervision[sid]
+            if h.lost:
+                if sup.due(now):
+                    self._spawn(h.stage)
+                    sup.restart_at = 0.0
+                continue
+            if h.proc.poll() is not None:  # its last words first (a StageFailed says why)
+                while self._sock.poll(0) and not h.lost:
+                    self._handle(*self._sock.recv_multipart())
+            error = None if h.lost else sup.check(h, now)
+            if error is not None:
+                self._lose(h, error)
+
+    def _lose(self, h: StageHandle, error: StageError) -> None:
+        """``h``'s process is given up: fail the requests in it and restart it, or, with no
+        restart left (or while the pipeline starts), fail the pipeline."""
+        sid = h.stage.stage_id
+        h.failure, h.lost = error, True
+        sup = self._supervision[sid]
+        delay = sup.lost(error) if self._serving else None
+        if delay is None:
+            self._fail(sup.exhausted(error) if self._serving else error)
+        kill_stage_group(h.proc.pid, h.shm_names)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            h.proc.wait(timeout=1)  # reap it
+        self._progress(f"[{h.label}] LOST: {error.error}; {sup.plan_line(delay)}")
+        for rid in [rid for rid, stages in self._where.items() if sid in stages]:
+            # What earlier stages handed to the lost one has no consumer any more: the
+            # Abort that _finish sends them too makes them withdraw it (no TTL to wait).
+            done = {x.stage_id for x in self._results[rid].stages if x.done}
+            self._where[rid] |= done - {sid}
+            self._finish(rid, str(error), lost_stage=sid)
+
+    def _fail(self, error: StageError) -> None:
         h = self._stages.get(error.stage_id)
         if h is not None and h.failure is None:
             h.failure = error
@@ -397,13 +383,26 @@ class Pipeline:
         h = self._stages.get(getattr(msg, "stage_id", -1))
         if h is None:
             raise PipelineError(f"message from unknown stage {ident!r}")
+        if h.lost or getattr(msg, "pid", 0) not in (0, h.proc.pid):
+            return  # from a process given up (killed, or already replaced by its successor)
+        h.last_seen = time.monotonic()
+        if isinstance(msg, m.Heartbeat):
+            return
         if isinstance(msg, m.Ready):
             h.ready_at, h.info = time.monotonic(), msg.info
+            h.shm_names = shm_mapped_by_group(h.proc.pid)
             self._progress(f"[{h.label}] ready in {h.ready_at - h.spawned:.1f} s")
+            sup = self._supervision[h.stage.stage_id]
+            if sup.recovering:
+                self._progress(f"[{h.label}] back after {h.ready_at - sup.lost_at:.1f} s")
+                for waiting in sup.recovered():
+                    r = self._results.get(waiting.request_id)
+                    if r is not None and not r.finished:
+                        self._send_submit(h.stage.stage_id, waiting)
         elif isinstance(msg, m.StageFailed):
             tail = msg.traceback.strip().splitlines()
-            h.failure = StageError(msg.stage_id, h.stage.kind, msg.error, "\n".join(tail[-LOG_TAIL_LINES:]))
-            self._fail(h.failure)
+            error = StageError(msg.stage_id, h.stage.kind, msg.error, "\n".join(tail[-LOG_TAIL_LINES:]))
+            self._lose(h, error)
         elif isinstance(msg, m.RequestFailed):
             self._progress(f"[{h.label}] {msg.request_id} failed: {msg.error}")
             self._finish(msg.request_id, f"stage {msg.stage_id} ({h.stage.kind}): {msg.error}")
@@ -487,9 +486,10 @@ class Pipeline:
         finished (successfully or with ``error``). Not thread-safe: ``submit``, ``poll``
         and ``abort`` must be called from one thread (:class:`PipelineService` does).
         Raises :class:`StageError` when the pipeline already failed, :class:`PipelineError`
-        when it is closed, ``ValueError`` for a duplicate id (also the id of a request that ended in
-        error less than ``ABORTED_KEEP_S`` ago) or parameters a stage cannot
-        honour (:func:`~vllm_kvbridge.pipeline.admission.check_sampling_params`).
+        when it is closed, :class:`StageRecovering` while a lost stage is restarted (nothing
+        was started), ``ValueError`` for a duplicate id (also one that ended in error less
+        than ``ABORTED_KEEP_S`` ago) or parameters a stage cannot honour
+        (:func:`~vllm_kvbridge.pipeline.admission.check_sampling_params`).
         """
         check_sampling_params(self.plan, sampling_params, stage_params)  # before any stage starts
         self.start()
@@ -497,28 +497,41 @@ class Pipeline:
             raise self.failure
         if self._closed:
             raise PipelineError("pipeline is closed")
+        lost = self.recovering()
+        if lost:
+            raise StageRecovering(lost[0])
         if request_id is None:
             self._counter += 1
             request_id = f"req-{self._counter}"
         self._check_new_id(request_id)
-        companions = companions_for(self.plan, stage_params)
-        first = self.plan.entry_stage
-        self._results[request_id] = RequestResult(request_id, prompt)
-        self._deadlines[request_id] = time.monotonic() + self.plan.request_timeout
         self._polled.add(request_id)
+        self._begin(request_id, prompt, sampling_params, stage_params, on_progress)
+        return request_id
+
+    def _begin(
+        self,
+        rid: str,
+        prompt: str,
+        sampling_params: Mapping[str, Any] | None,
+        stage_params: Mapping[int, Mapping[str, Any]] | None,
+        on_progress: Callable[[m.StageProgress], None] | None,
+    ) -> None:
+        """Enter a checked, new request into the first stage (and its async-chunk chain)."""
+        first = self.plan.entry_stage
+        self._results[rid] = RequestResult(rid, prompt)
+        self._deadlines[rid] = time.monotonic() + self.plan.request_timeout
         if on_progress is not None:
-            self._on_progress[request_id] = on_progress
+            self._on_progress[rid] = on_progress
         if stage_params:
-            self._stage_params[request_id] = {int(k): dict(v) for k, v in stage_params.items()}
+            self._stage_params[rid] = {int(k): dict(v) for k, v in stage_params.items()}
         params = {
             **first.default_sampling_params,
-            **self._stage_params.get(request_id, {}).get(first.stage_id, {}),
+            **self._stage_params.get(rid, {}).get(first.stage_id, {}),
             **(sampling_params or {}),
         }
-        self._companions[request_id] = companions
-        msg = m.Submit(request_id, prompt=prompt, sampling_params=params, companions=companions)
+        companions = self._companions[rid] = companions_for(self.plan, stage_params)
+        msg = m.Submit(rid, prompt=prompt, sampling_params=params, companions=companions)
         self._submit_chain(first.stage_id, msg)
-        return request_id
 
     def poll(self, timeout_s: float = POLL_S) -> list[RequestResult]:
         """Make progress for up to ``timeout_s``; return (and forget) the requests started
@@ -555,23 +568,26 @@ class Pipeline:
         """Ids of requests not finished yet."""
         return [rid for rid, r in self._results.items() if not r.finished]
 
+    def request_stages(self) -> dict[str, list[int]]:
+        """Request id -> the stages working on it now. Safe from another thread (for
+        ``/debug/state``): a round that meets the pump thread's changes is retried."""
+        while True:
+            try:
+                return {rid: sorted(sids) for rid, sids in list(self._where.items())}
+            except RuntimeError:  # a set changed size while it was read
+                continue
+
+    def recovering(self) -> list[StageError]:
+        """Why each stage being restarted now was lost (empty while every stage is up)."""
+        return [s.last_error for s in self._supervision.values() if s.recovering and s.last_error]
+
     def stage_health(self) -> list[dict[str, Any]]:
-        """Per stage: id, kind, ``status`` (``starting`` | ``ready`` | ``failed`` | ``stopped``),
-        pid and, for a failed stage, its error."""
-        out = []
-        for stage in self.plan.stages:
-            h = self._stages.get(stage.stage_id)
-            entry: dict[str, Any] = {"stage_id": stage.stage_id, "kind": stage.kind}
-            if h is None:
-                entry["status"] = "not_started"
-            elif h.failure is not None:
-                entry.update(status="failed", pid=h.proc.pid, error=h.failure.error)
-            elif h.proc.poll() is not None:
-                entry.update(status="stopped", pid=h.proc.pid, error=f"exited with status {h.proc.poll()}")
-            else:
-                entry.update(status="ready" if h.ready_at else "starting", pid=h.proc.pid)
-            out.append(entry)
-        return out
+        """Per stage, see :func:`~vllm_kvbridge.pipeline.supervision.stage_status`."""
+        failed = self.failure is not None
+        return [
+            stage_status(s, self._stages.get(s.stage_id), self._supervision[s.stage_id], failed)
+            for s in self.plan.stages
+        ]
 
     # -- introspection ------------------------------------------------------------------
     def stage_pids(self) -> dict[int, int]:

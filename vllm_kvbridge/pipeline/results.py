@@ -12,7 +12,7 @@ from typing import Any
 from vllm_kvbridge.errors import KVBridgeError
 from vllm_kvbridge.pipeline import messages as m
 
-__all__ = ["PipelineError", "RequestError", "RequestResult", "StageError", "StageRecord"]
+__all__ = ["PipelineError", "RequestError", "RequestResult", "StageError", "StageRecord", "StageRecovering"]
 
 
 class PipelineError(KVBridgeError):
@@ -25,6 +25,15 @@ class StageError(PipelineError):
     def __init__(self, stage_id: int, kind: str, error: str, log_tail: str = "") -> None:
         self.stage_id, self.kind, self.error, self.log_tail = stage_id, kind, error, log_tail
         super().__init__(f"stage {stage_id} ({kind}) failed: {error}")
+
+
+class StageRecovering(PipelineError):
+    """A lost stage is being restarted: no new request is started until it is ready
+    (``error`` says why it was lost)."""
+
+    def __init__(self, error: StageError) -> None:
+        self.error = error
+        super().__init__(f"stage {error.stage_id} ({error.kind}) is restarting after: {error.error}")
 
 
 class RequestError(PipelineError):
@@ -64,6 +73,8 @@ class RequestResult:
     image: Any = None  # numpy [3, H, W] float32 in [0, 1] when the last stage is diffusion
     error: str | None = None
     finished: bool = False
+    #: The stage whose loss (crash, stall) failed it, when that is why it failed.
+    lost_stage: int | None = None
 
     def edge_totals(self) -> dict[tuple[int, int, str, str], tuple[int, float]]:
         """(from, to, what, purpose) -> (bytes, seconds), measured on the receiving side when

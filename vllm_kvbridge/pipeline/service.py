@@ -18,8 +18,12 @@ Contract:
   under overload instead of growing. :attr:`high_water` is the most ever in flight.
 * :meth:`abort` finishes a request (``error`` = the reason) and tells every stage working on
   it to drop it; an unknown or finished id is ignored.
-* A dead stage fails every in-flight request with its :class:`StageError`; later submits
-  fail the same way (:attr:`failure` says which stage). :meth:`health` reports each stage.
+* A lost stage is supervised (:mod:`vllm_kvbridge.pipeline.supervision`): the requests in
+  it resolve with ``error`` naming it (``lost_stage`` set); while it is restarted,
+  :meth:`submit` raises :class:`~vllm_kvbridge.pipeline.results.StageRecovering` at once
+  (the server answers 503 with ``Retry-After``). A stage whose restarts are spent fails
+  every in-flight request with its :class:`StageError`; later submits fail the same way
+  (:attr:`failure` says which stage). :meth:`health` reports each stage.
 * :meth:`close` (idempotent) aborts what is in flight, stops the pump thread and closes the
   pipeline (stage processes stopped, shared-memory segments removed).
 * ``submit(..., on_progress=callback)`` streams the request: ``callback`` is called on the
@@ -48,6 +52,7 @@ from vllm_kvbridge.pipeline.orchestrator import (
     PipelineError,
     RequestResult,
     StageError,
+    StageRecovering,
 )
 
 #: How long the pump thread waits on the stages' socket per round (seconds); commands
@@ -130,8 +135,12 @@ class PipelineService:
     ) -> tuple[str, Future[RequestResult]]:
         """Queue a request; returns its id and a future of its :class:`RequestResult`.
         With ``on_progress`` the request streams (see the module docstring). Raises
-        :class:`Overloaded` when ``max_in_flight`` requests are in flight."""
+        :class:`Overloaded` when ``max_in_flight`` requests are in flight and
+        :class:`StageRecovering` while a lost stage is being restarted."""
         fut: Future[RequestResult] = Future()
+        lost = self.pipeline.recovering()  # read across threads: a list built at once
+        if lost and self.failure is None:
+            raise StageRecovering(lost[0])
         with self._lock:
             if len(self._futures) >= self.max_in_flight:
                 raise Overloaded(
@@ -156,10 +165,13 @@ class PipelineService:
             return len(self._futures)
 
     def health(self) -> dict[str, Any]:
-        """``{"ok": bool, "stages": [...], "error": str | None}`` (see ``Pipeline.stage_health``)."""
+        """``{"ok": bool, "recovering": bool, "stages": [...], "error": str | None}`` (see
+        ``Pipeline.stage_health``)."""
         stages = self.pipeline.stage_health()
         ok = self.failure is None and not self._closed and all(s["status"] == "ready" for s in stages)
-        return {"ok": ok, "stages": stages, "error": None if self.failure is None else str(self.failure)}
+        recovering = self.failure is None and any(s["status"] == "recovering" for s in stages)
+        error = None if self.failure is None else str(self.failure)
+        return {"ok": ok, "recovering": recovering, "stages": stages, "error": error}
 
     # -- the pump thread ----------------------------------------------------------------
     def _pump(self) -> None:

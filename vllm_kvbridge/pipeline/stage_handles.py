@@ -1,7 +1,9 @@
 """The orchestrator's view of one stage process, and how a run's stages are prepared.
 
 :class:`StageHandle` is what :class:`~vllm_kvbridge.pipeline.orchestrator.Pipeline` holds
-per spawned stage (process, log, readiness, failure); :func:`with_run_namespaces` gives a
+per spawned stage process (process, log, readiness, last heartbeat, failure);
+:func:`spawn_stage` starts one and :func:`kill_stage_group` ends one for good, removing the
+shared memory its vLLM engine could not; :func:`with_run_namespaces` gives a
 run's shared-memory and Mooncake-store edges their own namespace; :func:`with_run_curve_keys`
 gives a run's ZMQ edges bound beyond loopback their own CURVE keypair; :func:`log_tail` /
 :func:`last_error_line` read a stage's log for error reports.
@@ -9,8 +11,13 @@ gives a run's ZMQ edges bound beyond loopback their own CURVE keypair; :func:`lo
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,10 +41,139 @@ class StageHandle:
     ready_at: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
     failure: StageError | None = None
+    #: ``time.monotonic()`` of its last message (a heartbeat or any other).
+    last_seen: float = 0.0
+    #: The orchestrator gave it up (it died, failed or stalled, and was killed).
+    lost: bool = False
+    #: /dev/shm names its process group mapped when it became ready (vLLM's own), to
+    #: remove once it is killed: a dead group's maps cannot be read any more.
+    shm_names: set[str] = field(default_factory=set)
 
     @property
     def label(self) -> str:
         return f"stage {self.stage.stage_id} ({self.stage.kind})"
+
+
+def spawn_stage(
+    stage: ResolvedStage, address: str, log_path: Path, env: Mapping[str, str], heartbeat_s: float
+) -> StageHandle:
+    """Start ``stage``'s process (in a session of its own: killable as a whole group),
+    its :class:`ResolvedStage` as JSON on stdin, its output appended to ``log_path``."""
+    env = {**env, **stage.env}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if stage.devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = stage.devices
+    argv = [sys.executable, "-m", "vllm_kvbridge.pipeline.stage_process", "--address", address]
+    argv += ["--stage-id", str(stage.stage_id), "--heartbeat-s", f"{heartbeat_s:g}"]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    assert proc.stdin is not None
+    proc.stdin.write(msgspec.json.encode(stage))
+    proc.stdin.close()
+    now = time.monotonic()
+    return StageHandle(stage, proc, log_path, now, last_seen=now)
+
+
+def stop_stages(
+    handles: Sequence[StageHandle], shutdown: Callable[[StageHandle], None], shutdown_timeout: float
+) -> None:
+    """Ask every running stage to stop (``shutdown`` sends it ``Shutdown``), wait up to
+    ``shutdown_timeout``, SIGTERM the process groups of those still running, and after 5 s
+    more kill every group for good (:func:`kill_stage_group`: vLLM engine-core children
+    included)."""
+    for h in handles:
+        if h.proc.poll() is None:
+            shutdown(h)
+    _wait_exit(handles, time.monotonic() + shutdown_timeout)
+    alive = [h for h in handles if h.proc.poll() is None]
+    for h in alive:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(h.proc.pid, signal.SIGTERM)
+    _wait_exit(alive, time.monotonic() + 5.0)
+    for h in handles:
+        kill_stage_group(h.proc.pid, h.shm_names)
+    _wait_exit(handles, time.monotonic() + 5.0)
+
+
+def reap_run_edges(stages: Sequence[ResolvedStage]) -> None:
+    """Reap what the stopped stages' processes left on every edge of the run."""
+    from vllm_kvbridge.connectors.leftovers import reap_dead_leftovers
+
+    reap_dead_leftovers(
+        (e.from_stage, e.to_stage, e.connector.name, e.connector.config)
+        for s in stages
+        for e in (*s.inputs, *s.outputs)
+    )
+
+
+def _wait_exit(handles: Sequence[StageHandle], deadline: float) -> None:
+    for h in handles:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            h.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _group_pids(pgid: int) -> list[int]:
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # Field 5 is the process group; the name (field 2) may hold spaces and parens.
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                pids.append(int(stat.parent.name))
+    return pids
+
+
+def _shm_mapped(pids: list[int] | None = None) -> set[str]:
+    """Names under /dev/shm that ``pids`` (every process when None) map."""
+    maps = [Path(f"/proc/{p}/maps") for p in pids] if pids is not None else Path("/proc").glob("[0-9]*/maps")
+    names: set[str] = set()
+    for path in maps:
+        with contextlib.suppress(OSError):
+            for line in path.read_text().splitlines():
+                _, sep, name = line.partition("/dev/shm/")
+                if sep:
+                    names.add(name.split(" (deleted)")[0])
+    return names
+
+
+def shm_mapped_by_group(pgid: int) -> set[str]:
+    """/dev/shm names the live processes of group ``pgid`` map, but our connectors' (their
+    reapers know the owners: see :mod:`vllm_kvbridge.connectors.leftovers`)."""
+    return {n for n in _shm_mapped(_group_pids(pgid)) if not n.startswith("kvbridge.")}
+
+
+def kill_stage_group(
+    pgid: int, known: set[str] | frozenset[str] = frozenset(), wait_s: float = 5.0
+) -> list[str]:
+    """SIGKILL the process group of a stage (its vLLM engine-core children too), wait up to
+    ``wait_s`` for it to go, and unlink the shared memory it mapped (now, or ``known``
+    from earlier) that nothing maps any more: a killed vLLM engine cannot remove its own
+    message queues (``psm_*``, up to hundreds of MB), and a supervised stage restarted a
+    few times would fill /dev/shm. Returns the names removed."""
+    mapped = shm_mapped_by_group(pgid) | set(known)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + wait_s
+    while _alive_in_group(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not mapped:
+        return []
+    removed = []
+    for name in mapped - _shm_mapped():
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{name}")
+            removed.append(name)
+    return removed
+
+
+def _alive_in_group(pgid: int) -> bool:
+    for pid in _group_pids(pgid):
+        with contextlib.suppress(OSError, IndexError):
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                return True
+    return False
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:

@@ -1,10 +1,13 @@
 """The main program of one stage process.
 
 Started by the orchestrator as ``python -m vllm_kvbridge.pipeline.stage_process
---address ADDR --stage-id N`` with the stage's :class:`ResolvedStage` as JSON on stdin
+--address ADDR --stage-id N --heartbeat-s S`` with the stage's :class:`ResolvedStage` as JSON on stdin
 (no pickle crosses the process boundary). It builds the stage's engine (a vLLM engine
 with the kvbridge worker for LLM stages, the diffusion runner for diffusion stages),
 reports :class:`Ready`, then serves :class:`Submit` messages until :class:`Shutdown`.
+From its start a thread sends :class:`Heartbeat` every ``S`` seconds on a socket of its own
+(ZMQ sockets are not thread-safe), so the orchestrator can tell a stopped or starved process
+from one busy in a long step (see :mod:`vllm_kvbridge.pipeline.supervision`).
 
 Failure contract: an exception while starting or an unexpected one while serving is sent
 as :class:`StageFailed` (with the traceback) and the process exits with status 1; an
@@ -52,8 +55,42 @@ def _watch_parent(parent_pid: int) -> None:
                 os._exit(1)
 
 
-def serve(stage: ResolvedStage, address: str) -> int:
+class _Heartbeat:
+    """Sends :class:`Heartbeat` every ``interval_s`` from a daemon thread until stopped."""
+
+    def __init__(self, ctx: zmq.Context, address: str, stage_id: int, interval_s: float) -> None:
+        self._stop = threading.Event()
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 4)  # beats nobody reads are worthless: keep few
+        self._sock.setsockopt(zmq.IDENTITY, f"stage-{stage_id}-heartbeat".encode())
+        self._sock.connect(address)
+        self._beat = m.encode(m.Heartbeat(stage_id, os.getpid()))
+        self._interval_s = interval_s
+        self._thread = threading.Thread(target=self._run, name="kvbridge-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                try:
+                    self._sock.send(self._beat, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # the orchestrator is behind; it reads every beat queued so far
+                if self._stop.wait(self._interval_s):
+                    return
+        finally:
+            self._sock.close(0)
+
+    def stop(self) -> None:
+        """Stop beating and close the socket (before the context is terminated)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def serve(stage: ResolvedStage, address: str, heartbeat_s: float = 1.0) -> int:
     ctx = zmq.Context()
+    heartbeat = _Heartbeat(ctx, address, stage.stage_id, heartbeat_s)
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 2000)
     sock.setsockopt(zmq.IDENTITY, f"stage-{stage.stage_id}".encode())
@@ -71,6 +108,7 @@ def serve(stage: ResolvedStage, address: str) -> int:
                         stage.stage_id,
                         f"failed to start: {type(exc).__name__}: {exc}",
                         traceback.format_exc(),
+                        os.getpid(),
                     )
                 )
             )
@@ -99,7 +137,9 @@ def serve(stage: ResolvedStage, address: str) -> int:
         try:
             sock.send(
                 m.encode(
-                    m.StageFailed(stage.stage_id, f"{type(exc).__name__}: {exc}", traceback.format_exc())
+                    m.StageFailed(
+                        stage.stage_id, f"{type(exc).__name__}: {exc}", traceback.format_exc(), os.getpid()
+                    )
                 )
             )
         except zmq.ZMQError:
@@ -111,6 +151,7 @@ def serve(stage: ResolvedStage, address: str) -> int:
                 engine.close()
             except BaseException:
                 traceback.print_exc()
+        heartbeat.stop()
         sock.close()
         ctx.term()
 
@@ -119,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="vllm-kvbridge stage process (started by the orchestrator)")
     parser.add_argument("--address", required=True)
     parser.add_argument("--stage-id", type=int, required=True)
+    parser.add_argument("--heartbeat-s", type=float, default=1.0, help="seconds between heartbeats")
     args = parser.parse_args(argv)
     parent = os.getppid()
     threading.Thread(target=_watch_parent, args=(parent,), name="kvbridge-parent-watch", daemon=True).start()
@@ -133,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if stage.stage_id != args.stage_id:
         print(f"stage id mismatch: --stage-id {args.stage_id}, config {stage.stage_id}", file=sys.stderr)
         return 2
-    return serve(stage, args.address)
+    return serve(stage, args.address, args.heartbeat_s)
 
 
 if __name__ == "__main__":

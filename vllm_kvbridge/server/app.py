@@ -11,9 +11,10 @@ returned as URLs).
 Error contract (OpenAI's ``{"error": {"message", "type", "param", "code"}}`` body):
 400 bad JSON / schema / too-long prompt / wrong endpoint for this pipeline, 401 no valid
 API key (with ``--api-key``), 404 unknown model, 429 ``max_in_flight`` requests are in
-flight (with ``Retry-After``), 503 a stage is down or the server is
-shutting down, 504 the request outlived ``runtime.request_timeout``, 500 a stage failed
-the request. A request never waits
+flight (with ``Retry-After``), 502 the stage the request was in crashed or stalled (it is
+restarted: see ``pipeline/supervision.py``), 503 a stage is restarted meanwhile (with
+``Retry-After``), is down for good, or the server is shutting down, 504 the request outlived
+``runtime.request_timeout``, 500 a stage failed the request. A request never waits
 longer than the pipeline's ``request_timeout``. A client that disconnects has its
 request aborted in every stage (status 499 in the metrics).
 """
@@ -36,7 +37,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
 from vllm_kvbridge.pipeline.messages import StageProgress
-from vllm_kvbridge.pipeline.orchestrator import PipelineError, RequestResult
+from vllm_kvbridge.pipeline.orchestrator import PipelineError, RequestResult, StageRecovering
 from vllm_kvbridge.pipeline.service import Overloaded, PipelineService
 from vllm_kvbridge.server.auth import DEFAULT_OPEN_PATHS, ApiKeyAuth
 from vllm_kvbridge.server.errors import ApiError, ClientGone, error_body
@@ -47,6 +48,8 @@ from vllm_kvbridge.server.protocol import ChatCompletionRequest, CompletionReque
 DISCONNECT_POLL_S = 0.1
 #: ``Retry-After`` (seconds) of a 429 answer (``max_in_flight`` requests in flight).
 RETRY_AFTER_S = "1"
+#: ``Retry-After`` (seconds) of a 503 answer while a lost stage is restarted.
+RECOVERING_RETRY_AFTER_S = "5"
 _IMAGE_NAME = re.compile(r"[A-Za-z0-9_.-]+\.png")
 #: ASGI scope key of the per-request flags :class:`_CountRequests` sets (``client_gone``).
 _SCOPE_KEY = "kvbridge"
@@ -194,6 +197,8 @@ class ServerState:
     def _submit(self, prompt: str, params: dict[str, Any], **kwargs: Any) -> tuple[str, Any]:
         try:
             return self.service.submit(prompt, params, **kwargs)
+        except StageRecovering as exc:
+            raise _recovering(exc) from None
         except Overloaded as exc:
             raise ApiError(
                 429,
@@ -214,10 +219,15 @@ class ServerState:
         svc = self.service
         try:
             result = waiter.result()
+        except StageRecovering as exc:  # lost between the admission and the pump thread
+            raise _recovering(exc) from None
         except PipelineError as exc:
             raise ApiError(503, f"pipeline unavailable: {exc}", "service_unavailable", "stage_down") from None
         if result.error:
             err = result.error
+            if result.lost_stage is not None and svc.failure is None:
+                # The stage it was in crashed or stalled; it is restarted (the next try may work).
+                raise ApiError(502, f"request {rid} failed: {err}", "bad_gateway", "stage_lost")
             if err.startswith("timed out"):
                 raise ApiError(504, f"request {rid} {err}", "timeout", "timeout")
             if "shutting down" in err:
@@ -228,6 +238,11 @@ class ServerState:
                 )
             raise ApiError(500, f"request {rid} failed: {err}", "internal_server_error", "stage_error")
         return result
+
+
+def _recovering(exc: StageRecovering) -> ApiError:
+    headers = {"Retry-After": RECOVERING_RETRY_AFTER_S}
+    return ApiError(503, f"pipeline recovering: {exc}", "service_unavailable", "stage_recovering", headers)
 
 
 class _CountRequests:
@@ -318,7 +333,7 @@ def build_app(
         h = state.service.health()
         down = [s for s in h["stages"] if s["status"] != "ready"]
         body = {
-            "status": "ok" if h["ok"] else "unhealthy",
+            "status": "ok" if h["ok"] else "recovering" if h["recovering"] else "unhealthy",
             "pipeline": state.plan.name,
             "stages": h["stages"],
             "error": h["error"],
@@ -369,6 +384,8 @@ def build_app(
             "shm_segments": names,
             # published and not yet consumed payloads/KV caches (pool segments are reused)
             "shm_published": [n for n in names if ".k." in n],
+            # request id -> the stages working on it (waiting for a recovering one: absent)
+            "requests": state.service.pipeline.request_stages(),
         }
 
     @app.get("/images/{name}")

@@ -5,13 +5,16 @@ process (tests) never share counters. Names start with ``kvbridge_``:
 
 * ``kvbridge_http_requests_total{endpoint,status}``: HTTP requests by final status code;
 * ``kvbridge_request_failures_total{reason}``: ``bad_request``, ``stage_down``, ``stage_error``,
-  ``timeout``, ``client_disconnect``, ``shutdown``;
+  ``stage_lost`` (its stage crashed or stalled), ``stage_recovering`` (refused meanwhile),
+  ``timeout``, ``client_disconnect``, ``shutdown``, ``overloaded``;
 * ``kvbridge_requests_in_flight``: pipeline requests not finished yet;
 * ``kvbridge_request_latency_seconds{endpoint}``: end-to-end latency of successful requests;
 * ``kvbridge_stage_latency_seconds{stage,kind}``: per-stage wall time (orchestrator view);
 * ``kvbridge_edge_bytes_total`` / ``kvbridge_edge_transfer_seconds_total{from_stage,to_stage,what}``:
   bytes and seconds moved per edge (the receiving side's measurement when it reported one);
-* ``kvbridge_stage_up{stage,kind}``: 1 while the stage is ready.
+* ``kvbridge_stage_up{stage,kind}``: 1 while the stage is ready;
+* ``kvbridge_stage_restarts_total{stage,kind}``: restarts of a lost stage (supervision);
+  ``kvbridge_stage_recovering{stage,kind}`` is 1 while one is under way.
 """
 
 from __future__ import annotations
@@ -69,6 +72,13 @@ class ServerMetrics:
         self.stage_up = Gauge(
             "kvbridge_stage_up", "1 while the stage is ready", ["stage", "kind"], registry=r
         )
+        self.stage_restarts = Counter(
+            "kvbridge_stage_restarts", "Restarts of lost stages", ["stage", "kind"], registry=r
+        )
+        self.stage_recovering = Gauge(
+            "kvbridge_stage_recovering", "1 while a lost stage is restarted", ["stage", "kind"], registry=r
+        )
+        self._restarts_seen: dict[str, int] = {}
         self._stage_health = stage_health
 
     def observe_result(self, r: RequestResult) -> None:
@@ -83,5 +93,12 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         for s in self._stage_health():
-            self.stage_up.labels(str(s["stage_id"]), s["kind"]).set(1.0 if s["status"] == "ready" else 0.0)
+            sid = str(s["stage_id"])
+            self.stage_up.labels(sid, s["kind"]).set(1.0 if s["status"] == "ready" else 0.0)
+            self.stage_recovering.labels(sid, s["kind"]).set(1.0 if s["status"] == "recovering" else 0.0)
+            # The pipeline counts restarts; the counter follows it at each scrape.
+            new = s.get("restarts", 0) - self._restarts_seen.get(sid, 0)
+            if new > 0:
+                self.stage_restarts.labels(sid, s["kind"]).inc(new)
+                self._restarts_seen[sid] = s["restarts"]
         return generate_latest(self.registry)

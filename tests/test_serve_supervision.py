@@ -1,0 +1,217 @@
+"""Supervised stages under ``vllm-kvbridge serve`` (issue 15, item 1): one real server (AR ->
+DiT over shared memory) whose stages are killed, stalled and restarted, in file order.
+
+The diffusion module is :class:`pipeline_fixtures.GatedDiT`: files in a gate directory
+hold its forward (requests stay in the stage, which keeps beating) and hold a restart before
+it is ready (the stage stays ``recovering``), so each state a test looks at lasts until the
+test moves on; no sleep decides the outcome. The config allows 2 restarts per stage in
+600 s and calls a stage stalled after 6 s without a heartbeat.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from serve_fixtures import ROOT, Server, group_alive, shm_names, start_serve, stop, wait_for
+
+from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+HEARTBEAT_TIMEOUT_S = 6
+IMAGES = "/v1/images/generations"
+
+
+def _psm() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("psm_")}
+
+
+class Gates:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def set(self, name: str, on: bool) -> None:
+        f = self.path / name
+        f.touch() if on else f.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    tmp = tmp_path_factory.mktemp("serve-supervision")
+    gates = tmp / "gates"
+    gates.mkdir()
+    text = (ROOT / "stage_configs/ar_to_dit_shm.yaml").read_text()
+    text = text.replace(
+        "class_path: vllm_kvbridge.models.tiny_dit.TinyKVDiT", "class_path: pipeline_fixtures.GatedDiT"
+    )
+    text = text.replace(
+        "    kind: diffusion\n", f"    kind: diffusion\n    env: {{KVBRIDGE_TEST_GATES: '{gates}'}}\n"
+    )
+    text += f"runtime: {{max_restarts: 2, restart_backoff: 0.2, heartbeat_timeout: {HEARTBEAT_TIMEOUT_S}}}\n"
+    config = tmp / "supervised.yaml"
+    config.write_text(text)
+    psm_before = _psm()
+    srv = start_serve(config, tmp, ensure_tiny_model())
+    try:
+        yield srv, Gates(gates), psm_before
+    finally:
+        stop(srv)
+
+
+def _health(srv: Server) -> dict:
+    return httpx.get(srv.url + "/health", timeout=30).json()
+
+
+def _stage(srv: Server, sid: int) -> dict:
+    return next(s for s in _health(srv)["stages"] if s["stage_id"] == sid)
+
+
+def _in_stage(srv: Server, sid: int, n: int) -> bool:
+    """``n`` requests are in flight, every one of them in stage ``sid``."""
+    reqs = httpx.get(srv.url + "/debug/state", timeout=30).json()["requests"]
+    return len(reqs) == n and all(stages == [sid] for stages in reqs.values())
+
+
+def _post_in_background(srv: Server, n: int) -> tuple[list[threading.Thread], list[httpx.Response]]:
+    answers: list[httpx.Response] = []
+
+    def post(i: int) -> None:
+        answers.append(httpx.post(srv.url + IMAGES, json={"prompt": f"a cat {i}"}, timeout=300))
+
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads, answers
+
+
+def _metric(srv: Server, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in httpx.get(srv.url + "/metrics", timeout=30).text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] == name and all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def _back(srv: Server, sid: int, old_pid: int, timeout_s: float) -> dict | None:
+    def ready() -> dict | None:
+        h = _health(srv)
+        s = next(s for s in h["stages"] if s["stage_id"] == sid)
+        return h if h["status"] == "ok" and s["pid"] != old_pid else None
+
+    return wait_for(ready, timeout_s)
+
+
+def test_killed_diffusion_stage_fails_its_requests_and_comes_back(served) -> None:  # type: ignore[no-untyped-def]
+    srv, gates, _ = served
+    llm_pid, dit_pid = _stage(srv, 0)["pid"], _stage(srv, 1)["pid"]
+    gates.set("hold", True)
+    threads, answers = _post_in_background(srv, 2)
+    assert wait_for(lambda: _in_stage(srv, 1, 2), 120), httpx.get(srv.url + "/debug/state").json()
+    os.kill(dit_pid, signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    # exactly the two requests in the stage fail, naming it
+    assert [a.status_code for a in answers] == [502, 502], [a.text for a in answers]
+    for a in answers:
+        err = a.json()["error"]
+        assert err["type"] == "bad_gateway" and "stage 1 (diffusion) failed: process exited" in err["message"]
+
+    # the restart waits at its gate: the stage is recovering and new requests are refused
+    h = wait_for(lambda: (lambda h: h if h["status"] == "recovering" else None)(_health(srv)), 30)
+    assert h, _health(srv)
+    dit = h["stages"][1]
+    assert dit["status"] == "recovering" and dit["restarts"] == 1 and "exited" in dit["error"]
+    assert httpx.get(srv.url + "/health").status_code == 503
+    r = httpx.post(srv.url + IMAGES, json={"prompt": "too early"}, timeout=60)
+    assert r.status_code == 503 and r.headers["Retry-After"] == "5", r.text
+    assert "stage 1 (diffusion) is restarting" in r.json()["error"]["message"]
+    assert _metric(srv, "kvbridge_stage_recovering", stage="1") == 1.0
+    assert h["stages"][0]["status"] == "ready" and h["stages"][0]["pid"] == llm_pid  # kept running
+
+    gates.set("hold", False)
+    gates.set("open", True)
+    t0 = time.monotonic()
+    assert _back(srv, 1, dit_pid, 120), _health(srv)
+    print(f"\ndiffusion stage back {time.monotonic() - t0:.1f} s after its gate opened")
+    r = httpx.post(srv.url + IMAGES, json={"prompt": "a cat again"}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert _stage(srv, 0)["pid"] == llm_pid and _stage(srv, 0)["restarts"] == 0
+    assert _metric(srv, "kvbridge_stage_restarts_total", stage="1") == 1.0
+    assert _metric(srv, "kvbridge_stage_recovering", stage="1") == 0.0
+    assert _metric(srv, "kvbridge_request_failures_total", reason="stage_lost") == 2.0
+    assert _metric(srv, "kvbridge_request_failures_total", reason="stage_recovering") == 1.0
+
+
+def test_stalled_stage_is_found_by_its_heartbeat_and_restarted(served) -> None:  # type: ignore[no-untyped-def]
+    """A stage busy in a long step keeps beating (the held forward); one whose process is
+    stopped does not, and is killed and restarted once the heartbeat timeout passed."""
+    srv, gates, _ = served
+    dit_pid = _stage(srv, 1)["pid"]
+    gates.set("hold", True)
+    threads, answers = _post_in_background(srv, 1)
+    assert wait_for(lambda: _in_stage(srv, 1, 1), 120)
+    time.sleep(HEARTBEAT_TIMEOUT_S + 1)  # held past the timeout, yet beating: not stalled
+    dit = _stage(srv, 1)
+    assert dit["status"] == "ready" and dit["pid"] == dit_pid, dit
+    os.kill(dit_pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    threads[0].join(120)
+    took = time.monotonic() - t0
+    assert answers[0].status_code == 502, answers[0].text
+    assert "stage 1 (diffusion) failed: no heartbeat for" in answers[0].json()["error"]["message"]
+    assert took >= HEARTBEAT_TIMEOUT_S - 1  # its last beat was at most a beat before the stop
+    assert wait_for(lambda: not group_alive(dit_pid), 30)  # the stopped process was killed
+    gates.set("hold", False)
+    assert _back(srv, 1, dit_pid, 120), _health(srv)
+    assert httpx.post(srv.url + IMAGES, json={"prompt": "a dog"}, timeout=120).status_code == 200
+    assert _stage(srv, 1)["restarts"] == 2
+
+
+def test_killed_llm_stage_fails_its_request_and_is_back_within_one_engine_start(served) -> None:  # type: ignore[no-untyped-def]
+    srv, _, _ = served
+    llm_pid, dit_pid = _stage(srv, 0)["pid"], _stage(srv, 1)["pid"]
+    os.killpg(llm_pid, signal.SIGSTOP)  # the stage and its engine core: the request stays in it
+    threads, answers = _post_in_background(srv, 1)
+    try:
+        assert wait_for(lambda: _in_stage(srv, 0, 1), 60)
+    finally:
+        os.killpg(llm_pid, signal.SIGKILL)
+    threads[0].join(120)
+    assert (
+        answers[0].status_code == 502 and "stage 0 (llm_ar) failed" in answers[0].json()["error"]["message"]
+    )
+    t0 = time.monotonic()
+    assert _back(srv, 0, llm_pid, 300), _health(srv)
+    print(f"\nLLM stage back {time.monotonic() - t0:.1f} s after it was killed (one engine start)")
+    r = httpx.post(srv.url + IMAGES, json={"prompt": "a bird"}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert _stage(srv, 1)["pid"] == dit_pid  # the diffusion stage was not restarted
+
+
+def test_a_stage_out_of_restarts_takes_the_pipeline_down_and_sigterm_cleans_up(served) -> None:  # type: ignore[no-untyped-def]
+    srv, _, psm_before = served
+    run_id = httpx.get(srv.url + "/debug/state").json()["run_id"]
+    pids = [s["pid"] for s in _health(srv)["stages"]]
+    os.kill(pids[1], signal.SIGKILL)  # its third loss in the window: no restart left
+
+    def down() -> dict | None:
+        h = _health(srv)
+        return h if h["status"] == "unhealthy" else None
+
+    h = wait_for(down, 30)
+    assert h, _health(srv)
+    assert "not restarted: 2 restart(s) in the last 600 s (runtime.max_restarts: 2)" in h["error"]
+    r = httpx.post(srv.url + IMAGES, json={"prompt": "a cat"}, timeout=30)
+    assert r.status_code == 503 and "stage 1 (diffusion)" in r.json()["error"]["message"]
+    assert stop(srv, signal.SIGTERM, timeout_s=60) == 0, srv.log()
+    for pid in pids:
+        assert wait_for(lambda pid=pid: not group_alive(pid), 10), group_alive(pid)
+    assert shm_names(run_id) == []
+    # what the killed engines could not remove (vLLM's message queues) was removed for them
+    assert _psm() - psm_before == set()

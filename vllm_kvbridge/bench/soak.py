@@ -1,0 +1,339 @@
+"""``vllm-kvbridge bench soak``: load, client aborts and stage kills against a real server.
+
+Drives ``vllm-kvbridge serve`` (started here from ``--stage-config``, or a running one at
+``--url`` on this host) with ``--requests`` requests from ``--concurrency`` client threads.
+A fraction ``--abort-frac`` of them hang up mid-request (a client timeout drawn below the
+unloaded latency); a 429 or 503 with ``Retry-After`` is waited out and tried again, as
+OpenAI's clients do (counted as ``retried``); ``--kill STAGE@SECONDS`` SIGKILLs a stage's
+process that many seconds into the load (the pid comes from ``/health``, so the server
+must run on this host) and measures how long the supervisor takes to have it ready again.
+
+Printed as a table (and ``--json FILE``): requests ok / failed (by HTTP status) / aborted,
+latency p50 / p99 of the successful ones and each as a ratio to the unloaded latency
+measured first in the same run (``--baseline`` sequential requests), throughput, recovery
+seconds per kill, and leftovers: KV payloads published but not consumed once the load
+drained, the server's thread count before and after the load, and (for a server started
+here) the run's shared-memory names and vLLM message queues left after it stopped.
+Nothing is asserted: a soak reports what it saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+#: Tries again of one request answered 429 / 503 with Retry-After, at most.
+MAX_RETRIES = 20
+
+__all__ = ["SoakResult", "add_arguments", "format_result", "run", "write_json"]
+
+
+@dataclass
+class Kill:
+    stage_id: int
+    at_s: float
+    pid: int = 0
+    killed_at_s: float = 0.0
+    #: seconds from the kill until /health was ok with a new pid for the stage (None: never)
+    recovery_s: float | None = None
+
+
+@dataclass
+class SoakResult:
+    requests: int
+    concurrency: int
+    ok: int = 0
+    aborted: int = 0
+    #: answers 429 / 503 with Retry-After that the client waited out and tried again
+    retried: int = 0
+    failed: dict[str, int] = field(default_factory=dict)  # HTTP status (or error type) -> count
+    baseline_s: float = 0.0
+    p50_s: float = 0.0
+    p99_s: float = 0.0
+    wall_s: float = 0.0
+    kills: list[Kill] = field(default_factory=list)
+    leftovers: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def throughput(self) -> float:
+        return self.ok / self.wall_s if self.wall_s else 0.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--stage-config", help="start `vllm-kvbridge serve` with this config")
+    where.add_argument("--url", help="drive a server already running on this host")
+    p.add_argument("--model", help="model for the started server (default: the tiny offline model)")
+    p.add_argument("--requests", type=int, default=1000, help="requests in all (default 1000)")
+    p.add_argument("--concurrency", type=int, default=8, help="client threads (default 8)")
+    p.add_argument(
+        "--abort-frac", type=float, default=0.1, help="share of requests the client abandons (0.1)"
+    )
+    p.add_argument(
+        "--kill", action="append", default=[], metavar="STAGE@SECONDS", help="SIGKILL a stage (repeatable)"
+    )
+    p.add_argument("--baseline", type=int, default=5, help="unloaded requests timed first (default 5)")
+    p.add_argument("--recovery-timeout", type=float, default=600.0, help="seconds to wait for a killed stage")
+    p.add_argument("--api-key", default=os.environ.get("VLLM_KVBRIDGE_API_KEY"))
+    p.add_argument("--seed", type=int, default=0, help="which requests abort, and when")
+    p.add_argument("--json", metavar="OUT", help="also write the result as JSON to OUT")
+
+
+def parse_kill(text: str) -> Kill:
+    stage, sep, at = text.partition("@")
+    try:
+        if not sep:
+            raise ValueError
+        return Kill(int(stage), float(at))
+    except ValueError:
+        raise SystemExit(f"vllm-kvbridge bench soak: --kill wants STAGE@SECONDS, got {text!r}") from None
+
+
+class _Server:
+    """``vllm-kvbridge serve`` in its own session on a free loopback port."""
+
+    def __init__(self, config: str, model: str | None, log: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        argv = [sys.executable, "-m", "vllm_kvbridge.cli.main", "serve", "--stage-config", config]
+        argv += ["--port", str(port), "--drain-timeout", "5"] + (["--model", model] if model else [])
+        self.url, self.log = f"http://127.0.0.1:{port}", log
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the server exited with {self.proc.returncode}; see {self.log}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise SystemExit(f"the server was not healthy after {timeout_s:.0f} s; see {self.log}")
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def _threads(pid: int | None) -> int | None:
+    if pid is None:
+        return None
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _psm() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("psm_")} if os.path.isdir("/dev/shm") else set()
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def run(args: argparse.Namespace) -> SoakResult:
+    kills = [parse_kill(k) for k in args.kill]
+    if args.requests < 1 or args.concurrency < 1 or not 0 <= args.abort_frac <= 1:
+        raise SystemExit(
+            "vllm-kvbridge bench soak: need --requests >= 1, --concurrency >= 1, 0 <= --abort-frac <= 1"
+        )
+    server = None
+    psm_before = _psm()
+    if args.stage_config:
+        log = Path(tempfile.mkdtemp(prefix="kvbridge-soak-")) / "serve.log"
+        server = _Server(args.stage_config, args.model, log)
+        print(f"starting the server (log {log})", flush=True)
+        server.wait_ready()
+        url = server.url
+    else:
+        url = args.url.rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    client = httpx.Client(base_url=url, headers=headers, timeout=600)
+    try:
+        return _soak(client, args, kills, server, psm_before)
+    finally:
+        client.close()
+        if server is not None:
+            server.stop()
+
+
+def _soak(
+    client: httpx.Client,
+    args: argparse.Namespace,
+    kills: list[Kill],
+    server: _Server | None,
+    psm_before: set[str],
+) -> SoakResult:
+    models = client.get("/v1/models").json()["data"][0]
+    image = models["kvbridge"]["output"] == "image"
+    path = "/v1/images/generations" if image else "/v1/completions"
+
+    def body(i: int) -> dict[str, Any]:
+        return {"prompt": f"soak request {i}"} if image else {"prompt": f"soak request {i}", "max_tokens": 8}
+
+    baseline = []
+    for i in range(max(1, args.baseline)):
+        t0 = time.monotonic()
+        r = client.post(path, json=body(-1 - i))
+        if r.status_code != 200:
+            raise SystemExit(
+                f"vllm-kvbridge bench soak: an unloaded request failed: {r.status_code} {r.text}"
+            )
+        baseline.append(time.monotonic() - t0)
+    res = SoakResult(args.requests, args.concurrency, baseline_s=statistics.median(baseline))
+    state = client.get("/debug/state").json()
+    server_pid = server.proc.pid if server is not None else None
+    threads_before = _threads(server_pid)
+    rng = random.Random(args.seed)
+    plan = [rng.random() < args.abort_frac for _ in range(args.requests)]
+    cutoffs = [rng.uniform(0.05, max(0.1, res.baseline_s)) for _ in range(args.requests)]
+    lock = threading.Lock()
+    latencies: list[float] = []
+    local = threading.local()  # one connection pool per client thread
+
+    def one(i: int) -> None:
+        if not hasattr(local, "client"):
+            local.client = httpx.Client(base_url=str(client.base_url), headers=client.headers)
+        t0 = time.monotonic()
+        retries = 0
+        try:
+            timeout = httpx.Timeout(cutoffs[i]) if plan[i] else httpx.Timeout(600)
+            while True:
+                r = local.client.post(path, json=body(i), timeout=timeout)
+                # As OpenAI's clients do: a 429 / 503 with Retry-After is tried again later.
+                if r.status_code in (429, 503) and "retry-after" in r.headers and retries < MAX_RETRIES:
+                    retries += 1
+                    time.sleep(float(r.headers["retry-after"]))
+                    continue
+                break
+            key = None if r.status_code == 200 else str(r.status_code)
+        except httpx.TimeoutException:
+            key = "aborted" if plan[i] else "client_timeout"
+        except httpx.HTTPError as exc:
+            key = type(exc).__name__
+        with lock:
+            res.retried += retries
+            if key is None:
+                res.ok += 1
+                latencies.append(time.monotonic() - t0)
+            elif key == "aborted":
+                res.aborted += 1
+            else:
+                res.failed[key] = res.failed.get(key, 0) + 1
+
+    start = time.monotonic()
+    killers = [
+        threading.Thread(target=_kill_and_watch, args=(client, k, start, args.recovery_timeout))
+        for k in kills
+    ]
+    for t in killers:
+        t.start()
+    with ThreadPoolExecutor(args.concurrency) as pool:
+        list(pool.map(one, range(args.requests)))
+    res.wall_s = time.monotonic() - start
+    for t in killers:
+        t.join()
+    res.kills = kills
+    res.p50_s, res.p99_s = _percentile(latencies, 0.5), _percentile(latencies, 0.99)
+    # Leftovers once the load drained: nothing in flight, nothing published and unread.
+    deadline = time.monotonic() + 60
+    after = client.get("/debug/state").json()
+    while (after["in_flight"] or after["shm_published"]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        after = client.get("/debug/state").json()
+    res.leftovers = {
+        "in_flight": after["in_flight"],
+        "published_unread": len(after["shm_published"]),
+        "server_threads_before": threads_before,
+        "server_threads_after": _threads(server_pid),
+    }
+    if server is not None:
+        from vllm_kvbridge.connectors.leftovers import shared_memory_names
+
+        res.leftovers["server_exit"] = server.stop()
+        res.leftovers["shm_after_stop"] = len(shared_memory_names(state["run_id"]))
+        res.leftovers["vllm_queues_after_stop"] = len(_psm() - psm_before)
+    return res
+
+
+def _kill_and_watch(client: httpx.Client, kill: Kill, start: float, timeout_s: float) -> None:
+    time.sleep(max(0.0, start + kill.at_s - time.monotonic()))
+    stages = client.get("/health").json()["stages"]
+    kill.pid = next(s["pid"] for s in stages if s["stage_id"] == kill.stage_id)
+    os.kill(kill.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    kill.killed_at_s = t0 - start
+    while time.monotonic() - t0 < timeout_s:
+        h = client.get("/health").json()
+        s = next(s for s in h["stages"] if s["stage_id"] == kill.stage_id)
+        if h["status"] == "ok" and s.get("pid") != kill.pid:
+            kill.recovery_s = time.monotonic() - t0
+            return
+        if h["status"] == "unhealthy":
+            return  # no restart left: it is down for good
+        time.sleep(0.1)
+
+
+def format_result(r: SoakResult) -> str:
+    ratio = lambda x: f"{x / r.baseline_s:.2f}x" if r.baseline_s else "-"  # noqa: E731
+    failed = ", ".join(f"{k}: {v}" for k, v in sorted(r.failed.items())) or "0"
+    rows = [
+        ("requests (concurrency)", f"{r.requests} ({r.concurrency})"),
+        ("ok", str(r.ok)),
+        ("failed (by status)", failed),
+        ("aborted by the client", str(r.aborted)),
+        ("retried after 429/503", str(r.retried)),
+        ("unloaded latency (ceiling)", f"{r.baseline_s:.3f} s"),
+        ("p50 latency", f"{r.p50_s:.3f} s ({ratio(r.p50_s)} unloaded)"),
+        ("p99 latency", f"{r.p99_s:.3f} s ({ratio(r.p99_s)} unloaded)"),
+        ("throughput", f"{r.throughput:.2f} ok/s over {r.wall_s:.1f} s"),
+    ]
+    for k in r.kills:
+        back = "not back" if k.recovery_s is None else f"back in {k.recovery_s:.1f} s"
+        rows.append((f"kill stage {k.stage_id} at {k.killed_at_s:.1f} s", back))
+    rows += [(f"leftover: {k}", str(v)) for k, v in r.leftovers.items()]
+    width = max(len(a) for a, _ in rows)
+    return "\n".join(f"{a:<{width}}  {b}" for a, b in rows)
+
+
+def write_json(r: SoakResult, path: str) -> None:
+    data = asdict(r)
+    data["throughput"] = r.throughput
+    data["p50_ratio"] = r.p50_s / r.baseline_s if r.baseline_s else None
+    data["p99_ratio"] = r.p99_s / r.baseline_s if r.baseline_s else None
+    Path(path).write_text(json.dumps(data, indent=2))

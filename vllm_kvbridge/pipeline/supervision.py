@@ -1,0 +1,154 @@
+"""When a lost stage is restarted, and what waits for it meanwhile.
+
+:class:`~vllm_kvbridge.pipeline.orchestrator.Pipeline` keeps one :class:`StageSupervision`
+per stage. The contract (issue 15, item 1):
+
+* A stage is *lost* when, after the pipeline started, its process exits, it reports
+  ``StageFailed``, it sends no heartbeat for ``heartbeat_timeout`` seconds (stopped or
+  starved: killed then), or a restart of it is not ready within its ``start_timeout``.
+* The requests in it fail at once, each with an error naming the stage
+  (``RequestResult.lost_stage``); every other stage working on them is told to drop them.
+  The other stages keep running.
+* It is restarted after ``restart_backoff`` seconds, doubled for each further restart in
+  the window (at most :data:`MAX_BACKOFF_S`), unless it was restarted ``max_restarts``
+  times within the last ``restart_window`` seconds: then the pipeline fails as it did
+  without supervision (:class:`~vllm_kvbridge.pipeline.results.StageError` naming the
+  stage, every request failed). ``max_restarts: 0`` turns supervision off.
+* While it is *recovering*, requests that reach it from an earlier stage wait for it
+  (their ``request_timeout`` still runs) and are handed to it once it is ready.
+* A stage that fails while the pipeline starts is not restarted: a stage that cannot start
+  is a configuration or environment error, and restarting it would only hide it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_kvbridge.config.resolve import ResolvedStage
+from vllm_kvbridge.pipeline import messages as m
+from vllm_kvbridge.pipeline.results import StageError
+from vllm_kvbridge.pipeline.stage_handles import StageHandle, last_error_line, log_tail
+
+__all__ = ["MAX_BACKOFF_S", "RestartPolicy", "StageSupervision", "heartbeat_interval", "stage_status"]
+
+#: The longest wait before a restart, however many came before it (seconds).
+MAX_BACKOFF_S = 30.0
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """``runtime.max_restarts`` / ``restart_window`` / ``restart_backoff`` / ``heartbeat_timeout``."""
+
+    max_restarts: int = 3
+    window_s: float = 600.0
+    backoff_s: float = 1.0
+    heartbeat_timeout_s: float = 30.0
+
+
+def heartbeat_interval(policy: RestartPolicy) -> float:
+    """Seconds between a stage's heartbeats: six per timeout, so a few lost to a busy
+    machine never look like a stall."""
+    return min(5.0, max(0.05, policy.heartbeat_timeout_s / 6))
+
+
+@dataclass
+class StageSupervision:
+    """One stage's restart history and, while it recovers, the submits waiting for it."""
+
+    policy: RestartPolicy
+    #: ``time.monotonic()`` of the restarts within the window, oldest first.
+    recent: deque[float] = field(default_factory=deque)
+    restarts: int = 0  # since the pipeline started
+    #: When it was lost (``time.monotonic()``), 0.0 while it is up.
+    lost_at: float = 0.0
+    #: When its next process is due to be spawned; 0.0 once spawned.
+    restart_at: float = 0.0
+    last_error: StageError | None = None
+    pending: list[m.Submit] = field(default_factory=list)
+
+    @property
+    def recovering(self) -> bool:
+        return self.lost_at > 0.0
+
+    def lost(self, error: StageError, now: float | None = None) -> float | None:
+        """Record a loss; the seconds to wait before the restart, or None when the budget
+        of ``max_restarts`` per window is spent (the pipeline must then fail)."""
+        now = time.monotonic() if now is None else now
+        self.last_error = error
+        while self.recent and now - self.recent[0] > self.policy.window_s:
+            self.recent.popleft()
+        if len(self.recent) >= self.policy.max_restarts:
+            return None
+        self.recent.append(now)
+        self.restarts += 1
+        delay = min(MAX_BACKOFF_S, self.policy.backoff_s * 2 ** (len(self.recent) - 1))
+        self.lost_at = self.lost_at or now
+        self.restart_at = now + delay
+        return delay
+
+    def exhausted(self, error: StageError) -> StageError:
+        """The error that ends the pipeline once no restart is left."""
+        p = self.policy
+        if p.max_restarts == 0:
+            why = f"{error.error} (not restarted: runtime.max_restarts is 0)"
+        else:
+            why = f"{error.error}; not restarted: {len(self.recent)} restart(s) in the last"
+            why += f" {p.window_s:.0f} s (runtime.max_restarts: {p.max_restarts})"
+        return StageError(error.stage_id, error.kind, why, error.log_tail)
+
+    def plan_line(self, delay: float) -> str:
+        p = self.policy
+        return f"restart {len(self.recent)} of {p.max_restarts} (per {p.window_s:.0f} s) in {delay:.1f} s"
+
+    def check(self, h: StageHandle, now: float) -> StageError | None:
+        """Why the live process ``h`` is lost (exited, silent past the heartbeat timeout
+        once ready, not ready within ``start_timeout``), or None while it is fine."""
+        stage, code = h.stage, h.proc.poll()
+        if code is not None:
+            if h.failure is not None:
+                return h.failure
+            tail = log_tail(h.log_path)
+            why = last_error_line(tail) or "no output"
+            return StageError(stage.stage_id, stage.kind, f"process exited with status {code} ({why})", tail)
+        timeout = self.policy.heartbeat_timeout_s
+        if h.ready_at and now - h.last_seen > timeout:
+            silent = f"no heartbeat for {now - h.last_seen:.1f} s (runtime.heartbeat_timeout: {timeout:g} s)"
+            error = f"{silent}: stopped or stalled, killed"
+            return StageError(stage.stage_id, stage.kind, error, log_tail(h.log_path))
+        if not h.ready_at and now - h.spawned > stage.start_timeout:
+            error = f"not ready after {stage.start_timeout:.0f} s (start_timeout)"
+            return StageError(stage.stage_id, stage.kind, error, log_tail(h.log_path))
+        return None
+
+    def due(self, now: float) -> bool:
+        """Whether the next process should be spawned now."""
+        return self.restart_at > 0.0 and now >= self.restart_at
+
+    def recovered(self) -> list[m.Submit]:
+        """The stage is ready again: hand back (and forget) the submits that waited."""
+        self.lost_at = self.restart_at = 0.0
+        pending, self.pending = self.pending, []
+        return pending
+
+
+def stage_status(
+    stage: ResolvedStage, h: StageHandle | None, sup: StageSupervision, pipeline_failed: bool
+) -> dict[str, Any]:
+    """One stage's health: id, kind, ``status`` (``not_started`` | ``starting`` | ``ready`` |
+    ``recovering`` | ``failed`` | ``stopped``), pid, ``restarts`` so far and, unless it is
+    ready or starting, its error (for ``recovering``: why it was lost)."""
+    entry: dict[str, Any] = {"stage_id": stage.stage_id, "kind": stage.kind, "restarts": sup.restarts}
+    if h is None:
+        entry["status"] = "not_started"
+    elif sup.recovering and not pipeline_failed and sup.last_error is not None:
+        entry.update(status="recovering", pid=h.proc.pid, error=sup.last_error.error)
+    elif h.failure is not None:
+        entry.update(status="failed", pid=h.proc.pid, error=h.failure.error)
+    elif h.proc.poll() is not None:
+        entry.update(status="stopped", pid=h.proc.pid, error=f"exited with status {h.proc.poll()}")
+    else:
+        entry.update(status="ready" if h.ready_at else "starting", pid=h.proc.pid)
+    return entry
