@@ -111,16 +111,20 @@ def test_killed_diffusion_stage_fails_its_requests_and_comes_back(served) -> Non
     srv, gates, _ = served
     llm_pid, dit_pid = _stage(srv, 0)["pid"], _stage(srv, 1)["pid"]
     gates.set("hold", True)
-    threads, answers = _post_in_background(srv, 2)
-    assert wait_for(lambda: _in_stage(srv, 1, 2), 120), httpx.get(srv.url + "/debug/state").json()
+    # One request denoising (held), the next one's KV prefetched, the third one's unread.
+    threads, answers = _post_in_background(srv, 3)
+    assert wait_for(lambda: _in_stage(srv, 1, 3), 120), httpx.get(srv.url + "/debug/state").json()
     os.kill(dit_pid, signal.SIGKILL)
     for t in threads:
         t.join(120)
-    # exactly the two requests in the stage fail, naming it
-    assert [a.status_code for a in answers] == [502, 502], [a.text for a in answers]
+    # exactly the requests in the stage fail, naming it
+    assert [a.status_code for a in answers] == [502] * 3, [a.text for a in answers]
     for a in answers:
         err = a.json()["error"]
         assert err["type"] == "bad_gateway" and "stage 1 (diffusion) failed: process exited" in err["message"]
+    # the LLM stage withdrew the KV nobody will read (not left to its lease or TTL)
+    state = lambda: httpx.get(srv.url + "/debug/state").json()  # noqa: E731
+    assert wait_for(lambda: not state()["shm_published"], 10), state()
 
     # the restart waits at its gate: the stage is recovering and new requests are refused
     h = wait_for(lambda: (lambda h: h if h["status"] == "recovering" else None)(_health(srv)), 30)
@@ -144,7 +148,7 @@ def test_killed_diffusion_stage_fails_its_requests_and_comes_back(served) -> Non
     assert _stage(srv, 0)["pid"] == llm_pid and _stage(srv, 0)["restarts"] == 0
     assert _metric(srv, "kvbridge_stage_restarts_total", stage="1") == 1.0
     assert _metric(srv, "kvbridge_stage_recovering", stage="1") == 0.0
-    assert _metric(srv, "kvbridge_request_failures_total", reason="stage_lost") == 2.0
+    assert _metric(srv, "kvbridge_request_failures_total", reason="stage_lost") == 3.0
     assert _metric(srv, "kvbridge_request_failures_total", reason="stage_recovering") == 1.0
 
 
