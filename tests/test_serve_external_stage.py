@@ -193,10 +193,23 @@ def test_the_stock_server_sends_the_exact_kv(servers) -> None:  # type: ignore[n
         receiver.shutdown()
 
 
-def test_external_stage_down_gives_503_naming_it(servers) -> None:  # type: ignore[no-untyped-def]
+def test_external_stage_down_fails_its_request_and_the_stage_waits_for_it(servers) -> None:  # type: ignore[no-untyped-def]
+    """The stage learns that its server is gone from the request that cannot reach it: that
+    request fails (502, naming the stage); the stage is restarted and is ready only once its
+    server answers again, so meanwhile it is recovering and new requests are refused."""
     vllm, srv, _ = servers
     stop(vllm, signal.SIGKILL, timeout_s=10)
     r = srv.http(AUTH).post("/v1/images/generations", json={"prompt": "a cat"}, timeout=60)
-    assert r.status_code == 503 and "stage 0 (llm_ar)" in r.json()["error"]["message"], r.text
-    h = srv.http().get("/health")
-    assert h.status_code == 503 and "stage 0" in " ".join(h.json()["down"])
+    assert r.status_code == 502, r.text
+    msg = r.json()["error"]["message"]
+    assert "stage 0 (llm_ar) failed" in msg and "unreachable" in msg, msg
+
+    def recovering() -> httpx.Response | None:
+        h = srv.http().get("/health")
+        return h if h.json()["status"] == "recovering" else None
+
+    h = wait_for(recovering, 30)
+    assert h is not None and h.status_code == 503 and "stage 0" in " ".join(h.json()["down"])
+    r = srv.http(AUTH).post("/v1/images/generations", json={"prompt": "a dog"}, timeout=60)
+    assert r.status_code == 503 and r.headers["Retry-After"] == "5", r.text
+    assert "stage 0 (llm_ar) is restarting" in r.json()["error"]["message"]

@@ -20,7 +20,8 @@ key (the shared-memory and Mooncake-store connectors need no other sender info).
 
 Contract: requests run concurrently on one asyncio loop thread; an HTTP error answer fails
 that request (``RequestFailed`` with the server's message); a server that cannot be
-reached fails the stage (``StageFailed``: the pipeline reports the stage down); ``abort``
+reached fails the stage (``StageFailed``: the supervisor fails the requests in it and
+restarts it; the restarted engine is ready once the server answers again); ``abort``
 cancels the HTTP request, and vLLM aborts a request whose client went away.
 """
 
@@ -80,7 +81,10 @@ class HTTPStageEngine(StageEngine):
         self._tasks: dict[str, asyncio.Task] = {}
         self._pending = 0
         self._lock = threading.Lock()
-        self.model = stage.model or self._first_model(stage.start_timeout)
+        # Wait for the server even when the model is named: a stage restarted after its
+        # server went away (pipeline/supervision.py) is ready only once the server is back.
+        served = self._served_model(stage.start_timeout)
+        self.model = stage.model or served
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="kvbridge-http-stage", daemon=True
@@ -92,7 +96,7 @@ class HTTPStageEngine(StageEngine):
         timeout = self._httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
         return self._httpx.AsyncClient(base_url=self.url, timeout=timeout)
 
-    def _first_model(self, timeout_s: float) -> str:
+    def _served_model(self, timeout_s: float) -> str:
         """The served model name (waits for the server up to ``timeout_s``)."""
         deadline = time.monotonic() + timeout_s
         while True:
