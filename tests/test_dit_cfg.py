@@ -12,7 +12,9 @@ import json
 import os
 import socket
 import tempfile
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -227,6 +229,27 @@ def test_two_ranks_cfg_parallel_equal_one_rank_and_follower_never_touches_connec
     assert _leftovers(ns) == []
 
 
+def _models_server() -> ThreadingHTTPServer:
+    """An HTTP server on loopback that answers ``GET /v1/models`` as vLLM's does (the
+    external stage's engine waits for its server before it is ready)."""
+
+    class Models(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode()
+            self.send_response(200 if self.path == "/v1/models" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
 def test_external_llm_stage_fails_a_guided_request_at_once() -> None:
     """An external ``vllm serve`` stage cannot run companions: the request fails at submit,
     naming them, instead of the DiT waiting its deadline for a KV that never comes."""
@@ -234,13 +257,14 @@ def test_external_llm_stage_fails_a_guided_request_at_once() -> None:
     from vllm_kvbridge.pipeline import messages as m
     from vllm_kvbridge.pipeline.http_engine import HTTPStageEngine
 
+    server = _models_server()
     cfg = {
         "stages": [
             {
                 "stage_id": 0,
                 "kind": "llm_ar",
                 "model": "m",
-                "url": "http://127.0.0.1:9",
+                "url": f"http://127.0.0.1:{server.server_address[1]}",
                 "kv_transfer": {"need_send_cache": True},
             },
             {"stage_id": 1, "kind": "diffusion", "kv_transfer": {"need_recv_cache": True}},
@@ -257,6 +281,8 @@ def test_external_llm_stage_fails_a_guided_request_at_once() -> None:
         assert "CFG companions ['cfg_neg']" in out.error
     finally:
         engine.close()
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.mark.slow
