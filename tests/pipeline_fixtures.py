@@ -63,7 +63,8 @@ class GatedDiT(TinyKVDiT):
     """A diffusion module tests hold and release through files in ``$KVBRIDGE_TEST_GATES``:
     its forward waits while ``hold`` exists (requests stay in the stage, which keeps sending
     heartbeats), and a restarted one (``started`` exists) is not built until ``open``
-    exists (the stage stays ``recovering``). No sleep decides what a test sees."""
+    exists (the stage stays ``recovering``). Its first forward touches ``forwarding``: the
+    request in it has received its KV. No sleep decides what a test sees."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -74,6 +75,7 @@ class GatedDiT(TinyKVDiT):
         (self.gates / "started").touch()
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        (self.gates / "forwarding").touch()
         while (self.gates / "hold").exists():
             time.sleep(0.05)
         return super().forward(*args, **kwargs)
@@ -274,3 +276,16 @@ def __getattr__(name: str) -> Any:
         globals().update(_fail_companion_classes())  # built once, then plain attributes
         return globals()[name]
     raise AttributeError(name)
+
+
+def poll_until(pred: Any, timeout_s: float, pipe: Any, finished: dict[str, Any]) -> Any:
+    """Poll ``pipe`` (a :class:`~vllm_kvbridge.pipeline.Pipeline`) until ``pred()`` is truthy,
+    collecting finished results into ``finished``; its value, or an AssertionError."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        for r in pipe.poll(0.05):
+            finished[r.request_id] = r
+        got = pred()
+        if got:
+            return got
+    raise AssertionError(f"timed out after {timeout_s} s; finished so far: {finished}")

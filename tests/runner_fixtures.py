@@ -17,6 +17,25 @@ def prompt_ids(n: int, salt: int = 0) -> list[int]:
     return [VOCAB_LOW + (i * 37 + salt * 101 + 11) % span for i in range(n)]
 
 
+def kv_params(rid: str, max_tokens: int, **opts: Any) -> Any:
+    """Greedy ``SamplingParams`` whose transfers are named ``rid`` (``opts``: the per-request
+    kvbridge options, e.g. ``trigger``, ``send_kv``)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        extra_args={"kvbridge": {"request_id": rid, **opts}},
+    )
+
+
+def tokens_prompt(ids: list[int]) -> Any:
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=ids)
+
+
 def shm_namespace(tag: str) -> str:
     return f"rt{tag}{os.getpid()}"
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import httpx
 
+from vllm_kvbridge.pipeline.stage_handles import kill_stage_group, shm_mapped_by_group
+
 TESTS_DIR = Path(__file__).resolve().parent
 ROOT = TESTS_DIR.parent
 SERVER_ENV = {
@@ -112,30 +114,6 @@ def self_signed_cert(directory: Path) -> tuple[Path, Path]:
     return key, cert
 
 
-def _shm_mapped_by_group(pgid: int) -> set[str]:
-    """/dev/shm names mapped by the live processes of group ``pgid`` (from /proc/PID/maps)."""
-    names: set[str] = set()
-    for pid in group_alive(pgid):
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-                path = line.split(None, 5)[-1] if line.count(" ") >= 5 else ""
-                if path.startswith("/dev/shm/"):
-                    names.add(path.split(" ")[0][len("/dev/shm/") :])
-    return names
-
-
-def _unlink_unmapped(names: set[str]) -> None:
-    """Unlink ``names`` that no live process maps any more."""
-    still = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        with contextlib.suppress(OSError):
-            text = maps.read_text()
-            still |= {n for n in names if f"/dev/shm/{n}" in text}
-    for name in names - still:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(f"/dev/shm/{name}")
-
-
 def stop(server: Server, sig: int = signal.SIGTERM, timeout_s: float = 60) -> int | None:
     """Signal the server; SIGKILL its whole group if it has not exited in ``timeout_s``.
 
@@ -143,32 +121,16 @@ def stop(server: Server, sig: int = signal.SIGTERM, timeout_s: float = 60) -> in
     message queues, hundreds of MB), so the segments the group mapped are unlinked
     once nothing maps them any more.
     """
-    mapped = _shm_mapped_by_group(server.proc.pid) if server.proc.poll() is None else set()
+    mapped = shm_mapped_by_group(server.proc.pid) if server.proc.poll() is None else set()
     if server.proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(server.proc.pid, sig)
         with contextlib.suppress(subprocess.TimeoutExpired):
             server.proc.wait(timeout=timeout_s)
     code = server.proc.poll()
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(server.proc.pid, signal.SIGKILL)
+    kill_stage_group(server.proc.pid, mapped, wait_s=10)
     server.proc.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while group_alive(server.proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    _unlink_unmapped(mapped)
     return code
-
-
-def group_alive(pgid: int) -> list[int]:
-    """Pids still in process group ``pgid``."""
-    out = subprocess.run(["ps", "-eo", "pid=,pgid=,stat="], capture_output=True, text=True).stdout
-    alive = []
-    for line in out.splitlines():
-        pid, pg, stat = line.split(None, 2)
-        if int(pg) == pgid and not stat.startswith("Z"):
-            alive.append(int(pid))
-    return alive
 
 
 def shm_names(run_id: str) -> list[str]:

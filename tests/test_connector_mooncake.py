@@ -214,7 +214,9 @@ def test_master_killed_mid_run_then_restarted(mooncake_master: MooncakeMaster):
     assert mooncake_master.keys() == []
 
 
-def test_store_full_put_fails_cleanly_without_evicting(mooncake_master: MooncakeMaster):
+def test_store_full_put_is_answered_full_without_evicting(mooncake_master: MooncakeMaster):
+    """A full store refuses a put as ``full`` (the sender waits for room: issue 15 item 2),
+    never by evicting an unread payload; once one is read, the same put lands."""
     cfg = mooncake_master.connector_config(namespace=NS, global_segment_size=16 << 20)  # Mooncake's minimum
     with (
         MooncakeStoreConnector(cfg) as sender,
@@ -223,7 +225,8 @@ def test_store_full_put_fails_cleanly_without_evicting(mooncake_master: Mooncake
         n = (6 << 20) // 4  # ~6 MiB each: two fit, the third does not
         results = [sender.put(0, 1, key(i), payload(i, n)) for i in range(3)]
         assert [r.ok for r in results] == [True, True, False]
-        assert "store full" in results[2].error and sender.health()["put_failures"] == 1
+        assert results[2].full and "store full" in results[2].error
+        assert sender.health()["put_full"] == 1 and sender.health()["put_failures"] == 0
         for i in range(2):  # hard-pinned (default): the unread payloads were not evicted to make room
             assert same(receiver.get(0, 1, key(i), results[i].metadata, deadline=soon(10)), payload(i, n))
         assert sender.put(0, 1, key(2), payload(2, n)).ok  # room again once consumed

@@ -16,6 +16,7 @@ import pytest
 from runner_fixtures import (
     HFReference,
     assert_kv_equal,
+    kv_params,
     kv_receiver,
     kv_sender_settings,
     prompt_ids,
@@ -23,6 +24,7 @@ from runner_fixtures import (
     shm_namespace,
     start_engine,
     stop_engine_and_reap,
+    tokens_prompt,
 )
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -53,23 +55,6 @@ def hf(tiny_model_dir: Path) -> HFReference:
     return HFReference(tiny_model_dir)
 
 
-def _params(rid: str, max_tokens: int, **opts):
-    from vllm import SamplingParams
-
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=0.0,
-        ignore_eos=True,
-        extra_args={"kvbridge": {"request_id": rid, **opts}},
-    )
-
-
-def _prompt(ids: list[int]):
-    from vllm.inputs import TokensPrompt
-
-    return TokensPrompt(prompt_token_ids=ids)
-
-
 def test_the_engine_runs_vllms_stock_worker_and_runner(engine) -> None:
     """Issue 12: a stage that only sends KV needs nothing of kvbridge in vLLM's worker or
     runner; the KV connector (given in kv_transfer_config) gathers and sends."""
@@ -87,7 +72,7 @@ def test_on_finish_every_length_exact_without_follow_up_traffic(engine, hf) -> N
         ids = prompt_ids(n)
         rid = f"fin{n}"
         # One request alone; nothing is submitted after it, so the KV must leave on its own.
-        out = llm.generate([_prompt(ids)], _params(rid, 3), use_tqdm=False)[0]
+        out = llm.generate([tokens_prompt(ids)], kv_params(rid, 3), use_tqdm=False)[0]
         generated = list(out.outputs[0].token_ids)
         assert out.kv_transfer_params["kvbridge_kv"] == "submitted"
         data, nbytes = receiver.receive_kv_cache_for_request(rid)
@@ -105,8 +90,8 @@ def test_prefill_finished_sends_the_prompt_kv(engine, hf) -> None:
         stop = n % 2 == 1  # both variants across the lengths
         rid = f"pf{n}"
         out = llm.generate(
-            [_prompt(ids)],
-            _params(rid, 5, trigger="prefill_finished", stop_after_transfer=stop),
+            [tokens_prompt(ids)],
+            kv_params(rid, 5, trigger="prefill_finished", stop_after_transfer=stop),
             use_tqdm=False,
         )[0]
         assert len(out.outputs[0].token_ids) == (1 if stop else 5)
@@ -117,12 +102,14 @@ def test_prefill_finished_sends_the_prompt_kv(engine, hf) -> None:
 def test_special_token_sends_kv_before_the_trigger(engine, hf) -> None:
     llm, receiver = engine
     ids = prompt_ids(40, salt=2)
-    plain = llm.generate([_prompt(ids)], _params("probe", 6, send_kv=False), use_tqdm=False)[0]
+    plain = llm.generate([tokens_prompt(ids)], kv_params("probe", 6, send_kv=False), use_tqdm=False)[0]
     tokens = list(plain.outputs[0].token_ids)
     trigger = tokens[3]
     index = tokens.index(trigger)  # first occurrence
     out = llm.generate(
-        [_prompt(ids)], _params("sp", 6, trigger="special_token", trigger_token_id=trigger), use_tqdm=False
+        [tokens_prompt(ids)],
+        kv_params("sp", 6, trigger="special_token", trigger_token_id=trigger),
+        use_tqdm=False,
     )[0]
     assert list(out.outputs[0].token_ids) == tokens
     data, _ = receiver.receive_kv_cache_for_request("sp")
@@ -130,8 +117,8 @@ def test_special_token_sends_kv_before_the_trigger(engine, hf) -> None:
     # A trigger that is never sampled sends nothing, and says so.
     missing = next(t for t in range(VOCAB_SAFE, 500) if t not in tokens)
     out = llm.generate(
-        [_prompt(ids)],
-        _params("sp-miss", 6, trigger="special_token", trigger_token_id=missing),
+        [tokens_prompt(ids)],
+        kv_params("sp-miss", 6, trigger="special_token", trigger_token_id=missing),
         use_tqdm=False,
     )[0]
     assert out.kv_transfer_params["kvbridge_kv"] == "trigger_not_sampled"
@@ -145,11 +132,11 @@ def test_exact_under_block_reuse_pressure_and_concurrency(engine, hf) -> None:
     lengths = [1, 31, 32, 33, 127, 128, 129, 300]
     prompts, params = [], []
     for i, n in enumerate(lengths):  # 8 concurrent KV requests, short generations
-        prompts.append(_prompt(prompt_ids(n, salt=10 + i)))
-        params.append(_params(f"cc{i}", 2 + i % 3))
+        prompts.append(tokens_prompt(prompt_ids(n, salt=10 + i)))
+        params.append(kv_params(f"cc{i}", 2 + i % 3))
     for j in range(24):  # flood: longer generations that take every block freed meanwhile
-        prompts.append(_prompt(prompt_ids(60 + 7 * j, salt=50 + j)))
-        params.append(_params(f"flood{j}", 24, send_kv=False))
+        prompts.append(tokens_prompt(prompt_ids(60 + 7 * j, salt=50 + j)))
+        params.append(kv_params(f"flood{j}", 24, send_kv=False))
     outs = llm.generate(prompts, params, use_tqdm=False)
     for i, n in enumerate(lengths):
         generated = list(outs[i].outputs[0].token_ids)

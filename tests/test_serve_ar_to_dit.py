@@ -17,9 +17,10 @@ import threading
 import httpx
 import openai
 import pytest
-from serve_fixtures import ROOT, Server, group_alive, shm_names, start_serve, stop, wait_for
+from serve_fixtures import ROOT, Server, shm_names, start_serve, stop, wait_for
 
 from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.pipeline.stage_handles import group_alive
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 CONFIG = ROOT / "stage_configs/ar_to_dit_shm.yaml"

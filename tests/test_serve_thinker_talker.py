@@ -27,9 +27,10 @@ import httpx
 import openai
 import pytest
 import yaml
-from serve_fixtures import ROOT, Server, group_alive, shm_names, start_serve, stop, wait_for
+from serve_fixtures import ROOT, Server, shm_names, start_serve, stop, wait_for
 
 from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.pipeline.stage_handles import group_alive
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 CONFIG = ROOT / "stage_configs/thinker_talker_async_chunk.yaml"

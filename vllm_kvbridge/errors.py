@@ -50,3 +50,8 @@ class RequestRejected(KVBridgeError):
 
 class RequestCancelled(KVBridgeError):
     """Work on a request stopped early because it was aborted (nobody waits for its result)."""
+
+
+class ReceiveWithdrawn(TransferError):
+    """The consumer gave up receiving a request (its producer was lost with the unread
+    data): the receive stops within one slice instead of waiting for ``recv_timeout``."""

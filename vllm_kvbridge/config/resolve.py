@@ -200,6 +200,9 @@ def _check_stage(i: int, s: StageSpec) -> None:
     for name in ("recv_timeout", "send_timeout"):
         if getattr(kv, name) <= 0:
             raise ConfigError(f"{p}.kv_transfer.{name}: must be > 0, got {getattr(kv, name)}")
+    if kv.max_send_queue_bytes < 1:
+        got = kv.max_send_queue_bytes
+        raise ConfigError(f"{p}.kv_transfer.max_send_queue_bytes: must be >= 1, got {got}")
     if kv.trigger == "special_token" and kv.trigger_token_id is None:
         raise ConfigError(f"{p}.kv_transfer.trigger_token_id: required when trigger is 'special_token'")
     if kv.trigger != "special_token" and kv.trigger_token_id is not None:
@@ -215,7 +218,7 @@ def _check_stage(i: int, s: StageSpec) -> None:
                 raise ConfigError(f"{p}.kv_transfer.expect.{name}: must be >= 1, got {value}")
     if pl.chunk_size < 1:
         raise ConfigError(f"{p}.payload.chunk_size: must be >= 1, got {pl.chunk_size}")
-    for name in ("stall_timeout", "recv_timeout"):
+    for name in ("stall_timeout", "recv_timeout", "send_timeout"):
         if getattr(pl, name) <= 0:
             raise ConfigError(f"{p}.payload.{name}: must be > 0, got {getattr(pl, name)}")
     _check_dotted(

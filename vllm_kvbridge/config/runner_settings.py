@@ -29,6 +29,8 @@ def kv_transfer_config_dict(stage: ResolvedStage) -> dict[str, Any]:
         "need_send_cache": bool(kv.get("need_send_cache")),
         "need_recv_cache": bool(kv.get("need_recv_cache")),
         "recv_timeout": float(kv.get("recv_timeout", 30.0)),
+        "send_timeout": float(kv.get("send_timeout", 60.0)),
+        "max_send_queue_bytes": int(kv.get("max_send_queue_bytes", 1 << 30)),
         "enable_kv_async_prefetch": bool(kv.get("prefetch", True)) and bool(kv.get("need_recv_cache")),
     }
     expect = {k: v for k, v in (kv.get("expect") or {}).items() if v is not None}
@@ -65,6 +67,7 @@ def runner_settings(stage: ResolvedStage) -> dict[str, Any]:
             "connector": e.connector.name,
             "connector_config": dict(e.connector.config),
             "chunk_size": int(payload.get("chunk_size", 16)),
+            "send_timeout_s": float(payload.get("send_timeout", 60.0)),
         }
         for e in stage.outputs
         if e.payload_mode != "none"

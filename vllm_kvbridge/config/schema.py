@@ -65,7 +65,10 @@ class KVTransferSpec(_Spec):
     ``trigger`` (sender): ``on_finish`` sends when the request finishes;
     ``prefill_finished`` sends once the prompt's KV is complete (with
     ``stop_after_transfer`` the request then ends); ``special_token`` sends when the
-    sampled token equals ``trigger_token_id``. ``recv_timeout`` (receiver) is the
+    sampled token equals ``trigger_token_id``. ``send_timeout`` (sender) is how long a
+    finished request's KV may wait for room on a full edge (held in the engine's blocks
+    while ``max_send_queue_bytes`` of gathered KV wait for their puts, then for each put)
+    before its request fails. ``recv_timeout`` (receiver) is the
     deadline in seconds for a KV cache to arrive; ``prefetch`` lets the receiver start
     pulling the next queued request's KV while the current one runs; ``expect`` (receiver)
     is what the KV must be (``model``, ``dtype``, ``num_layers``, ``num_kv_heads``,
@@ -78,7 +81,8 @@ class KVTransferSpec(_Spec):
     trigger_token_id: int | None = None
     stop_after_transfer: bool = False
     recv_timeout: float = 30.0
-    send_timeout: float = 30.0
+    send_timeout: float = 60.0
+    max_send_queue_bytes: int = 1 << 30
     prefetch: bool = True
     expect: KVExpectSpec | None = None
 
@@ -90,13 +94,15 @@ class PayloadSpec(_Spec):
     ``async_chunk`` (ordered chunks of ``chunk_size`` tokens while generating). A sender
     and its receiver must use the same mode. ``capture`` lists what the producer puts in
     the payload. ``custom_process_next_stage_input_func`` is a dotted path to a function
-    that turns a producer's outputs into the next stage's inputs.
+    that turns a producer's outputs into the next stage's inputs. ``send_timeout`` (sender):
+    how long one put waits for room on a full edge before its request fails.
     """
 
     mode: PayloadMode = "none"
     chunk_size: int = 16
     stall_timeout: float = 30.0
     recv_timeout: float = 30.0
+    send_timeout: float = 60.0
     capture: list[Literal["hidden_states", "token_ids"]] = msgspec.field(
         default_factory=lambda: ["hidden_states", "token_ids"]
     )

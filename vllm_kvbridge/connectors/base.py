@@ -28,6 +28,10 @@ Semantics every implementation keeps (the shared contract test suite checks them
     one lease after its last renewal. ``renew`` returns False when the sender does not
     hold the key (not yet, or no more) and raises :class:`TransferError` when the sender
     cannot be reached. ``health()["expired"]`` counts payloads dropped unread this way.
+  * Backpressure: a sender that already holds its limit of unread bytes (``max_inflight_bytes``,
+    ``max_held_bytes``, a full store or /dev/shm) refuses a put with ``PutResult.full``; the
+    same put succeeds once receivers read or leases expire. Callers wait for room
+    (:func:`vllm_kvbridge.connectors.put_retry.put_with_retry`), they never drop the payload.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import re
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +55,9 @@ class PutResult:
     nbytes: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+    #: Refused only because the sender holds its limit of unread bytes now: the same put can
+    #: succeed later (wait for room), unlike any other refusal.
+    full: bool = False
 
 
 class ConnectorStats:
@@ -66,6 +73,7 @@ class ConnectorStats:
         "get_failures",
         "timeouts",
         "cleanups",
+        "put_full",
     )
 
     def __init__(self) -> None:
@@ -88,6 +96,20 @@ class ConnectorStats:
 DEFAULT_LEASE_S = 60.0
 #: A receiver renews what it waits for this often, in leases (vLLM's NIXL connector: 1/6).
 RENEW_FRACTION = 1 / 6
+
+#: ``health()`` counters a stage adds up over its connectors and reports to the pipeline
+#: (``serve``'s Prometheus series), by their name there.
+EDGE_COUNTERS = {"expired": "leases_expired", "put_full": "puts_full"}
+
+
+def edge_counters(healths: Iterable[Mapping[str, Any] | None]) -> dict[str, float]:
+    """:data:`EDGE_COUNTERS` summed over connectors' ``health()`` dicts (None: no connector)."""
+    out = dict.fromkeys(EDGE_COUNTERS.values(), 0.0)
+    for health in healths:
+        for name, counter in EDGE_COUNTERS.items():
+            out[counter] += float((health or {}).get(name) or 0)
+    return out
+
 
 #: Longest transfer key the in-memory connectors accept (store/file keys have their own rules).
 MAX_KEY = 512
@@ -147,6 +169,13 @@ class Connector(ABC):
     name: str = "Connector"
     #: Largest payload a put accepts (subclasses set it from their config; see _refuse_oversize).
     max_payload_bytes: int = 64 << 30
+    #: Whether a payload nobody has read yet can still be read once its sender's process is
+    #: gone (shared memory, a store: True) or died with it (served from the sender's own
+    #: memory: ZMQ, transfer engine, NIXL: False). When a producer stage is lost, its
+    #: consumers fail at once the requests whose data it held and they had not read, instead
+    #: of waiting for ``recv_timeout`` (``pipeline/supervision.py``). True, the default for a
+    #: connector that does not say, keeps such requests waiting: never wrongly failed.
+    data_outlives_sender: bool = True
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         self.config: dict[str, Any] = dict(config or {})
@@ -236,6 +265,12 @@ class Connector(ABC):
         """A refused put, counted (puts never raise for transport failures)."""
         self.stats.add(put_failures=1)
         return PutResult(ok=False, error=error)
+
+    def _put_full(self, error: str) -> PutResult:
+        """A put refused for lack of room now (``PutResult.full``): counted apart from
+        failures, since the caller waits and puts again."""
+        self.stats.add(put_full=1)
+        return PutResult(ok=False, error=error, full=True)
 
     def _refuse_oversize(self, nbytes: int) -> PutResult | None:
         """The refusal of a payload over this connector's ``max_payload_bytes``, else None."""

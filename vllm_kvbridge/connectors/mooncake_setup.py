@@ -26,6 +26,7 @@ import logging
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -99,6 +100,36 @@ def put_error(code: int, key: str, nbytes: int, master: str) -> str:
     if code in TRANSIENT:
         return f"Mooncake put of {key!r} failed ({error_name(code)}) after retries; master {master}"
     return f"Mooncake put of {key!r} failed: {error_name(code)}"
+
+
+def retry_transient(
+    store: Any,
+    op: Callable[[], int],
+    backoff_s: float,
+    max_retries: int,
+    master_retry_s: float,
+    closed: Callable[[], bool],
+) -> int:
+    """Run ``op`` (returns a Mooncake code), retrying transient codes with backoff.
+
+    While the master is unreachable no operation is attempted (a transfer against a dead
+    master takes seconds to fail): it waits up to ``master_retry_s`` for the master, then
+    gives up with RPC_FAIL.
+    """
+    start = time.monotonic()
+    delay = backoff_s
+    attempt = 0
+    while True:
+        while store.health_check() == MASTER_UNREACHABLE:
+            if time.monotonic() - start >= master_retry_s or closed():
+                return RPC_FAIL
+            time.sleep(min(delay, 0.2))
+        code = op()
+        if code not in TRANSIENT or attempt >= max_retries or closed():
+            return code
+        attempt += 1
+        time.sleep(delay)
+        delay *= 2
 
 
 def host_port(address: str, what: str) -> tuple[str, int]:

@@ -78,10 +78,10 @@ from vllm_kvbridge.connectors import te_control as ctl
 from vllm_kvbridge.connectors.base import DEFAULT_LEASE_S, Connector, PutResult, number_option, parse_size
 from vllm_kvbridge.connectors.mooncake_setup import (
     MASTER_UNREACHABLE,
+    NO_AVAILABLE_HANDLE,
     OBJECT_ALREADY_EXISTS,
     OBJECT_NOT_FOUND,
     OK,
-    RPC_FAIL,
     TRANSIENT,
     error_name,
     host_port,
@@ -89,6 +89,7 @@ from vllm_kvbridge.connectors.mooncake_setup import (
     put_placed,
     read_object,
     replicate_configs,
+    retry_transient,
     setup_store,
 )
 from vllm_kvbridge.connectors.registered_pool import RegisteredBufferPool
@@ -110,6 +111,7 @@ class MooncakeStoreConnector(Connector):
     """Transport through a Mooncake distributed store; see the module docstring."""
 
     name = "MooncakeStoreConnector"
+    data_outlives_sender = True  # the store (its master and segments) holds it, not the sender
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__(config)
@@ -222,26 +224,10 @@ class MooncakeStoreConnector(Connector):
         return self._store.health_check() == MASTER_UNREACHABLE
 
     def _retrying(self, op: Callable[[], int]) -> int:
-        """Run ``op`` (returns a Mooncake code), retrying transient codes with backoff.
-
-        While the master is unreachable no operation is attempted (a transfer against a dead
-        master takes seconds to fail): it waits up to ``master_retry_s`` for the master, then
-        gives up with RPC_FAIL.
-        """
-        start = time.monotonic()
-        delay = self.retry_backoff_s
-        attempt = 0
-        while True:
-            while self._master_down():
-                if time.monotonic() - start >= self.master_retry_s or self._closed:
-                    return RPC_FAIL
-                time.sleep(min(delay, 0.2))
-            code = op()
-            if code not in TRANSIENT or attempt >= self.max_retries or self._closed:
-                return code
-            attempt += 1
-            time.sleep(delay)
-            delay *= 2
+        """``op`` with transient codes retried, while the master is up (:func:`retry_transient`)."""
+        return retry_transient(
+            self._store, op, self.retry_backoff_s, self.max_retries, self.master_retry_s, lambda: self._closed
+        )
 
     # -- sender -------------------------------------------------------------------------
     def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
@@ -285,7 +271,9 @@ class MooncakeStoreConnector(Connector):
             with self._lock:
                 self._inflight_puts.pop(store_key, None)
         if code != OK:
-            return self._put_failed(put_error(code, key, need, self.master_server_address))
+            why = put_error(code, key, need, self.master_server_address)
+            # A full store has room again once receivers read (or leases expire): wait.
+            return self._put_full(why) if code == NO_AVAILABLE_HANDLE else self._put_failed(why)
         with self._lock:
             closed = self._closed
             if not closed:

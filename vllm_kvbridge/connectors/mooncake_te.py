@@ -106,6 +106,7 @@ class MooncakeTransferEngineConnector(Connector):
     """One-sided reads over Mooncake's transfer engine; see the module docstring."""
 
     name = "MooncakeTransferEngineConnector"
+    data_outlives_sender = False  # it is read from the sender's registered memory
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__(config)
@@ -190,7 +191,8 @@ class MooncakeTransferEngineConnector(Connector):
         """Pack ``payload`` into a registered slab and hold it under ``key`` for a receiver.
 
         The payload is copied (once): the caller may reuse its tensors when this returns.
-        Refusals (too big, over ``max_held_bytes``, key already held) return ``ok=False``.
+        Refusals (too big, over ``max_held_bytes``, key already held) return ``ok=False``;
+        over ``max_held_bytes`` it is ``full`` (room comes back as receivers read).
         """
         from vllm_kvbridge.wire import encode
 
@@ -206,8 +208,12 @@ class MooncakeTransferEngineConnector(Connector):
             self._check_open()
             if key in self._held:
                 return self._put_failed(f"key {key!r} is already held for sending")
-            if self._held_bytes + need > self.max_held_bytes:
+            if need > self.max_held_bytes:  # would never fit: waiting cannot help
                 return self._put_failed(
+                    f"payload of {need} bytes exceeds max_held_bytes={self.max_held_bytes}"
+                )
+            if self._held_bytes + need > self.max_held_bytes:
+                return self._put_full(
                     f"{self._held_bytes} bytes held + {need} exceeds max_held_bytes={self.max_held_bytes}"
                 )
             self._held_bytes += need  # reserved before the copy, so concurrent puts respect the bound

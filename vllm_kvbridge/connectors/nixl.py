@@ -62,7 +62,8 @@ params), ``ucx_tls`` (``"cma,tcp"``), ``ucx_modules`` (``"^ib"``; see
 (60: a claim's lease, and what one renewal grants a published key; every put's metadata
 says it), ``transfer_timeout_s`` (30), ``request_timeout_s`` (5; also bounds a renew),
 ``buffer_pool_bytes`` (512 MiB kept registered per side), ``max_payload_bytes`` (64 GiB),
-``limits`` (decoding).
+``max_held_bytes`` (8 GiB of published payloads at once: a put over it is refused with
+``PutResult.full``, and the sender waits for room), ``limits`` (decoding).
 """
 
 from __future__ import annotations
@@ -157,6 +158,7 @@ class NixlConnector(Connector):
     """One-sided READs of registered memory over NIXL; see the module docstring."""
 
     name = "NixlConnector"
+    data_outlives_sender = False  # it is read from the sender's registered memory
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__(config)
@@ -199,6 +201,8 @@ class NixlConnector(Connector):
         self.transfer_timeout_s = number_option(cfg, "transfer_timeout_s", 30.0)
         self.request_timeout_s = number_option(cfg, "request_timeout_s", 5.0)
         self.max_payload_bytes = parse_size(cfg.get("max_payload_bytes", 64 << 30), "max_payload_bytes")
+        self.max_held_bytes = parse_size(cfg.get("max_held_bytes", 8 << 30), "max_held_bytes")
+        self._reserved = 0  # bytes of puts under way (counted against max_held_bytes)
         pool_bytes = parse_size(cfg.get("buffer_pool_bytes", 512 << 20), "buffer_pool_bytes")
         self._limits = cfg.get("limits")
         self.ucx_env = prepare_ucx_env(
@@ -243,20 +247,36 @@ class NixlConnector(Connector):
         with self._lock:
             if key in self._published:
                 return self._put_failed(f"key {key!r} is already published by this connector")
+            if need > self.max_held_bytes:  # would never fit: waiting cannot help
+                return self._put_failed(
+                    f"payload of {need} bytes exceeds max_held_bytes={self.max_held_bytes}"
+                )
+            held = self._held_bytes_locked()
+            if held + need > self.max_held_bytes:
+                limit = self.max_held_bytes
+                return self._put_full(f"{held} bytes held + {need} exceeds max_held_bytes={limit}")
+            self._reserved += need  # before the copy: concurrent puts respect the bound
         try:
             slab, _ = self._pool.acquire(need)
         except TransferError as exc:
+            self._unreserve(need)
             return self._put_failed(f"no registered memory for {need} bytes: {exc}")
         try:
             enc.pack_into(slab)
         except PayloadError as exc:
             self._pool.release(slab)
+            self._unreserve(need)
             return self._put_failed(f"cannot pack {key!r}: {exc}")
+        except BaseException:
+            self._pool.release(slab)
+            self._unreserve(need)
+            raise
         del enc
         with self._lock:
             refused = self._closed or key in self._published
             if not refused:
                 self._published[key] = _Held(key, slab, need, time.monotonic() + self.ttl_s)
+            self._reserved -= need
         if refused:
             self._pool.release(slab)
             why = f"{self.name} closed during put" if self._closed else f"key {key!r} is already published"
@@ -264,6 +284,15 @@ class NixlConnector(Connector):
         self.stats.add(puts=1, put_bytes=need, put_seconds=time.perf_counter() - start)
         metadata = {"endpoint": endpoint, "agent": self._agent.name, "lease_s": self.lease_s}
         return PutResult(ok=True, nbytes=need, metadata=metadata)
+
+    def _unreserve(self, need: int) -> None:
+        with self._lock:
+            self._reserved -= need
+
+    def _held_bytes_locked(self) -> int:
+        """Bytes of payloads published or lent to a reader, plus puts under way."""
+        published = sum(h.nbytes for h in self._published.values())
+        return published + sum(h.nbytes for h in self._lent.values()) + self._reserved
 
     def _ensure_server(self) -> str:
         with self._lock:
@@ -537,6 +566,7 @@ class NixlConnector(Connector):
                 "published": len(self._published),
                 "lent": len(self._lent),
                 "held_payloads": len(self._published) + len(self._lent),
+                "held_bytes": self._held_bytes_locked(),
                 "expired": self._expired,
             }
         agent = self._agent

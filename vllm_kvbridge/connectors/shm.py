@@ -28,6 +28,9 @@ Config keys (all optional):
 * ``pool_keep_bytes`` (default 2 GiB): free pool memory kept for reuse; beyond it freed
   segments are destroyed.
 * ``max_payload_bytes`` (default 64 GiB): larger puts are refused, larger segments rejected.
+* ``max_held_bytes`` (default 8 GiB): segment bytes this sender holds unread or being read
+  at once; a put over it (or one that finds /dev/shm full) is refused with
+  ``PutResult.full``, and the sender waits for room.
 * ``reap_interval_s`` (default ``min(ttl_s/4, 1)``): how often the background reaper runs.
 * ``claim_grace_s`` (default 30): a segment still READY this long after a receiver took its
   key name belonged to a receiver that died claiming it: the sender takes it back.
@@ -40,6 +43,7 @@ Threading: every public method is safe to call from several threads.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import mmap
 import os
@@ -87,6 +91,7 @@ class SharedMemoryConnector(Connector):
     """Moves payloads between processes of one host through ``/dev/shm`` segments."""
 
     name = "SharedMemoryConnector"
+    data_outlives_sender = True  # the segment stays in /dev/shm after its sender exits
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__(config)
@@ -99,6 +104,8 @@ class SharedMemoryConnector(Connector):
         self.destructive = bool(cfg.get("destructive", True))
         self.pool_keep_bytes = number_option(cfg, "pool_keep_bytes", 2 << 30, int)
         self.max_payload_bytes = number_option(cfg, "max_payload_bytes", 64 << 30, int)
+        self.max_held_bytes = number_option(cfg, "max_held_bytes", 8 << 30, int)
+        self._reserved = 0  # segment bytes of puts under way (counted against max_held_bytes)
         self.reap_interval_s = number_option(cfg, "reap_interval_s", min(self.ttl_s / 4, 1.0)) or 0.05
         self.claim_grace_s = number_option(cfg, "claim_grace_s", seg.CLAIM_NAME_GRACE_S)
         self.map_cache_bytes = number_option(cfg, "map_cache_bytes", 4 << 30, int)
@@ -160,11 +167,37 @@ class SharedMemoryConnector(Connector):
             self._check_open()
             self._use_namespace(namespace)
             self._sweep_locked()
+            size = _capacity_for(need)  # what a new segment for it takes in /dev/shm
+            if size > self.max_held_bytes:  # would never fit: waiting cannot help
+                return self._put_failed(f"a {size}-byte segment exceeds max_held_bytes={self.max_held_bytes}")
+            held = self._held_bytes_locked()
+            if held + size > self.max_held_bytes:
+                return self._put_full(
+                    f"{held} segment bytes held + {size} exceeds max_held_bytes={self.max_held_bytes}"
+                )
             segment = self._take_free_locked(namespace, need)
+            reserved = segment.capacity if segment is not None else size
+            self._reserved += reserved
+        try:
+            return self._publish(namespace, key, enc, need, segment, start)
+        finally:
+            with self._lock:
+                self._reserved -= reserved
+
+    def _held_bytes_locked(self) -> int:
+        """Segment bytes out of the pool: published, being read, or being written."""
+        out = sum(s.capacity for s in self._published.values()) + sum(s.capacity for s in self._lent)
+        return out + self._reserved
+
+    def _publish(
+        self, namespace: str, key: str, enc: Any, need: int, segment: seg.PoolSegment | None, start: float
+    ) -> PutResult:
         if segment is None:
             try:
                 segment = seg.PoolSegment(namespace, _capacity_for(need), self.shm_dir)
             except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.ENOMEM):  # room comes back as receivers read
+                    return self._put_full(f"/dev/shm has no room for a {need}-byte segment: {exc}")
                 return self._put_failed(f"cannot create a {need}-byte shared-memory segment: {exc}")
         try:
             segment.begin_write()
@@ -507,6 +540,7 @@ class SharedMemoryConnector(Connector):
                 "published": len(self._published),
                 "expired": self._expired,
                 "lent": len(self._lent),
+                "held_bytes": self._held_bytes_locked(),
                 "mapped_segments": len(self._maps),
                 "mapped_bytes": sum(m.size for m in self._maps.values()),
             }

@@ -6,7 +6,7 @@ background thread owns a ROUTER socket bound to ``host``/``port`` (port 0: ephem
 answers requests; the address is in ``PutResult.metadata["endpoint"]``. Frames are sent
 with ``copy=False``. Unclaimed payloads are dropped after ``ttl_s``, or ``lease_s`` after a
 receiver's last ``RENEW``; the bytes held at once are bounded by ``max_inflight_bytes``
-(a put over it is refused with ``ok=False``).
+(a put over it is refused with ``PutResult.full``: the sender waits for room).
 
 Receiver: :meth:`ZmqConnector.get` sends ``GET`` over a DEALER socket connected to the
 endpoint (sockets are pooled per endpoint; a socket is used by one thread at a time),
@@ -100,6 +100,7 @@ class ZmqConnector(Connector):
     """Point-to-point TCP transport: the sender serves payloads from memory, receivers pull."""
 
     name = "ZmqConnector"
+    data_outlives_sender = False  # the sender's ROUTER socket serves it from the sender's memory
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__(config)
@@ -154,7 +155,8 @@ class ZmqConnector(Connector):
 
         The payload's tensors are referenced, not copied: do not modify them until the
         receiver has them (or :meth:`cleanup`). Refusals (too big, over
-        ``max_inflight_bytes``, key already held) return ``ok=False`` with ``error``.
+        ``max_inflight_bytes``, key already held) return ``ok=False`` with ``error``; over
+        ``max_inflight_bytes`` it is ``full`` (room comes back as receivers read).
         """
         from vllm_kvbridge.wire import encode
 
@@ -171,8 +173,12 @@ class ZmqConnector(Connector):
             self._check_open()
             if key in self._store:
                 return self._put_failed(f"key {key!r} is already held for sending")
-            if self._inflight + total > self.max_inflight_bytes:
+            if total > self.max_inflight_bytes:  # would never fit: waiting cannot help
                 return self._put_failed(
+                    f"payload of {total} bytes exceeds max_inflight_bytes={self.max_inflight_bytes}"
+                )
+            if self._inflight + total > self.max_inflight_bytes:
+                return self._put_full(
                     f"{self._inflight} bytes in flight + {total} exceeds "
                     f"max_inflight_bytes={self.max_inflight_bytes}"
                 )

@@ -29,7 +29,12 @@ class KVTransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     Sending side: ``need_send_cache``, ``to_stage`` (the stage that receives),
     ``send_retries`` extra attempts after the first, spaced by an exponential backoff
     ``send_backoff_s * 2**i`` capped at ``send_max_backoff_s``; ``from_tp``/``to_tp`` are the
-    TP sizes of the sending and the receiving stage of the edge.
+    TP sizes of the sending and the receiving stage of the edge. Backpressure: a put into a
+    full edge (the sender holds its connector's limit of unread bytes) is put again until
+    there is room, for up to ``send_timeout`` seconds, then its request fails; while the
+    gathered KV waiting for its puts exceeds ``max_send_queue_bytes``, the KV of finished
+    requests stays in the engine's blocks (not gathered yet), so the engine admits no more
+    than its cache holds instead of growing memory.
 
     Receiving side: ``need_recv_cache``, ``from_stage`` (the stage that sends; defaults
     to the first of ``engine_input_source``), ``recv_timeout`` seconds per receive
@@ -61,6 +66,8 @@ class KVTransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     send_retries: int = 3
     send_backoff_s: float = 0.05
     send_max_backoff_s: float = 2.0
+    send_timeout: float = 60.0
+    max_send_queue_bytes: int = 1 << 30
     from_tp: int = 1
     to_tp: int = 1
     tp_rank: int | None = None
@@ -84,6 +91,10 @@ class KVTransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
             raise bad("send_retries", "must be >= 0")
         if self.send_backoff_s < 0:
             raise bad("send_backoff_s", "must be >= 0")
+        if not self.send_timeout > 0:
+            raise bad("send_timeout", "must be > 0")
+        if self.max_send_queue_bytes < 1:
+            raise bad("max_send_queue_bytes", "must be >= 1")
         if self.send_max_backoff_s < self.send_backoff_s:
             raise bad("send_max_backoff_s", "must be >= send_backoff_s")
         for name in ("from_tp", "to_tp", "max_prefetch_inflight", "max_unconsumed"):

@@ -76,7 +76,7 @@ import torch
 from vllm_kvbridge.connectors.base import Connector
 from vllm_kvbridge.connectors.keys import KV
 from vllm_kvbridge.connectors.registry import create_connector
-from vllm_kvbridge.errors import ConfigError, TransferCorrupt, TransferError
+from vllm_kvbridge.errors import ConfigError, ReceiveWithdrawn, TransferCorrupt, TransferError
 from vllm_kvbridge.kv.cfg import CollectFunc, receive_with_companions
 from vllm_kvbridge.kv.config import KVTransferConfig, StageId, vllm_settings
 from vllm_kvbridge.kv.distribution import KVDistributor
@@ -84,7 +84,14 @@ from vllm_kvbridge.kv.layout import KVCacheLayout
 from vllm_kvbridge.kv.leases import LeaseKeeper
 from vllm_kvbridge.kv.metrics import KVTransferMetrics
 from vllm_kvbridge.kv.prefetch import KVPrefetchConsumeError, KVPrefetcher, free_memory_ratio
-from vllm_kvbridge.kv.receive import Consumed, KVReceiver, ReceivedKV, ReceivedStore, request_id_of
+from vllm_kvbridge.kv.receive import (
+    Consumed,
+    KVReceiver,
+    ReadLedger,
+    ReceivedKV,
+    ReceivedStore,
+    request_id_of,
+)
 from vllm_kvbridge.kv.send import KVSendQueue, gather_job, layout_for
 from vllm_kvbridge.kv.sender_info import SentInfoTable, StageSenderInfo
 from vllm_kvbridge.kv.topology import TPTopology
@@ -129,6 +136,7 @@ class KVTransferManager:
         self._sent_info = SentInfoTable(sender_info_ttl_s, max_sender_info)
         self._sends = KVSendQueue(config, self._get_connector, self.metrics, self._sent_info, self._stop)
         self._stage_info = StageSenderInfo()
+        self._ledger = ReadLedger()  # read vs. withdrawn receives (withdraw_receive)
         self._receiver = KVReceiver(
             config,
             tp_rank=self.tp_rank,
@@ -138,6 +146,7 @@ class KVTransferManager:
             metrics=self.metrics,
             sender_info=self._stage_info,
             stop=self._stop,
+            withdrawn=self._ledger.is_withdrawn,
         )
         dropped = self.metrics.unconsumed_dropped
         self._received = ReceivedStore(config.max_unconsumed, lambda rid: dropped())
@@ -317,6 +326,10 @@ class KVTransferManager:
     def pending_sends(self) -> int:
         return self._sends.pending()
 
+    def queued_send_bytes(self) -> int:
+        """Bytes of gathered KV whose puts have not completed (see ``max_send_queue_bytes``)."""
+        return self._sends.queued_bytes()
+
     # -- receiving (kv/receive.py, kv/cfg.py) ------------------------------------------
     def update_sender_info(
         self, sender_info: Mapping[str, Any], sender_stage_id: StageId | None = None
@@ -343,7 +356,9 @@ class KVTransferManager:
             return None, 0
         deadline = time.monotonic() + self.config.recv_timeout
         try:
-            return self._receiver.receive(request_id, purpose, target_device, sender_info, deadline)
+            got = self._receiver.receive(request_id, purpose, target_device, sender_info, deadline)
+            self._ledger.commit(request_id)  # read (see withdraw_receive)
+            return got
         except Consumed as exc:
             raise TransferCorrupt(f"KV of {request_id} arrived but is unusable: {exc.cause}") from exc.cause
 
@@ -356,9 +371,30 @@ class KVTransferManager:
         sender_info: Mapping[str, Any] | None,
     ) -> ReceivedKV:
         timeout = self.config.recv_timeout
-        return receive_with_companions(
+        if self._ledger.is_withdrawn(rid):
+            raise ReceiveWithdrawn(f"receive of the KV of {rid} was withdrawn: its producer was lost")
+        rec = receive_with_companions(
             self._receiver, timeout, rid, cfg_kv_collect_func, req, target_device, sender_info
         )
+        self._ledger.commit(rid)  # read now, unless withdrawn meanwhile (then it raises)
+        return rec
+
+    def withdraw_receive(self, request_id: str) -> bool:
+        """Give up ``request_id``'s KV unless it was read already (its producer was lost with
+        the data). True: withdrawn; a receive of it stops within a get slice and raises
+        :class:`ReceiveWithdrawn`, its prefetch and leases are dropped. False: it was read
+        (received, by a prefetch too) and stays usable. Either answer is final."""
+        if not self._ledger.withdraw(request_id):
+            return False
+        future = self._prefetcher.pop(request_id)
+        if future is not None:
+            future.cancel()  # a running one sees the withdrawal between slices
+        self.release_leases(request_id)
+        return True
+
+    def forget_receive(self, request_id: str) -> None:
+        """``request_id`` left this stage: forget whether it was read or withdrawn."""
+        self._ledger.forget(request_id)
 
     def receive_multi_kv_cache(
         self,

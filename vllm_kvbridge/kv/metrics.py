@@ -35,6 +35,12 @@ def _prometheus() -> dict[str, Any] | None:
             "failures": Counter("kvbridge_kv_transfer_failures", "KV transfers failed", _LABELS),
             "timeouts": Counter("kvbridge_kv_transfer_timeouts", "KV receives that timed out", _LABELS),
             "retries": Counter("kvbridge_kv_transfer_retries", "KV send retries", _LABELS),
+            "full_waits": Counter(
+                "kvbridge_kv_send_full_waits", "KV puts that waited for room on a full edge", _LABELS
+            ),
+            "full_wait_seconds": Counter(
+                "kvbridge_kv_send_full_wait_seconds", "Seconds KV puts waited for room", _LABELS
+            ),
             "unconsumed_dropped": Counter(
                 "kvbridge_kv_unconsumed_dropped",
                 "Received or prefetched KV dropped unconsumed (over max_unconsumed)",
@@ -54,7 +60,16 @@ def _prometheus() -> dict[str, Any] | None:
 class KVTransferMetrics:
     """Thread-safe counters of one manager, mirrored into Prometheus."""
 
-    _COUNTERS = ("transfers", "bytes", "failures", "timeouts", "retries", "unconsumed_dropped")
+    _COUNTERS = (
+        "transfers",
+        "bytes",
+        "failures",
+        "timeouts",
+        "retries",
+        "full_waits",
+        "full_wait_seconds",
+        "unconsumed_dropped",
+    )
 
     def __init__(self, stage: int | str, connector: str) -> None:
         self._lock = threading.Lock()
@@ -106,6 +121,11 @@ class KVTransferMetrics:
 
     def retry(self, direction: str) -> None:
         self._inc(direction, "retries")
+
+    def full_wait(self, seconds: float) -> None:
+        """A put waited ``seconds`` for room on a full edge before it landed or gave up."""
+        self._inc("send", "full_waits")
+        self._inc("send", "full_wait_seconds", seconds)
 
     def unconsumed_dropped(self) -> None:
         self._inc("recv", "unconsumed_dropped")

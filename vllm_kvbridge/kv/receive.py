@@ -27,7 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_kvbridge.connectors.base import Connector
-from vllm_kvbridge.errors import ConfigError, TransferCorrupt, TransferError, TransferTimeout
+from vllm_kvbridge.errors import (
+    ConfigError,
+    ReceiveWithdrawn,
+    TransferCorrupt,
+    TransferError,
+    TransferTimeout,
+)
 from vllm_kvbridge.kv.compat import check_kv_compat
 from vllm_kvbridge.kv.config import KVTransferConfig, StageId
 from vllm_kvbridge.kv.metrics import KVTransferMetrics
@@ -121,6 +127,51 @@ class ReceivedStore:
             return len(self._items)
 
 
+class ReadLedger:
+    """Which requests' KV this consumer has read, and which it gave up (withdrawn, because
+    their producer was lost with the unread data). Both are decided here under one lock, so
+    a request is never both: a receive that completes after a withdrawal is discarded, and
+    a withdrawal after a completed receive is refused. Bounded: the oldest marks go first."""
+
+    def __init__(self, max_items: int = 4096) -> None:
+        self._lock = threading.Lock()
+        self._read: OrderedDict[str, None] = OrderedDict()
+        self._withdrawn: OrderedDict[str, None] = OrderedDict()
+        self._max_items = max_items
+
+    def _mark(self, marks: OrderedDict[str, None], rid: str) -> None:
+        marks[rid] = None
+        marks.move_to_end(rid)
+        while len(marks) > self._max_items:
+            marks.popitem(last=False)
+
+    def commit(self, rid: str) -> None:
+        """``rid``'s KV was received: it is read now. Raises :class:`ReceiveWithdrawn` when
+        it was withdrawn first (the caller drops what it got)."""
+        with self._lock:
+            if rid in self._withdrawn:
+                raise ReceiveWithdrawn(f"KV of {rid} arrived after its receive was withdrawn")
+            self._mark(self._read, rid)
+
+    def withdraw(self, rid: str) -> bool:
+        """Give ``rid`` up unless it was read; True when it is withdrawn now (or was)."""
+        with self._lock:
+            if rid in self._read:
+                return False
+            self._mark(self._withdrawn, rid)
+            return True
+
+    def is_withdrawn(self, rid: str) -> bool:
+        with self._lock:
+            return rid in self._withdrawn
+
+    def forget(self, rid: str) -> None:
+        """``rid`` left this stage: its id may come again (a new request)."""
+        with self._lock:
+            self._read.pop(rid, None)
+            self._withdrawn.pop(rid, None)
+
+
 class KVReceiver:
     """Receives one cache (``purpose``) of a request: every route to this rank, merged."""
 
@@ -135,10 +186,14 @@ class KVReceiver:
         metrics: KVTransferMetrics,
         sender_info: StageSenderInfo,
         stop: threading.Event,
+        withdrawn: Callable[[str], bool] | None = None,
     ) -> None:
         self._config, self._tp_rank, self._num_kv_heads = config, tp_rank, num_kv_heads
         self._topology, self._connector, self._metrics = topology, connector, metrics
         self._sender_info, self._stop = sender_info, stop
+        #: request id -> whether its consumer gave it up (its producer was lost): asked
+        #: between get slices, so such a receive stops at once, not at its deadline.
+        self._withdrawn = withdrawn or (lambda rid: False)
         self._lock = threading.Lock()
         # consumed pieces awaiting their siblings: key -> (when kept, piece); oldest first
         self._parts: OrderedDict[str, tuple[float, KVCacheTransferData]] = OrderedDict()
@@ -195,12 +250,20 @@ class KVReceiver:
             self._prune_locked()
 
     def _get_one(
-        self, conn: Connector, from_stage: StageId, key: str, meta: Mapping[str, Any], deadline: float
+        self,
+        conn: Connector,
+        from_stage: StageId,
+        key: str,
+        meta: Mapping[str, Any],
+        deadline: float,
+        rid: str = "",
     ) -> Any:
-        """``conn.get`` until ``deadline``, in slices so shutdown can interrupt it."""
+        """``conn.get`` until ``deadline``, in slices so shutdown or a withdrawal can interrupt it."""
         while True:
             if self._stop.is_set():
                 raise TransferError("KV transfer manager is shut down")
+            if self._withdrawn(rid):
+                raise ReceiveWithdrawn(f"receive of KV {key} withdrawn: its producer was lost")
             now = time.monotonic()
             if now >= deadline:
                 raise TransferTimeout(f"KV {key} did not arrive within {self._config.recv_timeout}s")
@@ -251,6 +314,7 @@ class KVReceiver:
                         key,
                         self._sender_info.metadata_for(sender_info, from_stage, route.from_rank, key),
                         deadline,
+                        rid,
                     )
                     try:
                         if heads is None:  # learn the head count, then check the piece against it

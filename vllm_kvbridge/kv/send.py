@@ -25,6 +25,7 @@ import torch
 
 from vllm_kvbridge.connectors.base import Connector
 from vllm_kvbridge.connectors.keys import KV
+from vllm_kvbridge.connectors.put_retry import put_with_retry
 from vllm_kvbridge.errors import ConfigError
 from vllm_kvbridge.kv.config import KVTransferConfig, StageId
 from vllm_kvbridge.kv.layout import KVCacheLayout, cpu_layout, gather_layers, packed_layout
@@ -50,6 +51,11 @@ class SendJob:
     to_stage: StageId
     parts: list[tuple[str, int, KVCacheTransferData]]  # (key, from_rank, data)
     num_kv_heads: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the gathered KV holds until its puts complete."""
+        return sum(data.nbytes for _, _, data in self.parts)
 
 
 def layout_for(kv_caches: Sequence[torch.Tensor], block_size: int, cache_dtype: Any) -> KVCacheLayout:
@@ -163,6 +169,7 @@ class KVSendQueue:
         self._queue: queue.Queue[SendJob | None] = queue.Queue()
         self._io_thread: threading.Thread | None = None
         self._pending: set[str] = set()
+        self._queued_bytes = 0  # gathered KV not put yet (queued or being put)
         self._done: list[str] = []
         self._failed: dict[str, str] = {}
         self._reasons: OrderedDict[str, str] = OrderedDict()  # bounded by _MAX_REASONS
@@ -173,6 +180,7 @@ class KVSendQueue:
                 self._io_thread = threading.Thread(target=self._io_loop, name="kvbridge-kv-send", daemon=True)
                 self._io_thread.start()
             self._pending.add(job.engine_id)
+            self._queued_bytes += job.nbytes
         self._metrics.transfer_started("send")
         self._queue.put(job)
 
@@ -205,6 +213,12 @@ class KVSendQueue:
         with self._lock:
             return len(self._pending)
 
+    def queued_bytes(self) -> int:
+        """Bytes of gathered KV whose puts have not completed: what a full edge makes grow,
+        so a caller holds its next gathers (in the engine's blocks) while it is over budget."""
+        with self._lock:
+            return self._queued_bytes
+
     def _io_loop(self) -> None:
         while True:
             job = self._queue.get()
@@ -216,6 +230,7 @@ class KVSendQueue:
                 error = f"unexpected: {exc!r}"
             with self._lock:
                 self._pending.discard(job.engine_id)
+                self._queued_bytes -= job.nbytes
                 if error is None:
                     self._done.append(job.engine_id)
                 else:
@@ -224,37 +239,36 @@ class KVSendQueue:
                 logger.error("KV send of request %s failed: %s", job.engine_id, error)
                 self._metrics.failure("send")
             self._metrics.transfer_ended("send")
+            del job  # the gathered KV goes now, not when the next job arrives
 
     def _send(self, job: SendJob) -> str | None:
-        """Put every part (with retries); None on success, else why it failed."""
+        """Put every part (retries, and waits for room on a full edge); None on success,
+        else why it failed."""
         cfg = self._config
         infos: dict[str, Any] = {"ranks": {}, "keys": {}}
         put_keys: list[str] = []
         for key, rank, data in job.parts:
-            error = "no attempt"
             start = time.perf_counter()
-            for attempt in range(cfg.send_retries + 1):
-                if attempt:
-                    self._metrics.retry("send")
-                    if self._stop.wait(cfg.backoff(attempt - 1)):
-                        error = "manager shut down"
-                        break
-                try:
-                    result = self._connector().put(cfg.stage_id, job.to_stage, key, data)
-                except Exception as exc:
-                    error = f"{type(exc).__name__}: {exc}"
-                    continue
-                if result.ok:
-                    infos["ranks"][str(rank)] = result.metadata
-                    infos["keys"][key] = result.metadata
-                    put_keys.append(key)
-                    self._metrics.success("send", result.nbytes, time.perf_counter() - start)
-                    error = None
-                    break
-                error = result.error or "put returned ok=False"
-            if error is not None:
+            outcome = put_with_retry(
+                lambda key=key, data=data: self._connector().put(cfg.stage_id, job.to_stage, key, data),
+                retries=cfg.send_retries,
+                backoff=cfg.backoff,
+                send_timeout_s=cfg.send_timeout,
+                stop=self._stop,
+                # A request withdrawn while its put waits for room needs no room any more.
+                cancelled=lambda: self._sent_info.is_withdrawn(job.request_id),
+            )
+            for _ in range(outcome.retries):
+                self._metrics.retry("send")
+            if outcome.full_wait_s:
+                self._metrics.full_wait(outcome.full_wait_s)
+            if outcome.result is None:
                 self.withdraw_keys(put_keys)  # release what this request already put
-                return f"{key}: {error} (after {cfg.send_retries + 1} attempts)"
+                return f"{key}: {outcome.error}"
+            infos["ranks"][str(rank)] = outcome.result.metadata
+            infos["keys"][key] = outcome.result.metadata
+            put_keys.append(key)
+            self._metrics.success("send", outcome.result.nbytes, time.perf_counter() - start)
         infos["num_kv_heads"] = job.num_kv_heads  # lets a receiver that is not configured check
         if not self._sent_info.record((job.engine_id, job.request_id), infos):
             # Withdrawn while it was being sent (its request failed elsewhere): nobody will
@@ -285,6 +299,7 @@ class KVSendQueue:
             if job is not None:
                 with self._lock:
                     self._pending.discard(job.engine_id)
+                    self._queued_bytes -= job.nbytes
                     self._failed[job.engine_id] = "manager shut down"
                 self._metrics.failure("send")
                 self._metrics.transfer_ended("send")

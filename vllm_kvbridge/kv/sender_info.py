@@ -84,6 +84,11 @@ class SentInfoTable:
                 self._withdrawn.move_to_end(rid)
             return entry.info if entry is not None else None
 
+    def is_withdrawn(self, request_id: str) -> bool:
+        """Whether ``request_id`` was withdrawn (a send of it still under way can give up)."""
+        with self._lock:
+            return request_id in self._withdrawn
+
     def _pop_locked(self, request_id: str) -> _SentInfo | None:
         """Remove ``request_id``'s record under every id it is filed under."""
         entry = self._entries.get(request_id)

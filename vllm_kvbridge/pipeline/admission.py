@@ -6,8 +6,23 @@ serve faithfully fails at once with a clear message instead of losing data later
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from typing import Any
+
+from vllm_kvbridge.pipeline.cfg import check_request_id
+from vllm_kvbridge.pipeline.engines import ABORTED_KEEP_S
+
+
+def check_new_id(rid: str, in_use: Container[str], ended_in_error: Container[str]) -> None:
+    """Refuse (``ValueError``) an id that is malformed, in use, or ended in error lately."""
+    check_request_id(rid)
+    if rid in in_use:
+        raise ValueError(f"request id {rid!r} is already in use")
+    if rid in ended_in_error:
+        raise ValueError(
+            f"request id {rid!r} ended in error less than {ABORTED_KEEP_S:.0f} s ago (its"
+            " stages still drop what arrives late for it): retry under a new id"
+        )
 
 
 def check_sampling_params(

@@ -43,8 +43,30 @@ class StageEngine(ABC):
     @abstractmethod
     def abort(self, request_ids: list[str]) -> None: ...
 
+    def producer_lost(self, msg: m.ProducerLost) -> list[m.RequestFailed]:
+        """Give up those of ``msg.request_ids`` whose data from the lost stage died unread
+        (see :class:`~vllm_kvbridge.pipeline.messages.ProducerLost`); their failures, to send.
+        A stage that receives nothing from other stages has nothing to give up."""
+        return []
+
+    def edge_counters(self) -> dict[str, float]:
+        """Counters of this stage's connectors (:class:`~vllm_kvbridge.pipeline.messages.StageStats`);
+        empty for a stage that moves nothing itself."""
+        return {}
+
     @abstractmethod
     def close(self) -> None: ...
+
+
+def producer_lost_failure(
+    msg: m.ProducerLost, request_id: str, stage: ResolvedStage, what: str
+) -> m.RequestFailed:
+    """The failure of a request of ``stage`` whose ``what`` (``"KV"``, ``"payload"``) died
+    unread with its producer (named, and set as ``lost_stage``)."""
+    edge = next((e for e in stage.inputs if e.from_stage == msg.stage_id), None)
+    over = f" ({edge.connector.name} serves unread data from the sender's process)" if edge else ""
+    error = f"stage {msg.stage_id} ({msg.kind}) was lost before stage {stage.stage_id} read its {what}{over}"
+    return m.RequestFailed(request_id, stage.stage_id, error, lost_stage=msg.stage_id)
 
 
 #: How long a stage (and the orchestrator, which refuses such ids) remembers a request that
@@ -144,6 +166,9 @@ class DiffusionStageEngine(StageEngine):
         self._wakeup = threading.Event()
         self._done: queue.SimpleQueue[m.StageDone | m.RequestFailed | BaseException] = queue.SimpleQueue()
         self._aborted = ExpiringIds()
+        #: requests given up because their KV died unread with its producer (already reported)
+        self._lost = ExpiringIds()
+        self._current: tuple[m.Submit, Any] | None = None  # popped, being received/denoised
         self._pending = 0
         self._stop = False
         self._thread = threading.Thread(target=self._work, name="kvbridge-diffusion", daemon=True)
@@ -192,6 +217,24 @@ class DiffusionStageEngine(StageEngine):
         with self._lock:
             return request_id in self._aborted
 
+    def producer_lost(self, msg: m.ProducerLost) -> list[m.RequestFailed]:
+        wanted, out = set(msg.request_ids), []
+        with self._lock:  # the worker pops and starts requests under it: none slips by
+            held = [*self._queue, *([self._current] if self._current is not None else [])]
+            for sub, req in held:
+                rid = sub.request_id
+                if rid not in wanted or req.from_stage != msg.stage_id or rid in self._aborted:
+                    continue
+                # Decided once, in the KV manager: read already (kept) or withdrawn (failed).
+                if self.runner.withdraw_lost_kv(req):
+                    self._lost.add(rid)
+                    self._aborted.add(rid)  # the worker skips it, or stops its denoise
+                    out.append(producer_lost_failure(msg, rid, self.stage, "KV"))
+        return out
+
+    def edge_counters(self) -> dict[str, float]:
+        return self.runner.kvbridge_edge_counters()
+
     def step(self) -> list[m.StageDone | m.RequestFailed]:
         if self._rank1 is not None and self._rank1.poll() is not None:
             raise RuntimeError(f"rank 1 of this diffusion stage exited with status {self._rank1.returncode}")
@@ -208,55 +251,72 @@ class DiffusionStageEngine(StageEngine):
                     if not self._queue:
                         continue
                     msg, req = self._queue.pop(0)
+                    self._current = (msg, req)
                     nxt = self._queue[0][1] if self._queue else None
                     aborted = msg.request_id in self._aborted
+                    lost = msg.request_id in self._lost
                     self._aborted.discard(msg.request_id)
-                self._safe(lambda r=req: self.runner.release_kv(r))
-                if aborted:
-                    # The producer reports a request done only once its KV send completed, so
-                    # the KV is there: consume it now so its segment/keys are freed at once
-                    # instead of waiting for the connector's TTL.
-                    if req.from_stage >= 0 and self.runner.need_kv:
-                        self._safe(lambda r=req: self.runner.receive_kv(r))
-                    continue
-                if nxt is not None:
-                    self._safe(lambda n=nxt: self.runner.prefetch(n))
-                started = time.time()
                 try:
-                    res = self.runner.execute(req, cancelled=lambda rid=msg.request_id: self._is_aborted(rid))
-                except RequestCancelled:
-                    with self._lock:  # aborted mid-way: nobody waits for it, say nothing
-                        self._aborted.discard(msg.request_id)
-                    continue
-                except Exception as exc:
-                    self._done.put(
-                        m.RequestFailed(msg.request_id, self.stage.stage_id, f"{type(exc).__name__}: {exc}")
-                    )
-                    continue
-                transfers = []
-                if req.from_stage >= 0 and self.runner.need_kv:
-                    # One entry per cache (primary "kv" and each CFG companion); they are
-                    # received together, so each carries the group's wait.
-                    transfers = [
-                        m.TransferStat(
-                            req.from_stage, self.stage.stage_id, "kv", n, res.kv_seconds, "receiver", purpose
-                        )
-                        for purpose, n in res.kv_transfers.items()
-                    ]
-                self._done.put(
-                    m.StageDone(
-                        msg.request_id,
-                        self.stage.stage_id,
-                        output={"shape": list(res.image.shape)},
-                        image=m.tensor_to_msg(res.image),
-                        started=started,
-                        finished=time.time(),
-                        transfers=transfers,
-                    )
-                )
+                    self._run(msg, req, nxt, aborted, lost)
+                finally:
+                    with self._lock:
+                        self._current = None
+                        self._lost.discard(msg.request_id)
+                    self._safe(lambda r=req: self.runner.forget_kv(r))
         except BaseException as exc:  # an engine bug: fail the stage, loudly
             traceback.print_exc()
             self._done.put(exc)
+
+    def _run(self, msg: m.Submit, req: Any, nxt: Any, aborted: bool, lost: bool) -> None:
+        """One request, popped from the queue (``nxt``: the one after it, to prefetch)."""
+        self._safe(lambda r=req: self.runner.release_kv(r))
+        if lost:  # reported when its producer was lost; its KV is gone with it
+            return
+        if aborted:
+            # The producer reports a request done only once its KV send completed, so
+            # the KV is there: consume it now so its segment/keys are freed at once
+            # instead of waiting for the connector's TTL.
+            if req.from_stage >= 0 and self.runner.need_kv:
+                self._safe(lambda r=req: self.runner.receive_kv(r))
+            return
+        if nxt is not None:
+            self._safe(lambda n=nxt: self.runner.prefetch(n))
+        started = time.time()
+        try:
+            res = self.runner.execute(req, cancelled=lambda rid=msg.request_id: self._is_aborted(rid))
+        except RequestCancelled:
+            with self._lock:  # aborted mid-way: nobody waits for it, say nothing
+                self._aborted.discard(msg.request_id)
+            return
+        except Exception as exc:
+            with self._lock:
+                if msg.request_id in self._lost:  # its receive was withdrawn: reported already
+                    return
+            self._done.put(
+                m.RequestFailed(msg.request_id, self.stage.stage_id, f"{type(exc).__name__}: {exc}")
+            )
+            return
+        transfers = []
+        if req.from_stage >= 0 and self.runner.need_kv:
+            # One entry per cache (primary "kv" and each CFG companion); they are
+            # received together, so each carries the group's wait.
+            transfers = [
+                m.TransferStat(
+                    req.from_stage, self.stage.stage_id, "kv", n, res.kv_seconds, "receiver", purpose
+                )
+                for purpose, n in res.kv_transfers.items()
+            ]
+        self._done.put(
+            m.StageDone(
+                msg.request_id,
+                self.stage.stage_id,
+                output={"shape": list(res.image.shape)},
+                image=m.tensor_to_msg(res.image),
+                started=started,
+                finished=time.time(),
+                transfers=transfers,
+            )
+        )
 
     @staticmethod
     def _safe(fn: Any) -> None:

@@ -31,7 +31,7 @@ from vllm_kvbridge.config.runner_settings import runner_settings
 from vllm_kvbridge.errors import RequestRejected
 from vllm_kvbridge.pipeline import messages as m
 from vllm_kvbridge.pipeline.cfg import CompanionGroups
-from vllm_kvbridge.pipeline.engines import ExpiringIds, StageEngine
+from vllm_kvbridge.pipeline.engines import ExpiringIds, StageEngine, producer_lost_failure
 
 #: Seconds between two transfer-status RPCs while requests wait for their sends.
 STATUS_POLL_S = 0.005
@@ -110,6 +110,7 @@ class LLMStageEngine(StageEngine):
         if self._receivers:
             self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvbridge-payload-wait")
         self._inputs: dict[str, tuple[Future, Any, float]] = {}
+        self._input_of: dict[str, tuple[int, str]] = {}  # rid -> (producer, transfer id)
         self._started: dict[str, float] = {}
         self._awaiting: dict[str, Any] = {}  # finished in vLLM, sends still in flight
         self._aborted = ExpiringIds()
@@ -199,6 +200,7 @@ class LLMStageEngine(StageEngine):
             assert self._pool is not None
             fut = self._pool.submit(receiver.result, up.transfer_request_id)
             self._inputs[msg.request_id] = (fut, params, time.perf_counter())
+            self._input_of[msg.request_id] = (up.from_stage, up.transfer_request_id)
             return
         if msg.prompt is None:
             raise ValueError(f"request {msg.request_id!r} has neither a prompt nor an upstream payload")
@@ -211,6 +213,7 @@ class LLMStageEngine(StageEngine):
         for rid in request_ids:
             self._aborted.add(rid)
             entry = self._inputs.pop(rid, None)
+            self._input_of.pop(rid, None)
             if entry is not None:
                 for receiver in self._receivers.values():
                     receiver.cancel(rid)
@@ -222,11 +225,37 @@ class LLMStageEngine(StageEngine):
         # that finished in the engine core before the abort reached it.
         self._withdraw_kv(request_ids)
 
+    def producer_lost(self, msg: m.ProducerLost) -> list[m.RequestFailed]:
+        receiver = self._receivers.get(msg.stage_id)
+        if receiver is None or getattr(receiver.connector, "data_outlives_sender", True):
+            return []  # no payload from it, or one that is still readable
+        out = []
+        for rid in msg.request_ids:
+            src = self._input_of.get(rid)
+            # Not in _inputs: its payload was read and it runs in vLLM (nothing to give up).
+            if (
+                rid in self._inputs
+                and src is not None
+                and src[0] == msg.stage_id
+                and receiver.withdraw(src[1])
+            ):
+                del self._inputs[rid], self._input_of[rid]
+                self._streamed.pop(rid, None)
+                out.append(producer_lost_failure(msg, rid, self.stage, "payload"))
+        return out
+
     def _withdraw_kv(self, request_ids: list[str]) -> None:
         """Withdraw the KV of ``request_ids`` on every rank: what is out now at once, a send
         in flight or still to start when it completes (``kvbridge_discard_kv``)."""
         if self._sends_kv and request_ids:
             self.llm.collective_rpc("kvbridge_discard_kv", args=(list(request_ids),))
+
+    def edge_counters(self) -> dict[str, float]:
+        total: dict[str, float] = {}
+        for rank in self.llm.collective_rpc("kvbridge_edge_counters"):
+            for name, value in rank.items():
+                total[name] = total.get(name, 0.0) + value
+        return total
 
     def busy(self) -> bool:
         return bool(self._inputs or self._awaiting) or self.engine.has_unfinished_requests()
@@ -237,6 +266,7 @@ class LLMStageEngine(StageEngine):
             if not fut.done():
                 continue
             del self._inputs[rid]
+            self._input_of.pop(rid, None)
             try:
                 payload = fut.result()
                 embeds = payload["hidden_states"]

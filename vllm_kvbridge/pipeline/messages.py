@@ -12,7 +12,8 @@ Flow of one request through ``A -> B``::
     B -> orchestrator : StageProgress(request_id, text_delta, ...)       # streaming only
     B -> orchestrator : StageDone(request_id, output)                    # final output
 
-A stage reports ``Ready`` once its engine is up, ``RequestFailed`` for one failed request
+A stage lost after it handed requests on is named to their consumer in ``ProducerLost``
+(see there). A stage reports ``Ready`` once its engine is up, ``RequestFailed`` for one failed request
 (the stage keeps running) and ``StageFailed`` before it exits on a fatal error. From its
 start it sends a ``Heartbeat`` every ``--heartbeat-s`` seconds from a thread of its own
 (on a second socket), so a stage whose process is stopped or starved is told from one that
@@ -74,6 +75,20 @@ class Shutdown(_Msg, tag="shutdown"):
     pass
 
 
+class ProducerLost(_Msg, tag="producer_lost"):
+    """Stage ``stage_id`` (``kind``) was lost after it handed ``request_ids`` to this stage.
+
+    The consumer decides, because only it knows what it has read: each of those requests
+    whose data from that stage it has not read yet, over a connector whose unread data
+    died with its sender (``Connector.data_outlives_sender`` False), is given up (its
+    receive withdrawn) and reported as :class:`RequestFailed` with ``lost_stage``; the
+    others go on (read already, or still readable: shared memory, a store)."""
+
+    stage_id: int
+    kind: str
+    request_ids: list[str]
+
+
 class TransferStat(msgspec.Struct, forbid_unknown_fields=True):
     """Bytes and seconds of one transfer as one end of the edge measured it."""
 
@@ -126,6 +141,8 @@ class RequestFailed(_Msg, tag="request_failed"):
     request_id: str
     stage_id: int
     error: str
+    #: The producer stage whose loss failed it (its unread data died with it), if that is why.
+    lost_stage: int | None = None
 
 
 class StageFailed(_Msg, tag="stage_failed"):
@@ -142,8 +159,18 @@ class Heartbeat(_Msg, tag="heartbeat"):
     pid: int
 
 
-ToStage = Submit | Abort | Shutdown
-FromStage = Ready | StageDone | StageProgress | RequestFailed | StageFailed | Heartbeat
+class StageStats(_Msg, tag="stage_stats"):
+    """Counters of the stage's connectors (``leases_expired``, ``puts_full``; see
+    ``connectors.base.EDGE_COUNTERS``), summed over its ranks, sent when they change. They
+    start again from 0 in a restarted process (``pid`` tells them apart)."""
+
+    stage_id: int
+    pid: int
+    counters: dict[str, float]
+
+
+ToStage = Submit | Abort | Shutdown | ProducerLost
+FromStage = Ready | StageDone | StageProgress | RequestFailed | StageFailed | Heartbeat | StageStats
 
 _ENCODER = msgspec.msgpack.Encoder()
 _TO_STAGE = msgspec.msgpack.Decoder(ToStage)

@@ -45,8 +45,8 @@ import zmq
 
 from vllm_kvbridge.config.resolve import ResolvedPipeline, ResolvedStage, resolve
 from vllm_kvbridge.pipeline import messages as m
-from vllm_kvbridge.pipeline.admission import check_sampling_params
-from vllm_kvbridge.pipeline.cfg import check_request_id, companions_for
+from vllm_kvbridge.pipeline.admission import check_new_id, check_sampling_params
+from vllm_kvbridge.pipeline.cfg import companions_for
 from vllm_kvbridge.pipeline.engines import ABORTED_KEEP_S, ExpiringIds
 from vllm_kvbridge.pipeline.results import (  # re-exported: the pipeline's public types
     PipelineError,
@@ -71,6 +71,7 @@ from vllm_kvbridge.pipeline.supervision import (
     RestartPolicy,
     StageSupervision,
     heartbeat_interval,
+    producer_lost_notices,
     stage_status,
 )
 
@@ -238,7 +239,7 @@ class Pipeline:
         if len(ids) != len(prompts) or len(set(ids)) != len(ids):
             raise ValueError("request_ids must be unique and one per prompt")
         for rid in ids:
-            self._check_new_id(rid)
+            check_new_id(rid, self._results, self._ended_in_error)
         try:
             while self.recovering():  # a stage lost in an earlier call: wait for it first
                 self._pump(POLL_S)
@@ -254,16 +255,6 @@ class Pipeline:
         if raise_on_error and any(r.error for r in results):
             raise RequestError(results)
         return results
-
-    def _check_new_id(self, rid: str) -> None:
-        check_request_id(rid)
-        if rid in self._results:
-            raise ValueError(f"request id {rid!r} is already in use")
-        if rid in self._ended_in_error:
-            raise ValueError(
-                f"request id {rid!r} ended in error less than {ABORTED_KEEP_S:.0f} s ago (its"
-                " stages still drop what arrives late for it): retry under a new id"
-            )
 
     def _submit(self, stage_id: int, msg: m.Submit) -> None:
         h = self._stages[stage_id]
@@ -293,15 +284,17 @@ class Pipeline:
         self._companions.pop(rid, None)
         self._on_progress.pop(rid, None)
         stages = self._where.pop(rid, set())
-        if error is not None and self._sock is not None and not self._closed:
-            # Stages still working on it (e.g. a consumer waiting for chunks) drop it.
-            for sid in stages:
-                h = self._stages.get(sid)
-                if h is not None and not h.lost and h.proc.poll() is None:
-                    with contextlib.suppress(zmq.ZMQError):
-                        self._sock.send_multipart(
-                            [f"stage-{sid}".encode(), m.encode(m.Abort([rid]))], flags=zmq.NOBLOCK
-                        )
+        if error is not None:
+            for sid in stages:  # stages still working on it (e.g. a consumer waiting for chunks) drop it
+                self._tell(sid, m.Abort([rid]))
+
+    def _tell(self, sid: int, msg: m.Abort | m.ProducerLost) -> None:
+        """Send ``msg`` to stage ``sid`` unless its process is gone (then it has nothing to drop)."""
+        h = self._stages.get(sid)
+        if h is None or h.lost or h.proc.poll() is not None or self._sock is None or self._closed:
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.send_multipart([f"stage-{sid}".encode(), m.encode(msg)], flags=zmq.NOBLOCK)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -357,6 +350,10 @@ class Pipeline:
         with contextlib.suppress(subprocess.TimeoutExpired):
             h.proc.wait(timeout=1)  # reap it
         self._progress(f"[{h.label}] LOST: {error.error}; {sup.plan_line(delay)}")
+        # What it handed on may have died with it: its consumers fail what they had not read.
+        notices = producer_lost_notices(h.stage, self._results, self._where, self._supervision)
+        for consumer, notice in notices.items():
+            self._tell(consumer, notice)
         for rid in [rid for rid, stages in self._where.items() if sid in stages]:
             # What earlier stages handed to the lost one has no consumer any more: the
             # Abort that _finish sends them too makes them withdraw it (no TTL to wait).
@@ -386,7 +383,9 @@ class Pipeline:
         if h.lost or getattr(msg, "pid", 0) not in (0, h.proc.pid):
             return  # from a process given up (killed, or already replaced by its successor)
         h.last_seen = time.monotonic()
-        if isinstance(msg, m.Heartbeat):
+        if isinstance(msg, m.StageStats):
+            h.counters = dict(msg.counters)
+        if isinstance(msg, m.Heartbeat | m.StageStats):
             return
         if isinstance(msg, m.Ready):
             h.ready_at, h.info = time.monotonic(), msg.info
@@ -399,13 +398,17 @@ class Pipeline:
                     r = self._results.get(waiting.request_id)
                     if r is not None and not r.finished:
                         self._send_submit(h.stage.stage_id, waiting)
+                for notice in sup.notices:  # producers lost while those waited (after them)
+                    self._tell(h.stage.stage_id, notice)
+                sup.notices.clear()
         elif isinstance(msg, m.StageFailed):
             tail = msg.traceback.strip().splitlines()
             error = StageError(msg.stage_id, h.stage.kind, msg.error, "\n".join(tail[-LOG_TAIL_LINES:]))
             self._lose(h, error)
         elif isinstance(msg, m.RequestFailed):
             self._progress(f"[{h.label}] {msg.request_id} failed: {msg.error}")
-            self._finish(msg.request_id, f"stage {msg.stage_id} ({h.stage.kind}): {msg.error}")
+            error = f"stage {msg.stage_id} ({h.stage.kind}): {msg.error}"
+            self._finish(msg.request_id, error, lost_stage=msg.lost_stage)
         elif isinstance(msg, m.StageProgress):
             callback = self._on_progress.get(msg.request_id)
             # None: a request that finished already (aborted, timed out) or does not stream.
@@ -503,7 +506,7 @@ class Pipeline:
         if request_id is None:
             self._counter += 1
             request_id = f"req-{self._counter}"
-        self._check_new_id(request_id)
+        check_new_id(request_id, self._results, self._ended_in_error)
         self._polled.add(request_id)
         self._begin(request_id, prompt, sampling_params, stage_params, on_progress)
         return request_id

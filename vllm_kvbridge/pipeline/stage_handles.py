@@ -48,6 +48,8 @@ class StageHandle:
     #: /dev/shm names its process group mapped when it became ready (vLLM's own), to
     #: remove once it is killed: a dead group's maps cannot be read any more.
     shm_names: set[str] = field(default_factory=set)
+    #: Its connectors' counters, as its last ``StageStats`` said (this process's only).
+    counters: dict[str, float] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -94,6 +96,7 @@ def stop_stages(
             os.killpg(h.proc.pid, signal.SIGTERM)
     _wait_exit(alive, time.monotonic() + 5.0)
     for h in handles:
+        # Also for a stage that exited by itself: its engine core may outlive it.
         kill_stage_group(h.proc.pid, h.shm_names)
     _wait_exit(handles, time.monotonic() + 5.0)
 
@@ -156,7 +159,7 @@ def kill_stage_group(
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
     deadline = time.monotonic() + wait_s
-    while _alive_in_group(pgid) and time.monotonic() < deadline:
+    while group_alive(pgid) and time.monotonic() < deadline:
         time.sleep(0.05)
     if not mapped:
         return []
@@ -168,12 +171,14 @@ def kill_stage_group(
     return removed
 
 
-def _alive_in_group(pgid: int) -> bool:
+def group_alive(pgid: int) -> list[int]:
+    """The pids of group ``pgid`` still alive (zombies are not)."""
+    alive = []
     for pid in _group_pids(pgid):
         with contextlib.suppress(OSError, IndexError):
             if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                return True
-    return False
+                alive.append(pid)
+    return alive
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:

@@ -38,6 +38,8 @@ from vllm_kvbridge.pipeline.engines import StageEngine, build_engine
 
 #: How long the serve loop sleeps in poll when the engine has nothing to do (seconds).
 IDLE_POLL_S = 0.02
+#: How often a stage looks at its connectors' counters (and reports them when they changed).
+STATS_S = 2.0
 
 
 class _Terminated(BaseException):
@@ -114,7 +116,15 @@ def serve(stage: ResolvedStage, address: str, heartbeat_s: float = 1.0) -> int:
             )
             return 1
         sock.send(m.encode(m.Ready(stage.stage_id, os.getpid(), engine.info())))
+        counters: dict[str, float] = {}
+        next_stats = time.monotonic() + STATS_S
         while True:
+            if time.monotonic() >= next_stats:  # between steps: the engine's own thread
+                next_stats = time.monotonic() + STATS_S
+                now = engine.edge_counters()
+                if now != counters:
+                    counters = now
+                    sock.send(m.encode(m.StageStats(stage.stage_id, os.getpid(), counters)))
             busy = engine.busy()
             if sock.poll(0 if busy else int(IDLE_POLL_S * 1000)):
                 msg = m.decode_to_stage(sock.recv())
@@ -122,6 +132,16 @@ def serve(stage: ResolvedStage, address: str, heartbeat_s: float = 1.0) -> int:
                     return 0
                 if isinstance(msg, m.Abort):
                     engine.abort(msg.request_ids)
+                elif isinstance(msg, m.ProducerLost):
+                    given_up = engine.producer_lost(msg)
+                    for failed in given_up:
+                        sock.send(m.encode(failed))
+                    print(
+                        f"kvbridge: producer stage {msg.stage_id} ({msg.kind}) lost: gave up"
+                        f" {len(given_up)} of the {len(msg.request_ids)} request(s) it handed here",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 else:
                     try:
                         engine.submit(msg)

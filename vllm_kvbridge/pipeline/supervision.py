@@ -16,6 +16,12 @@ per stage. The contract (issue 15, item 1):
   stage, every request failed). ``max_restarts: 0`` turns supervision off.
 * While it is *recovering*, requests that reach it from an earlier stage wait for it
   (their ``request_timeout`` still runs) and are handed to it once it is ready.
+* Requests it had finished and handed to a consumer stage are not in it any more; their
+  consumers are told (``ProducerLost``, :func:`producer_lost_notices`): each fails at once
+  those it had not read yet over a connector whose unread data died with its sender
+  (``Connector.data_outlives_sender``), naming the lost stage as ``lost_stage``; the rest go
+  on. A consumer that is itself recovering is told once it is back, after the submits that
+  waited for it.
 * A stage that fails while the pipeline starts is not restarted: a stage that cannot start
   is a configuration or environment error, and restarting it would only hide it.
 """
@@ -24,15 +30,23 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_kvbridge.config.resolve import ResolvedStage
 from vllm_kvbridge.pipeline import messages as m
-from vllm_kvbridge.pipeline.results import StageError
+from vllm_kvbridge.pipeline.results import RequestResult, StageError
 from vllm_kvbridge.pipeline.stage_handles import StageHandle, last_error_line, log_tail
 
-__all__ = ["MAX_BACKOFF_S", "RestartPolicy", "StageSupervision", "heartbeat_interval", "stage_status"]
+__all__ = [
+    "MAX_BACKOFF_S",
+    "RestartPolicy",
+    "StageSupervision",
+    "heartbeat_interval",
+    "producer_lost_notices",
+    "stage_status",
+]
 
 #: The longest wait before a restart, however many came before it (seconds).
 MAX_BACKOFF_S = 30.0
@@ -68,6 +82,8 @@ class StageSupervision:
     restart_at: float = 0.0
     last_error: StageError | None = None
     pending: list[m.Submit] = field(default_factory=list)
+    #: Producers lost while some of ``pending`` waited: told to the stage after them.
+    notices: list[m.ProducerLost] = field(default_factory=list)
 
     @property
     def recovering(self) -> bool:
@@ -134,12 +150,42 @@ class StageSupervision:
         return pending
 
 
+def producer_lost_notices(
+    lost: ResolvedStage,
+    results: Mapping[str, RequestResult],
+    where: Mapping[str, set[int]],
+    supervision: Mapping[int, StageSupervision],
+) -> dict[int, m.ProducerLost]:
+    """What to tell each consumer of the lost stage now: the unfinished requests it had
+    finished (its ``StageDone`` was read) and handed to that consumer, which may not have read
+    their data yet. A recovering consumer's waiting submits from it are queued on its
+    ``notices`` instead (its process is not there to tell)."""
+    sid, consumers = lost.stage_id, {e.to_stage for e in lost.outputs}
+    handed: dict[int, list[str]] = {}
+    for rid, stages in where.items():
+        r = results.get(rid)
+        if r is None or r.finished or sid in stages:
+            continue  # requests still in the lost stage fail with it
+        if any(x.stage_id == sid and x.done for x in r.stages):
+            for c in stages & consumers:
+                handed.setdefault(c, []).append(rid)
+    for c in consumers:
+        sup = supervision.get(c)
+        waiting = (
+            [p.request_id for p in sup.pending if any(u.from_stage == sid for u in p.upstream)] if sup else []
+        )
+        if sup is not None and sup.recovering and waiting:
+            sup.notices.append(m.ProducerLost(sid, lost.kind, waiting))
+    return {c: m.ProducerLost(sid, lost.kind, rids) for c, rids in handed.items()}
+
+
 def stage_status(
     stage: ResolvedStage, h: StageHandle | None, sup: StageSupervision, pipeline_failed: bool
 ) -> dict[str, Any]:
     """One stage's health: id, kind, ``status`` (``not_started`` | ``starting`` | ``ready`` |
     ``recovering`` | ``failed`` | ``stopped``), pid, ``restarts`` so far and, unless it is
-    ready or starting, its error (for ``recovering``: why it was lost)."""
+    ready or starting, its error (for ``recovering``: why it was lost); ``counters``: its
+    connectors' (``StageStats``) once it reported them."""
     entry: dict[str, Any] = {"stage_id": stage.stage_id, "kind": stage.kind, "restarts": sup.restarts}
     if h is None:
         entry["status"] = "not_started"
@@ -151,4 +197,6 @@ def stage_status(
         entry.update(status="stopped", pid=h.proc.pid, error=f"exited with status {h.proc.poll()}")
     else:
         entry.update(status="ready" if h.ready_at else "starting", pid=h.proc.pid)
+    if h is not None and h.counters:
+        entry["counters"] = dict(h.counters)
     return entry

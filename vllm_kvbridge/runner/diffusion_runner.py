@@ -314,6 +314,23 @@ class DiffusionRunner(KVBridgeModelRunnerMixin):
         if self._kv is not None:
             self._kv.release_leases(req.transfer_request_id)
 
+    def withdraw_lost_kv(self, req: DiffusionRequest) -> bool:
+        """``req``'s producer process was lost: True when its KV died with it unread (the
+        edge's connector serves unread KV from the sender's process, see
+        ``Connector.data_outlives_sender``) and its receive, prefetch and leases are now
+        withdrawn, so ``req`` cannot be served. False when it was read already, or when the
+        connector keeps unread KV after its sender is gone (it can still be read)."""
+        if self._kv is None or req.from_stage < 0:
+            return False
+        if getattr(self._kv.connector, "data_outlives_sender", True):
+            return False
+        return self._kv.withdraw_receive(req.transfer_request_id)
+
+    def forget_kv(self, req: DiffusionRequest) -> None:
+        """``req`` left the stage (done, failed, dropped): forget its read/withdrawn mark."""
+        if self._kv is not None:
+            self._kv.forget_receive(req.transfer_request_id)
+
     def prefetch(self, req: DiffusionRequest) -> None:
         """Start pulling ``req``'s KV (and companions) in the background (no-op when disabled)."""
         if not (self.need_kv and self.prefetch_enabled):

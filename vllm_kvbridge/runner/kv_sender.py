@@ -11,8 +11,18 @@ Contract
 --------
 * :meth:`send` runs on the thread that calls ``wait_for_save`` (vLLM's model thread),
   while the scheduler still holds the blocks: it *gathers* (copies the blocks out of the
-  cache) before it returns and queues the puts for the KV manager's I/O thread. It never
-  raises: a request whose gather or put fails reads ``failed: <why>`` in :meth:`status`.
+  cache) and queues the puts for the KV manager's I/O thread. It never raises: a request
+  whose gather or put fails reads ``failed: <why>`` in :meth:`status`.
+* Backpressure: while the gathered KV still waiting for its puts is at
+  ``max_send_queue_bytes`` or more (its edge is full, or slower than the engine), the sends
+  whose blocks the scheduler holds for us (``release``: a finished request's) are *held*:
+  not gathered, their blocks not given back, so the KV stays in the engine's cache and the
+  engine admits only what its cache holds. They are gathered in order, at the next steps,
+  once the queue drains; one held for ``send_timeout`` fails, and its blocks go back. A
+  send of a request that keeps running (``prefill_finished``, ``special_token``) is
+  gathered at once in every case: vLLM frees a running request's blocks without asking
+  the connector when it finishes. :meth:`take_released` names the requests whose blocks
+  may go back (gathered, failed or withdrawn).
 * :meth:`status`, :meth:`sender_info` and :meth:`discard` are the worker RPCs' answers;
   they run on the worker's RPC thread, concurrently with :meth:`send`.
 * Status per transfer id: ``pending`` | ``done`` | ``failed: why``, and ``aborted``. A
@@ -24,7 +34,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +52,8 @@ logger = logging.getLogger(__name__)
 #: Terminal statuses kept for status queries after a request ended.
 STATUS_HISTORY = 4096
 PENDING, DONE, FAILED, UNKNOWN = "pending", "done", "failed", "unknown"
+#: Pause of an engine step that ran nothing while sends are held (no busy loop).
+HELD_IDLE_PAUSE_S = 0.01
 
 
 @dataclass
@@ -83,6 +96,7 @@ class WorkerKVSender:
         self.block_size = block_size
         self.tp_rank, self.tp_size = tp_rank, tp_size
         config = settings.kv_transfer_config()
+        self._queue_budget, self._send_timeout = config.max_send_queue_bytes, config.send_timeout
         connector = None
         if wrap_transport is not None:
             inner = create_connector(config.connector, config.connector_config, rank=tp_rank)
@@ -108,27 +122,70 @@ class WorkerKVSender:
         self._lock = threading.Lock()
         self._live: dict[str, _SendState] = {}  # engine id -> state, until the send settled
         self._history: OrderedDict[str, dict[str, str]] = OrderedDict()  # transfer id -> line
+        self._held: deque[tuple[Any, float]] = deque()  # (KVSendSpec, held since), oldest first
+        self._released: set[str] = set()  # engine ids whose blocks may go back
         self._closed = False
         self._exit_hook = ExitHook(self.shutdown)
 
     # -- model thread ------------------------------------------------------------------------
-    def send(self, specs: Sequence[Any]) -> None:
-        """Gather now and queue the puts of ``specs`` (``KVSendSpec`` items); never raises."""
-        if not specs:
-            return
-        finished_reqs: dict[str, dict[str, Any]] = {}
+    def send(self, specs: Sequence[Any], *, idle: bool = False) -> None:
+        """Gather and queue the puts of ``specs`` (``KVSendSpec`` items) and of the sends
+        held at earlier steps, as far as the send queue's budget allows; never raises.
+        ``idle``: this step ran no forward (a held send then pauses the loop a little)."""
+        now = time.monotonic()
+        at_once = []
         with self._lock:
             for spec in specs:
                 self._live[spec.req_id] = _SendState(spec.transfer_id)
-                info: dict[str, Any] = {
-                    "block_ids": list(spec.block_ids),
-                    "seq_len": int(spec.num_tokens),
-                    "metadata": {KV_SPEC_KEY: self.kv_spec},
-                }
-                if spec.companion_of:
-                    info["purpose"] = spec.purpose or "kv"
-                    info["companion_of"] = spec.companion_of
-                finished_reqs[spec.req_id] = info
+                if spec.release:
+                    self._held.append((spec, now))
+                else:
+                    at_once.append(spec)
+        self._gather(at_once)
+        while (spec := self._next_held(now)) is not None:
+            self._gather([spec])
+            with self._lock:
+                self._released.add(spec.req_id)
+        self.poll()
+        if idle and self.held():
+            time.sleep(HELD_IDLE_PAUSE_S)
+
+    def _next_held(self, now: float) -> Any:
+        """The oldest held send if the queue has room (None otherwise); fails those held for
+        ``send_timeout``."""
+        with self._lock:
+            while self._held:
+                spec, since = self._held[0]
+                queued = self.manager.queued_send_bytes()
+                if queued < self._queue_budget:
+                    self._held.popleft()
+                    return spec
+                if now - since < self._send_timeout:
+                    return None
+                self._held.popleft()
+                self._settle(
+                    spec.req_id,
+                    f"{FAILED}: KV held {now - since:.1f} s in the engine (send_timeout "
+                    f"{self._send_timeout:g} s) while {queued} bytes waited for their puts "
+                    f"(max_send_queue_bytes={self._queue_budget}): the edge stayed full",
+                )
+                self._released.add(spec.req_id)
+        return None
+
+    def _gather(self, specs: Sequence[Any]) -> None:
+        if not specs:
+            return
+        finished_reqs: dict[str, dict[str, Any]] = {}
+        for spec in specs:
+            info: dict[str, Any] = {
+                "block_ids": list(spec.block_ids),
+                "seq_len": int(spec.num_tokens),
+                "metadata": {KV_SPEC_KEY: self.kv_spec},
+            }
+            if spec.companion_of:
+                info["purpose"] = spec.purpose or "kv"
+                info["companion_of"] = spec.companion_of
+            finished_reqs[spec.req_id] = info
         ids = {s.req_id: s.transfer_id for s in specs}
         try:
             self.manager.handle_finished_requests_kv_transfer(
@@ -144,7 +201,17 @@ class WorkerKVSender:
             with self._lock:
                 for spec in specs:
                     self._settle(spec.req_id, why)
-        self.poll()
+
+    def held(self) -> int:
+        """Sends held in the engine's blocks until the send queue has room."""
+        with self._lock:
+            return len(self._held)
+
+    def take_released(self) -> set[str]:
+        """Engine ids whose blocks may go back to vLLM since the last call (each once)."""
+        with self._lock:
+            released, self._released = self._released, set()
+        return released
 
     def mark_aborted(self, aborted: Mapping[str, str]) -> None:
         """The requests (engine id -> transfer id) were aborted in the engine: their status
@@ -208,8 +275,16 @@ class WorkerKVSender:
 
     def discard(self, request_ids: Iterable[str]) -> dict[str, int]:
         """Withdraw the KV of ``request_ids`` (transfer ids) nobody will consume: what is out
-        now, and a send in flight or still to start when it completes; keys withdrawn per id."""
-        return {rid: self.manager.discard_sent(rid) for rid in request_ids}
+        now, and a send in flight or still to start when it completes; keys withdrawn per id.
+        A send still held in the engine is dropped before its gather (its blocks go back)."""
+        ids = list(request_ids)
+        with self._lock:
+            wanted = set(ids)
+            for spec, since in [h for h in self._held if h[0].transfer_id in wanted]:
+                self._held.remove((spec, since))
+                self._settle(spec.req_id, f"{FAILED}: withdrawn before its KV was gathered")
+                self._released.add(spec.req_id)
+        return {rid: self.manager.discard_sent(rid) for rid in ids}
 
     def pending(self) -> int:
         """Puts queued or in flight on the I/O thread."""
@@ -229,6 +304,11 @@ class WorkerKVSender:
                 return
             self._closed = True
         self._exit_hook.cancel()
+        with self._lock:
+            for spec, _ in self._held:
+                self._settle(spec.req_id, f"{FAILED}: shut down before its KV was gathered")
+                self._released.add(spec.req_id)
+            self._held.clear()
         try:
             self.manager.shutdown(timeout=timeout)
         except Exception:

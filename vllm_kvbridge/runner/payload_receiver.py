@@ -143,6 +143,19 @@ class PayloadReceiver:
             self._finish(stream, "cancelled", TransferError(f"request {request_id!r}: receive cancelled"))
             return True
 
+    def withdraw(self, request_id: str) -> bool:
+        """Cancel ``request_id`` unless its payload is complete (its sender was lost): True
+        when it was still receiving and is cancelled now, False when it was read (complete,
+        or taken already) or is not expected. Decided under the receive thread's lock, so a
+        payload that completed is never given up."""
+        with self._lock:
+            stream = self._streams.get(request_id)
+            if stream is None or stream.state != "receiving":
+                return False
+            del self._streams[request_id]
+            self._finish(stream, "cancelled", TransferError(f"request {request_id!r}: receive withdrawn"))
+            return True
+
     def _take(self, request_id: str, timeout: float | None) -> _Stream:
         end = None if timeout is None else time.monotonic() + timeout
         with self._lock:

@@ -50,6 +50,7 @@ import torch
 
 from vllm_kvbridge.connectors.base import Connector
 from vllm_kvbridge.connectors.keys import payload_key
+from vllm_kvbridge.connectors.put_retry import put_with_retry
 from vllm_kvbridge.errors import (
     ConfigError,
     TransferCorrupt,
@@ -191,6 +192,7 @@ class PayloadSender:
         retries: int = 3,
         backoff_s: float = 0.05,
         max_backoff_s: float = 1.0,
+        send_timeout_s: float = 60.0,
         workers: int = SEND_WORKERS,
     ) -> None:
         if workers < 1:
@@ -199,6 +201,8 @@ class PayloadSender:
         self.from_stage, self.to_stage = from_stage, to_stage
         self.from_rank, self.to_rank = from_rank, to_rank
         self.retries, self.backoff_s, self.max_backoff_s = retries, backoff_s, max_backoff_s
+        self.send_timeout_s = send_timeout_s
+        self._stop = threading.Event()  # ends waits for room once close() gave up waiting
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._queue: deque[_PutJob] = deque()
@@ -305,20 +309,17 @@ class PayloadSender:
             return set(self._status) | set(self._next_chunk) | set(self._queued)
 
     def _put(self, job: _PutJob) -> str | None:
-        error = "no attempt"
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s))
-            try:
-                result = self.connector.put(self.from_stage, self.to_stage, job.key, job.envelope)
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
-                continue
-            if result.ok:
-                self.last_metadata = dict(result.metadata)
-                return None
-            error = result.error or "put returned ok=False"
-        return f"put of {job.key} failed after {self.retries + 1} attempts: {error}"
+        outcome = put_with_retry(
+            lambda: self.connector.put(self.from_stage, self.to_stage, job.key, job.envelope),
+            retries=self.retries,
+            backoff=lambda i: min(self.backoff_s * 2**i, self.max_backoff_s),
+            send_timeout_s=self.send_timeout_s,
+            stop=self._stop,
+        )
+        if outcome.result is None:
+            return f"put of {job.key} failed: {outcome.error}"
+        self.last_metadata = dict(outcome.result.metadata)
+        return None
 
     def _take_locked(self) -> _PutJob | None:
         """The oldest queued job whose request has no put running (called with the lock)."""
@@ -385,6 +386,9 @@ class PayloadSender:
         end = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, end - time.monotonic()))
+        self._stop.set()  # a put still waiting for room gives up (its request fails)
+        for thread in self._threads:
+            thread.join(0.5)
         alive = sum(t.is_alive() for t in self._threads)
         if alive:
             logger.warning("%d payload sender threads did not stop within %.1f s", alive, timeout)

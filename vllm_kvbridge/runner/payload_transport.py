@@ -85,7 +85,11 @@ class _PayloadTransportMixin(_ConnectorRuntimeMixin):
                 sender = self._kvb_payload.senders.get(peer)
                 if sender is None:
                     sender = PayloadSender(
-                        conn, self._kvb.settings.stage_id, edge.peer_stage, retries=edge.send_retries
+                        conn,
+                        self._kvb.settings.stage_id,
+                        edge.peer_stage,
+                        retries=edge.send_retries,
+                        send_timeout_s=edge.send_timeout_s,
                     )
                     self._kvb_payload.senders[peer] = sender
         return sender

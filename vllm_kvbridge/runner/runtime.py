@@ -47,7 +47,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_kvbridge.connectors.base import Connector
+from vllm_kvbridge.connectors.base import Connector, edge_counters
 from vllm_kvbridge.connectors.registry import create_connector
 from vllm_kvbridge.errors import ConfigError
 from vllm_kvbridge.runner.exit_hook import ExitHook
@@ -386,6 +386,16 @@ class _ConnectorRuntimeMixin:
     def kvbridge_kv_manager_kwargs(self) -> dict[str, Any]:
         """Extra ``KVTransferManager`` arguments (heads, rank, group); hosts override."""
         return {"tp_rank": self._kvb.tp_rank, "process_group": self._kvb.tp_group}
+
+    def kvbridge_edge_counters(self) -> dict[str, float]:
+        """Expired leases and full answers over every connector of this rank (payload
+        edges, the KV sender's and the receiving KV manager's), for the pipeline's metrics."""
+        with self._kvb.lock:
+            connectors = list(self._kvb.connectors.values())
+            managers = [self._kvb.kv_manager, getattr(self._kvb.kv_sender, "manager", None)]
+        healths = [c.health() for c in connectors]
+        healths += [m.health()["connector"] for m in managers if m is not None]
+        return edge_counters(healths)
 
     def kvbridge_discard_kv(self, request_ids: Iterable[str]) -> dict[str, int]:
         """Withdraw the sent KV of ``request_ids`` (transfer ids) that nobody will consume

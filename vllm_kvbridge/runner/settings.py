@@ -25,7 +25,8 @@ runner) builds it with :meth:`RunnerSettings.from_dict` too. The dict, every key
         "outputs": [                       # edges this stage sends payloads on
           {"to_stage": 1, "mode": "full",  # | "async_chunk"
            "connector": "SharedMemoryConnector", "connector_config": {},
-           "chunk_size": 16, "send_retries": 3}
+           "chunk_size": 16, "send_retries": 3,
+           "send_timeout_s": 60.0}         # longest wait for room on a full edge per put
         ],
         "inputs": [                        # edges this stage receives payloads on
           {"from_stage": 0, "mode": "full",
@@ -164,6 +165,7 @@ class PayloadEdgeSettings:
     recv_timeout_s: float = 30.0
     stall_timeout_s: float = 30.0
     send_retries: int = 3
+    send_timeout_s: float = 60.0
 
     @classmethod
     def from_dict(cls, data: Any, *, direction: str, path: str) -> PayloadEdgeSettings:
@@ -171,7 +173,9 @@ class PayloadEdgeSettings:
         # No TP size: payloads travel on TP rank 0 and are broadcast within a stage.
         common = {peer_key, "mode", "connector", "connector_config"}
         extra = (
-            {"chunk_size", "send_retries"} if direction == "output" else {"recv_timeout_s", "stall_timeout_s"}
+            {"chunk_size", "send_retries", "send_timeout_s"}
+            if direction == "output"
+            else {"recv_timeout_s", "stall_timeout_s"}
         )
         d = _check_keys(data, common | extra, path)
         if peer_key not in d:
@@ -191,7 +195,9 @@ class PayloadEdgeSettings:
         retries = _typed(d, "send_retries", int, 3, path)
         if retries < 0:
             raise ConfigError(f"{path}.send_retries: must be >= 0, got {retries}")
-        return cls(peer, mode, connector, dict(cfg), chunk, recv, stall, retries)
+        send_timeout = float(_typed(d, "send_timeout_s", (int, float), 60.0, path))
+        _positive(send_timeout, f"{path}.send_timeout_s")
+        return cls(peer, mode, connector, dict(cfg), chunk, recv, stall, retries, send_timeout)
 
 
 @dataclass(frozen=True)

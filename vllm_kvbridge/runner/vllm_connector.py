@@ -135,6 +135,8 @@ class KVBridgeConnectorMetadata(KVConnectorMetadata):
     #: internal id -> ("finished" | "aborted", transfer id), for requests that ended
     #: since the previous step.
     finished: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: The step runs no forward (only held KV sends keep the engine stepping).
+    idle: bool = False
 
 
 class ConnectorHost(Protocol):
@@ -241,35 +243,47 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return None  # the gather happens once per step in wait_for_save, not per layer
 
     def wait_for_save(self) -> None:
-        """After the step's forward: gather this step's sends, then tell the runner (if
-        any) which requests ended. Never raises (an error here takes the engine down):
-        a failed send reads ``failed: why`` in the sender's status."""
+        """After the step's forward: gather this step's sends (and those held back while
+        the send queue was full), then tell the runner (if any) which requests ended.
+        Never raises (an error here takes the engine down): a failed send reads
+        ``failed: why`` in the sender's status."""
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KVBridgeConnectorMetadata) or not (meta.sends or meta.finished):
+        sender = self._sender
+        if not isinstance(meta, KVBridgeConnectorMetadata):
             return
+        if not (meta.sends or meta.finished or (sender is not None and sender.held())):
+            return
+        released: set[str] = set()
         try:
-            if meta.sends:
-                if self._sender is None:
-                    # register_kv_caches never ran (or this stage sends no KV): nothing to gather.
-                    logger.error(
-                        "%s: %d KV send(s) scheduled but no KV caches were registered; they fail",
-                        CONNECTOR_NAME,
-                        len(meta.sends),
-                    )
-                else:
-                    self._sender.send(meta.sends)
+            if sender is not None:
+                sender.send(meta.sends, idle=meta.idle)
+            elif meta.sends:
+                # register_kv_caches never ran (or this stage sends no KV): nothing to gather.
+                logger.error(
+                    "%s: %d KV send(s) scheduled but no KV caches were registered; they fail",
+                    CONNECTOR_NAME,
+                    len(meta.sends),
+                )
+                released = {s.req_id for s in meta.sends if s.release}
             aborted = {rid: tid for rid, (kind, tid) in meta.finished.items() if kind == "aborted"}
-            if aborted and self._sender is not None:
-                self._sender.mark_aborted(aborted)
+            if aborted and sender is not None:
+                sender.mark_aborted(aborted)
             if self._host is not None and meta.finished:
                 self._host.kvbridge_connector_step(dict(meta.finished))
         finally:
-            # Whatever happened, the gather is over: the blocks may go back to the pool.
-            # Failures are reported through the sender's transfer status, never as done.
+            # The sender names the blocks it is done with (gathered, failed, withdrawn);
+            # the others stay held for a gather at a later step.
+            if sender is not None:
+                released |= sender.take_released()
             with self._lock:
-                self._released.update(s.req_id for s in meta.sends if s.release)
+                self._released.update(released)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sender = self._sender
+        if sender is not None:  # e.g. a held send withdrawn (RPC thread) since the last step
+            taken = sender.take_released()
+            with self._lock:
+                self._released.update(taken)
         with self._lock:
             released, self._released = self._released, set()
         return (released or None), None
@@ -354,7 +368,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 sends.append(tracked.spec(blocks, n, False))
                 tracked.sent = True
         finished, self._finished = self._finished, {}
-        return KVBridgeConnectorMetadata(sends=sends, finished=finished)
+        idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        return KVBridgeConnectorMetadata(sends=sends, finished=finished, idle=idle)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus

@@ -48,6 +48,7 @@ from typing import Any
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import Worker
 
+from vllm_kvbridge.connectors.base import edge_counters
 from vllm_kvbridge.errors import ConfigError
 from vllm_kvbridge.runner.ar_runner import KVBridgeARModelRunner, KVBridgeCPUModelRunner
 from vllm_kvbridge.runner.mixin import KVBridgeModelRunnerMixin
@@ -129,7 +130,19 @@ class KVBridgeWorkerExtension:
         state["model_runner_cls"] = type(getattr(self, "model_runner", None)).__qualname__
         state["kv_pending"] = sender.pending() if sender is not None else 0
         state["kv_live"] = sender.live() if sender is not None else []
+        # Backpressure: sends held in the engine's blocks, gathered KV waiting for its puts,
+        # and the edge connector's own counters (held bytes, full answers, expired leases).
+        state["kv_held"] = sender.held() if sender is not None else 0
+        state["kv_queued_bytes"] = sender.manager.queued_send_bytes() if sender is not None else 0
+        state["kv_edge"] = sender.manager.connector.health() if sender is not None else {}
         return state
+
+    def kvbridge_edge_counters(self) -> dict[str, float]:
+        """Expired leases and full answers of this rank's connectors (the pipeline's metrics)."""
+        sender, runner = self._kvbridge_parts()
+        if runner is not None:
+            return runner.kvbridge_edge_counters()
+        return edge_counters([sender.manager.health()["connector"]] if sender is not None else [])
 
     def kvbridge_discard_kv(self, request_ids: Iterable[str]) -> dict[str, int]:
         sender, _runner = self._kvbridge_parts()

@@ -14,7 +14,11 @@ process (tests) never share counters. Names start with ``kvbridge_``:
   bytes and seconds moved per edge (the receiving side's measurement when it reported one);
 * ``kvbridge_stage_up{stage,kind}``: 1 while the stage is ready;
 * ``kvbridge_stage_restarts_total{stage,kind}``: restarts of a lost stage (supervision);
-  ``kvbridge_stage_recovering{stage,kind}`` is 1 while one is under way.
+  ``kvbridge_stage_recovering{stage,kind}`` is 1 while one is under way;
+* ``kvbridge_leases_expired_total{stage,kind}``: payloads a stage's senders dropped unread
+  because no receiver renewed their lease (its consumer died or gave up);
+  ``kvbridge_edge_puts_full_total{stage,kind}``: puts a stage's senders found its edge full
+  for (the sender waited for room: docs/serving.md, "Backpressure on the edges").
 """
 
 from __future__ import annotations
@@ -78,7 +82,18 @@ class ServerMetrics:
         self.stage_recovering = Gauge(
             "kvbridge_stage_recovering", "1 while a lost stage is restarted", ["stage", "kind"], registry=r
         )
+        self.leases_expired = Counter(
+            "kvbridge_leases_expired",
+            "Payloads dropped unread when their lease expired",
+            ["stage", "kind"],
+            registry=r,
+        )
+        self.puts_full = Counter(
+            "kvbridge_edge_puts_full", "Puts that found their edge full", ["stage", "kind"], registry=r
+        )
         self._restarts_seen: dict[str, int] = {}
+        # (stage, counter) -> (pid, value) last seen: a restarted process counts from 0 again
+        self._counters_seen: dict[tuple[str, str], tuple[int, float]] = {}
         self._stage_health = stage_health
 
     def observe_result(self, r: RequestResult) -> None:
@@ -101,4 +116,19 @@ class ServerMetrics:
             if new > 0:
                 self.stage_restarts.labels(sid, s["kind"]).inc(new)
                 self._restarts_seen[sid] = s["restarts"]
+            counters, pid = s.get("counters", {}), s.get("pid", 0)
+            for name, counter in (("leases_expired", self.leases_expired), ("puts_full", self.puts_full)):
+                self._follow(counter.labels(sid, s["kind"]), (sid, name), pid, counters)
         return generate_latest(self.registry)
+
+    def _follow(self, child: Any, key: tuple[str, str], pid: int, counters: dict[str, float]) -> None:
+        """Add what a stage process's counter grew by since the last scrape (all of it for
+        a new process)."""
+        if key[1] not in counters:
+            return
+        value = float(counters[key[1]])
+        seen_pid, seen = self._counters_seen.get(key, (pid, 0.0))
+        grown = value - seen if seen_pid == pid else value
+        if grown > 0:
+            child.inc(grown)
+        self._counters_seen[key] = (pid, value)

@@ -1,0 +1,246 @@
+"""Issue 15 item 2: a full edge is waited out, never dropped (real connectors and threads).
+
+A sender that holds its limit of unread bytes refuses a put with ``PutResult.full``; the
+KV send waits for room (no retry used up) until ``send_timeout``, then fails naming the
+limit. While gathered KV waits for its puts beyond ``max_send_queue_bytes``, the worker's
+sender holds finished requests' KV in the engine's blocks (not gathered, not released)
+and gathers it, in order, once the queue drains. Every state a test looks at is held by
+the edge being full (nobody reads), never by a sleep.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import pytest
+import torch
+from kv_fixtures import BLOCK, fake_cpu_caches, reference_kv, request_plan
+from runner_fixtures import shm_entries, shm_namespace
+
+from vllm_kvbridge.connectors.put_retry import put_with_retry
+from vllm_kvbridge.connectors.registry import register_connector
+from vllm_kvbridge.connectors.shm import SharedMemoryConnector
+from vllm_kvbridge.connectors.zmq_p2p import ZmqConnector
+from vllm_kvbridge.kv.config import KVTransferConfig
+from vllm_kvbridge.kv.manager import KVTransferManager
+from vllm_kvbridge.runner.kv_sender import WorkerKVSender
+from vllm_kvbridge.runner.settings import RunnerSettings
+from vllm_kvbridge.runner.vllm_connector import KVSendSpec
+
+pytestmark = pytest.mark.forked
+
+
+class _GatedShm(SharedMemoryConnector):
+    """A real shm connector whose puts wait for ``gate`` (a link slower than the engine)."""
+
+    name = "BackpressureGatedShm"
+    gate = threading.Event()
+
+    def put(self, from_stage, to_stage, key, payload):
+        assert type(self).gate.wait(30), "the test never opened the gate"
+        return super().put(from_stage, to_stage, key, payload)
+
+
+register_connector(_GatedShm.name, _GatedShm, replace=True)
+
+PLAN = request_plan(5)  # every request sends this many tokens: equal segment sizes
+
+
+def _wait(pred, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, "condition not met"
+        time.sleep(0.01)
+
+
+def _one_segment(ns: str) -> int:
+    """Segment bytes one request's KV takes on a shm edge (measured by a real put)."""
+    sender = _worker(ns, max_held_bytes=1 << 40)
+    try:
+        sender.send([_spec("probe")])
+        _wait(lambda: sender.status(["probe"])["probe"]["kv"] == "done")
+        held = sender.manager.connector.health()["held_bytes"]
+        sender.discard(["probe"])
+    finally:
+        sender.shutdown()
+    assert held > 0
+    return held
+
+
+def _worker(ns: str, *, max_held_bytes: int = 1 << 40, **kv: object) -> WorkerKVSender:
+    settings = RunnerSettings.from_dict(
+        {
+            "stage_id": 0,
+            "kv_transfer": {
+                "need_send_cache": True,
+                "to_stage": 1,
+                "connector": kv.pop("connector", "SharedMemoryConnector"),
+                "connector_config": {"namespace": ns, "max_held_bytes": max_held_bytes},
+                **kv,
+            },
+        }
+    )
+    return WorkerKVSender(settings, fake_cpu_caches(2, 3), None, num_kv_heads=2, block_size=BLOCK)
+
+
+def _spec(rid: str) -> KVSendSpec:
+    return KVSendSpec(f"e-{rid}", rid, tuple(PLAN["block_ids"]), PLAN["seq_len"], release=True)
+
+
+def _receiver(ns: str) -> KVTransferManager:
+    cfg = KVTransferConfig(
+        need_recv_cache=True, stage_id=1, from_stage=0, recv_timeout=5, connector_config={"namespace": ns}
+    )
+    return KVTransferManager(cfg, num_kv_heads=2)
+
+
+def _read_exact(receiver: KVTransferManager, rid: str) -> None:
+    """Receive ``rid`` and check it bit-exact; its segment goes back once the data is freed."""
+    data, _ = receiver.receive_kv_cache_for_request(rid)
+    keys, values = reference_kv(fake_cpu_caches(2, 3), PLAN)
+    assert all(torch.equal(a, b) for a, b in zip(data.key_cache, keys))
+    assert all(torch.equal(a, b) for a, b in zip(data.value_cache, values))
+    del data
+    gc.collect()
+
+
+def _status(sender: WorkerKVSender, rid: str) -> str:
+    return sender.status([rid])[rid]["kv"]
+
+
+def test_a_put_into_a_full_edge_waits_for_room_and_then_lands() -> None:
+    """The connector says ``full`` (not a failure) at its limit; the put with retry waits,
+    using up no retry, and lands as soon as the receiver read what filled the edge."""
+    with ZmqConnector({"max_inflight_bytes": 3000}) as sender, ZmqConnector({}) as receiver:
+        first = sender.put(0, 1, "a", {"x": torch.arange(300, dtype=torch.int64)})  # 2400 bytes
+        assert first.ok
+        refused = sender.put(0, 1, "b", {"x": torch.arange(300, dtype=torch.int64)})
+        assert refused.full and not refused.ok and "max_inflight_bytes=3000" in refused.error
+        never = sender.put(0, 1, "c", {"x": torch.arange(400, dtype=torch.int64)})  # over the limit alone
+        assert not never.ok and not never.full, "a payload that can never fit is a failure"
+        assert sender.health()["put_full"] == 1
+
+        calls = []
+
+        def put_b():
+            calls.append(1)
+            if len(calls) == 3:  # the edge has been full twice: now the receiver reads "a"
+                got = receiver.get(0, 1, "a", first.metadata, deadline=time.monotonic() + 5)
+                assert torch.equal(got["x"], torch.arange(300, dtype=torch.int64))
+            return sender.put(0, 1, "b", {"x": torch.arange(300, dtype=torch.int64)})
+
+        outcome = put_with_retry(put_b, retries=0, backoff=lambda i: 0.0, send_timeout_s=10)
+        assert outcome.ok and outcome.retries == 0 and outcome.attempts == 3 and outcome.full_wait_s > 0
+
+        # Nobody reads: the wait ends at send_timeout, naming the limit and the wait.
+        timed = put_with_retry(
+            lambda: sender.put(0, 1, "d", {"x": torch.arange(300, dtype=torch.int64)}),
+            retries=5,
+            backoff=lambda i: 0.0,
+            send_timeout_s=0.3,
+        )
+        assert not timed.ok and timed.retries == 0
+        assert "edge full for" in timed.error and "max_inflight_bytes=3000" in timed.error
+        assert timed.full_wait_s >= 0.3
+
+
+def test_a_kv_send_into_a_full_edge_waits_then_is_delivered() -> None:
+    """Two requests, room for one: the second's put waits (pending, never failed, never
+    dropped) until the first is read, then lands and is read bit-exact."""
+    ns = shm_namespace("bpwait")
+    one = _one_segment(ns)
+    sender = _worker(ns, max_held_bytes=one + one // 2)
+    try:
+        sender.send([_spec("A")])
+        _wait(lambda: _status(sender, "A") == "done")
+        sender.send([_spec("B")])
+        _wait(lambda: sender.manager.connector.health()["put_full"] >= 1)  # B found the edge full
+        assert _status(sender, "B") == "pending" and sender.manager.queued_send_bytes() > 0
+        with _receiver(ns) as receiver:
+            _read_exact(receiver, "A")
+            _wait(lambda: _status(sender, "B") == "done")
+            _read_exact(receiver, "B")
+        assert sender.manager.metrics.health()["send"]["full_waits"] == 1
+    finally:
+        sender.shutdown()
+    assert shm_entries(ns) == []
+
+
+def test_a_kv_send_that_finds_no_room_in_time_fails_naming_the_limit() -> None:
+    ns = shm_namespace("bptimeout")
+    one = _one_segment(ns)
+    sender = _worker(ns, max_held_bytes=one + one // 2, send_timeout=0.3)
+    try:
+        sender.send([_spec("A")])
+        _wait(lambda: _status(sender, "A") == "done")
+        sender.send([_spec("B")])
+        _wait(lambda: _status(sender, "B") != "pending")
+        why = _status(sender, "B")
+        assert why.startswith("failed") and "edge full for" in why and "max_held_bytes=" in why, why
+        sender.discard(["A"])  # A's request failed elsewhere: nothing stays behind
+    finally:
+        sender.shutdown()
+    assert shm_entries(ns) == []
+
+
+def test_finished_requests_keep_their_kv_in_the_engine_while_the_send_queue_is_full() -> None:
+    """Over ``max_send_queue_bytes`` a finished request's blocks are held, not gathered; they
+    are gathered (and released) in order once the queue drains; a held one withdrawn, or
+    held past ``send_timeout``, fails and gives its blocks back."""
+    ns = shm_namespace("bphold")
+    one = _one_segment(ns)
+    sender = _worker(ns, max_held_bytes=one + one // 2, max_send_queue_bytes=1)
+    try:
+        sender.send([_spec("A")])
+        assert sender.take_released() == {"e-A"}  # an empty queue always takes one
+        _wait(lambda: _status(sender, "A") == "done")
+        sender.send([_spec("B")])  # queue empty again: gathered, its put waits for room
+        assert sender.take_released() == {"e-B"}
+        _wait(lambda: sender.manager.connector.health()["put_full"] >= 1)
+        sender.send([_spec("C"), _spec("D")])
+        assert sender.held() == 2 and sender.take_released() == set()
+        assert _status(sender, "C") == _status(sender, "D") == "pending"
+
+        sender.discard(["D"])  # D's request failed elsewhere: its blocks go back ungathered
+        assert sender.held() == 1 and sender.take_released() == {"e-D"}
+        assert _status(sender, "D") == "failed: withdrawn before its KV was gathered"
+
+        with _receiver(ns) as receiver:
+            _read_exact(receiver, "A")
+            _wait(lambda: _status(sender, "B") == "done" and sender.manager.queued_send_bytes() == 0)
+            sender.send([])  # the next engine step gathers C
+            assert sender.held() == 0 and sender.take_released() == {"e-C"}
+            _read_exact(receiver, "B")
+            _wait(lambda: _status(sender, "C") == "done")
+            _read_exact(receiver, "C")
+    finally:
+        sender.shutdown()
+    assert shm_entries(ns) == []
+
+
+def test_a_send_held_past_send_timeout_fails_and_releases_its_blocks() -> None:
+    """The link is slower than the engine (a put that does not return): the next finished
+    request is held, and fails once held for ``send_timeout``; the slow one still lands."""
+    ns = shm_namespace("bpheldout")
+    _GatedShm.gate.clear()
+    sender = _worker(ns, connector=_GatedShm.name, max_send_queue_bytes=1, send_timeout=0.5)
+    try:
+        sender.send([_spec("A")])  # its put waits at the gate
+        assert sender.take_released() == {"e-A"}
+        _wait(lambda: sender.manager.queued_send_bytes() > 0)
+        sender.send([_spec("C")])
+        assert sender.held() == 1 and sender.take_released() == set()
+        _wait(lambda: (sender.send([]), sender.held() == 0)[1], timeout=5)  # engine steps
+        assert sender.take_released() == {"e-C"}
+        why = _status(sender, "C")
+        assert why.startswith("failed: KV held") and "max_send_queue_bytes=1" in why, why
+        _GatedShm.gate.set()
+        _wait(lambda: _status(sender, "A") == "done")
+        with _receiver(ns) as receiver:
+            _read_exact(receiver, "A")
+    finally:
+        _GatedShm.gate.set()
+        sender.shutdown()
+    assert shm_entries(ns) == []
