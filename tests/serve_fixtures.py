@@ -145,3 +145,30 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.2):  # type: ign
         time.sleep(interval_s)
         value = predicate()
     return value
+
+
+def post_images(srv: Server, n: int, prompt: str = "a cat") -> tuple[list[Any], list[httpx.Response]]:
+    """``n`` image requests posted from background threads (started); their answers, in
+    arrival order, once the threads are joined."""
+    import threading
+
+    answers: list[httpx.Response] = []
+
+    def post(i: int) -> None:
+        body = {"prompt": f"{prompt} {i}"}
+        answers.append(httpx.post(srv.url + "/v1/images/generations", json=body, timeout=300))
+
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads, answers
+
+
+def metric(srv: Server, name: str, **labels: str) -> float:
+    """The sum of the server's Prometheus series ``name`` over those with ``labels``."""
+    total = 0.0
+    for line in httpx.get(srv.url + "/metrics", timeout=30).text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] == name and all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from serve_fixtures import ROOT, Server, shm_names, start_serve, stop, wait_for
+from serve_fixtures import ROOT, Server, metric, post_images, shm_names, start_serve, stop, wait_for
 
 from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
 from vllm_kvbridge.pipeline.stage_handles import group_alive
@@ -78,27 +77,6 @@ def _in_stage(srv: Server, sid: int, n: int) -> bool:
     return len(reqs) == n and all(stages == [sid] for stages in reqs.values())
 
 
-def _post_in_background(srv: Server, n: int) -> tuple[list[threading.Thread], list[httpx.Response]]:
-    answers: list[httpx.Response] = []
-
-    def post(i: int) -> None:
-        answers.append(httpx.post(srv.url + IMAGES, json={"prompt": f"a cat {i}"}, timeout=300))
-
-    threads = [threading.Thread(target=post, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    return threads, answers
-
-
-def _metric(srv: Server, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in httpx.get(srv.url + "/metrics", timeout=30).text.splitlines():
-        head, _, value = line.rpartition(" ")
-        if head.split("{")[0] == name and all(f'{k}="{v}"' in head for k, v in labels.items()):
-            total += float(value)
-    return total
-
-
 def _back(srv: Server, sid: int, old_pid: int, timeout_s: float) -> dict | None:
     def ready() -> dict | None:
         h = _health(srv)
@@ -113,7 +91,7 @@ def test_killed_diffusion_stage_fails_its_requests_and_comes_back(served) -> Non
     llm_pid, dit_pid = _stage(srv, 0)["pid"], _stage(srv, 1)["pid"]
     gates.set("hold", True)
     # One request denoising (held), the next one's KV prefetched, the third one's unread.
-    threads, answers = _post_in_background(srv, 3)
+    threads, answers = post_images(srv, 3)
     assert wait_for(lambda: _in_stage(srv, 1, 3), 120), httpx.get(srv.url + "/debug/state").json()
     os.kill(dit_pid, signal.SIGKILL)
     for t in threads:
@@ -136,7 +114,7 @@ def test_killed_diffusion_stage_fails_its_requests_and_comes_back(served) -> Non
     r = httpx.post(srv.url + IMAGES, json={"prompt": "too early"}, timeout=60)
     assert r.status_code == 503 and r.headers["Retry-After"] == "5", r.text
     assert "stage 1 (diffusion) is restarting" in r.json()["error"]["message"]
-    assert _metric(srv, "kvbridge_stage_recovering", stage="1") == 1.0
+    assert metric(srv, "kvbridge_stage_recovering", stage="1") == 1.0
     assert h["stages"][0]["status"] == "ready" and h["stages"][0]["pid"] == llm_pid  # kept running
 
     gates.set("hold", False)
@@ -147,10 +125,10 @@ def test_killed_diffusion_stage_fails_its_requests_and_comes_back(served) -> Non
     r = httpx.post(srv.url + IMAGES, json={"prompt": "a cat again"}, timeout=120)
     assert r.status_code == 200, r.text
     assert _stage(srv, 0)["pid"] == llm_pid and _stage(srv, 0)["restarts"] == 0
-    assert _metric(srv, "kvbridge_stage_restarts_total", stage="1") == 1.0
-    assert _metric(srv, "kvbridge_stage_recovering", stage="1") == 0.0
-    assert _metric(srv, "kvbridge_request_failures_total", reason="stage_lost") == 3.0
-    assert _metric(srv, "kvbridge_request_failures_total", reason="stage_recovering") == 1.0
+    assert metric(srv, "kvbridge_stage_restarts_total", stage="1") == 1.0
+    assert metric(srv, "kvbridge_stage_recovering", stage="1") == 0.0
+    assert metric(srv, "kvbridge_request_failures_total", reason="stage_lost") == 3.0
+    assert metric(srv, "kvbridge_request_failures_total", reason="stage_recovering") == 1.0
 
 
 def test_stalled_stage_is_found_by_its_heartbeat_and_restarted(served) -> None:  # type: ignore[no-untyped-def]
@@ -159,7 +137,7 @@ def test_stalled_stage_is_found_by_its_heartbeat_and_restarted(served) -> None: 
     srv, gates, _ = served
     dit_pid = _stage(srv, 1)["pid"]
     gates.set("hold", True)
-    threads, answers = _post_in_background(srv, 1)
+    threads, answers = post_images(srv, 1)
     assert wait_for(lambda: _in_stage(srv, 1, 1), 120)
     time.sleep(HEARTBEAT_TIMEOUT_S + 1)  # held past the timeout, yet beating: not stalled
     dit = _stage(srv, 1)
@@ -182,7 +160,7 @@ def test_killed_llm_stage_fails_its_request_and_is_back_within_one_engine_start(
     srv, _, _ = served
     llm_pid, dit_pid = _stage(srv, 0)["pid"], _stage(srv, 1)["pid"]
     os.killpg(llm_pid, signal.SIGSTOP)  # the stage and its engine core: the request stays in it
-    threads, answers = _post_in_background(srv, 1)
+    threads, answers = post_images(srv, 1)
     try:
         assert wait_for(lambda: _in_stage(srv, 0, 1), 60)
     finally:

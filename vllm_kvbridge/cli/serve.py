@@ -7,7 +7,7 @@
 
 Starts every stage (blocking until all are ready; the port opens only then), then serves
 until SIGTERM/SIGINT: uvicorn stops accepting connections, lets in-flight requests finish
-for up to ``--drain-timeout`` seconds, aborts the rest, then the pipeline is closed (every
+for up to ``--drain-timeout`` seconds, aborts the rest (each answered 503), then the pipeline is closed (every
 stage process stopped, every shared-memory segment of the run removed). Exit status: 0
 after a clean shutdown, 2 for a bad config, 3 when a stage failed to start.
 """
@@ -22,6 +22,9 @@ from typing import Any
 
 from vllm_kvbridge.errors import ConfigError
 from vllm_kvbridge.server.auth import API_KEY_ENV, api_key_from, open_paths_from
+
+#: Seconds uvicorn waits past ``--drain-timeout`` for the aborted requests' 503 answers.
+SHUTDOWN_GRACE_S = 5
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -186,16 +189,25 @@ def _serve(args: argparse.Namespace) -> int:
     # uvicorn handles SIGTERM (graceful shutdown), then re-raises it once it has restored the
     # handler found here: make that a no-op so the pipeline is closed below and we exit 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            state.begin_shutdown()  # requests still running after --drain-timeout get 503
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        # Past the drain the requests are aborted (503); uvicorn cancels only what still
+        # hangs after that (it would answer 500).
+        timeout_graceful_shutdown=int(args.drain_timeout) + SHUTDOWN_GRACE_S,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+    )
     try:
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=max(1, int(args.drain_timeout)),
-            ssl_keyfile=args.ssl_keyfile,
-            ssl_certfile=args.ssl_certfile,
-        )
+        _Server(config).run()
     finally:
         service.close()
     print("[serve] stopped", flush=True)

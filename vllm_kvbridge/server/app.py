@@ -72,6 +72,8 @@ class ServerState:
         self.served_model_name = served_model_name
         self.tokenizer = tokenizer
         self.drain_s = drain_s
+        #: ``time.monotonic()`` by which a request still running at shutdown is aborted (503)
+        self._drain_deadline: float | None = None
         self.output_dir = Path(output_dir) if output_dir else None
         entry = self.plan.entry_stage
         self.max_model_len = int(entry.engine_args.get("max_model_len") or 0) or None
@@ -113,6 +115,15 @@ class ServerState:
         # No chat template (e.g. the tiny offline model): a plain transcript.
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
+    def begin_shutdown(self) -> None:
+        """The server is stopping: requests still running ``drain_s`` from now are aborted
+        and answered 503 (before the HTTP server gives up on them, which would be a 500)."""
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + self.drain_s
+
+    def _drained_out(self) -> bool:
+        return self._drain_deadline is not None and time.monotonic() >= self._drain_deadline
+
     # -- running a request --------------------------------------------------------------
     async def run(
         self,
@@ -126,11 +137,15 @@ class ServerState:
         self._check_up()
         rid, fut = self._submit(prompt, params, stage_params=stage_params, prefix=prefix)
         waiter = asyncio.wrap_future(fut)
+        aborted = False
         try:
             while True:
                 done, _ = await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_S)
                 if done:
                     break
+                if not aborted and self._drained_out():
+                    svc.abort(rid, "server shutting down")  # its result comes back as a 503
+                    aborted = True
                 if await request.is_disconnected():
                     svc.abort(rid, "client disconnected")
                     self.metrics.failures.labels("client_disconnect").inc()
@@ -172,6 +187,8 @@ class ServerState:
                     yield item
                 elif item is not None:
                     break
+                if self._drained_out() and not waiter.done():
+                    svc.abort(rid, "server shutting down")  # idempotent: the result says 503
                 if loop.time() - checked >= DISCONNECT_POLL_S:
                     checked = loop.time()
                     if await request.is_disconnected():
