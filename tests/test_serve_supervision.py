@@ -184,8 +184,10 @@ def test_a_stage_out_of_restarts_takes_the_pipeline_down_and_sigterm_cleans_up(s
     os.kill(pids[1], signal.SIGKILL)  # its third loss in the window: no restart left
 
     def down() -> dict | None:
+        # Until the orchestrator has noticed the exit the stage reads "stopped" (unhealthy,
+        # no error yet): wait for the pipeline's own verdict.
         h = _health(srv)
-        return h if h["status"] == "unhealthy" else None
+        return h if h["status"] == "unhealthy" and h["error"] else None
 
     h = wait_for(down, 30)
     assert h, _health(srv)
