@@ -163,14 +163,18 @@ class WorkerKVSender:
                 if now - since < self._send_timeout:
                     return None
                 self._held.popleft()
-                self._settle(
-                    spec.req_id,
-                    f"{FAILED}: KV held {now - since:.1f} s in the engine (send_timeout "
+                self._drop_held_locked(
+                    spec,
+                    f"KV held {now - since:.1f} s in the engine (send_timeout "
                     f"{self._send_timeout:g} s) while {queued} bytes waited for their puts "
                     f"(max_send_queue_bytes={self._queue_budget}): the edge stayed full",
                 )
-                self._released.add(spec.req_id)
         return None
+
+    def _drop_held_locked(self, spec: Any, why: str) -> None:
+        """A held send that will never be gathered: it fails with ``why``, its blocks go back."""
+        self._settle(spec.req_id, f"{FAILED}: {why}")
+        self._released.add(spec.req_id)
 
     def _gather(self, specs: Sequence[Any]) -> None:
         if not specs:
@@ -280,10 +284,13 @@ class WorkerKVSender:
         ids = list(request_ids)
         with self._lock:
             wanted = set(ids)
-            for spec, since in [h for h in self._held if h[0].transfer_id in wanted]:
-                self._held.remove((spec, since))
-                self._settle(spec.req_id, f"{FAILED}: withdrawn before its KV was gathered")
-                self._released.add(spec.req_id)
+            kept: deque[tuple[Any, float]] = deque()
+            for spec, since in self._held:
+                if spec.transfer_id in wanted:
+                    self._drop_held_locked(spec, "withdrawn before its KV was gathered")
+                else:
+                    kept.append((spec, since))
+            self._held = kept
         return {rid: self.manager.discard_sent(rid) for rid in ids}
 
     def pending(self) -> int:
@@ -306,8 +313,7 @@ class WorkerKVSender:
         self._exit_hook.cancel()
         with self._lock:
             for spec, _ in self._held:
-                self._settle(spec.req_id, f"{FAILED}: shut down before its KV was gathered")
-                self._released.add(spec.req_id)
+                self._drop_held_locked(spec, "shut down before its KV was gathered")
             self._held.clear()
         try:
             self.manager.shutdown(timeout=timeout)

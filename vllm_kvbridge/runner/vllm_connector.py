@@ -271,16 +271,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
             if self._host is not None and meta.finished:
                 self._host.kvbridge_connector_step(dict(meta.finished))
         finally:
-            # The sender names the blocks it is done with (gathered, failed, withdrawn);
-            # the others stay held for a gather at a later step.
-            if sender is not None:
-                released |= sender.take_released()
+            # Without a sender nothing can hold these blocks. A sender's own releases
+            # (gathered, failed, withdrawn) are collected in get_finished, which vLLM calls
+            # after this in every step.
             with self._lock:
                 self._released.update(released)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sender = self._sender
-        if sender is not None:  # e.g. a held send withdrawn (RPC thread) since the last step
+        if sender is not None:  # gathered this step, or failed/withdrawn (RPC thread) meanwhile
             taken = sender.take_released()
             with self._lock:
                 self._released.update(taken)
