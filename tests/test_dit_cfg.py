@@ -151,6 +151,8 @@ def test_companion_groups_report_once_and_fail_the_whole_group() -> None:
     groups.companion_done(cid, {"keys": {"k": 1}})
     assert groups.complete("r") == ("done-r", [{"keys": {"k": 1}}])
     assert groups.complete("r") is None and groups.owner(cid) is None  # reported once
+    # an Abort that crossed the report: the companion's KV is out, it is named once
+    assert groups.fail("r") == [cid] and groups.fail("r") == []
     groups.add("s", {CFG_NEGATIVE: ""})
     assert groups.fail(companion_request_id("s", CFG_NEGATIVE)) == [
         "s",

@@ -114,6 +114,13 @@ def test_guided_request_end_to_end_and_failing_companion() -> None:
         assert _wait_unread(pipe)  # the StageDone is queued, not read yet
         assert pipe.abort("cross-1", "client went away")
         crossed_gone = _pump_until(pipe, lambda: not _segments(pipe, "icross-1"), 30)
+        # ... and a guided one: its group was reported (forgotten by the stage) before the
+        # Abort came, and the companion's KV is withdrawn with the primary's
+        pipe.submit("A cute cat", request_id="cross-2")
+        assert _wait_unread(pipe)
+        assert pipe.abort("cross-2", "client went away")
+        crossed_group_gone = _pump_until(pipe, lambda: not _segments(pipe, "icross-2"), 30)
+        crossed_group_left = _segments(pipe, "icross-2")
         [again] = pipe.generate(["A cute cat"], request_ids=["ok-2"])  # the engine still serves
         with pytest.raises(ValueError, match="reserved for CFG companions"):
             pipe.generate(["x"], request_ids=["a::cfg_neg"])
@@ -122,6 +129,7 @@ def test_guided_request_end_to_end_and_failing_companion() -> None:
 
     assert held_gone, "the aborted group's KV was not withdrawn"
     assert crossed_gone, "the KV announced by a StageDone that crossed an Abort was not withdrawn"
+    assert crossed_group_gone, f"a crossed guided request's KV was left: {crossed_group_left}"
     # the guided request: both caches arrived and equal transformers' past_key_values
     assert ok.error is None, ok.error
     kv_in = {t.purpose: t for t in ok.transfers if t.what == "kv" and t.side == "receiver"}

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_kvbridge.models.guidance import CFG_NEGATIVE, guidance_active
+from vllm_kvbridge.pipeline.engines import ExpiringIds
 
 #: Separator between a primary request id and a companion purpose (never in primary ids).
 COMPANION_SEP = "::"
@@ -76,15 +77,24 @@ class CompanionGroups:
 
     ``add`` registers a primary's companions; ``companion_done`` / ``primary_done`` record
     finished sends; ``complete`` returns a primary whose whole group is done (and forgets
-    it); ``fail`` forgets the group and returns every member id still to be aborted.
+    it); ``fail`` forgets the group and returns every member id still to be aborted, or
+    whose KV is to be withdrawn.
+
+    A group reported done is not quite forgotten: an Abort of its primary can cross the
+    ``StageDone`` (the orchestrator drops that late report), and then the companions' KV is
+    out with nobody to consume it. So ``fail`` of a primary reported in the last
+    ``ABORTED_KEEP_S`` still names its companions.
     """
 
     def __init__(self) -> None:
         self._groups: dict[str, _Group] = {}
         self._owner: dict[str, tuple[str, str]] = {}  # companion id -> (primary, purpose)
+        self._reported = ExpiringIds()  # companion ids of groups reported done
+        self._purposes: set[str] = set()  # every purpose seen (to name a reported group's ids)
 
     def add(self, request_id: str, companions: Mapping[str, str]) -> dict[str, str]:
         """Register; returns ``{companion id: prompt}`` to submit."""
+        self._purposes.update(companions)
         ids = {companion_request_id(request_id, p): p for p in companions}
         self._groups[request_id] = _Group(dict(ids))
         for cid, purpose in ids.items():
@@ -111,15 +121,24 @@ class CompanionGroups:
         if g is None or g.primary is None or len(g.done) < len(g.companions):
             return None
         self._forget(request_id)
+        self._reported.update(g.companions)
         return g.primary, list(g.done.values())
 
     def fail(self, request_id: str) -> list[str]:
-        """Forget ``request_id``'s group (primary or companion id); the ids to abort."""
+        """Forget ``request_id``'s group (primary or companion id); the ids to abort. For a
+        primary whose group was reported done already: its companions (their KV is out)."""
         owner = self._owner.get(request_id)
         primary = owner[0] if owner else request_id
         g = self._groups.get(primary)
         if g is None:
-            return []
+            late = [
+                cid
+                for purpose in sorted(self._purposes)
+                if (cid := companion_request_id(primary, purpose)) in self._reported
+            ]
+            for cid in late:
+                self._reported.discard(cid)
+            return late
         self._forget(primary)
         return [primary, *g.companions]
 
