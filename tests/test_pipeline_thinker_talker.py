@@ -2,7 +2,9 @@
 
 The talker's received embeddings must equal the thinker's final-norm hidden states (as
 transformers computes them for the prompt and generated tokens), and the async-chunk run
-must deliver exactly what the full-payload run delivers.
+must deliver exactly what the full-payload run delivers. Full payload runs the shipped
+config (shm), async chunk the shipped config with its edge over ZMQ; the shipped async-chunk
+config itself (shm) is checked the same way by test_serve_thinker_talker's server.
 """
 
 from __future__ import annotations
@@ -53,11 +55,7 @@ def _run(config: str | Path, dump: Path) -> tuple[list, str]:
 def test_thinker_talker_full_payload_and_async_chunk_agree() -> None:
     model = ensure_tiny_model()
     received: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
-    configs = (
-        "thinker_talker_full_payload.yaml",
-        "thinker_talker_async_chunk.yaml",
-        _zmq_async_chunk_config(),
-    )
+    configs = ("thinker_talker_full_payload.yaml", _zmq_async_chunk_config())
     for config in configs:
         dump = Path(tempfile.mkdtemp(prefix="kvb-tt-"))
         results, run_id = _run(config, dump)
@@ -76,8 +74,7 @@ def test_thinker_talker_full_payload_and_async_chunk_agree() -> None:
             assert any(t.what == "payload" and t.nbytes > 0 for t in r.transfers)
         assert processes_using(dump) == []
         assert shm_segments(f"kvbridge.{run_id}") == []
-    full, chunked, chunked_zmq = received.values()
+    full, chunked_zmq = received.values()
     for rid in full:
         for key in ("hidden_states", "token_ids"):
-            assert torch.equal(full[rid][key], chunked[rid][key]), (rid, key)
             assert torch.equal(full[rid][key], chunked_zmq[rid][key]), (rid, key)

@@ -1,6 +1,8 @@
 """``vllm-kvbridge serve`` in front of thinker -> talker (async chunk): text endpoints.
 
-One real server for the module (two vLLM engines); completions, chat completions,
+One real server for the module (two vLLM engines); the talker's input is exactly the
+thinker's hidden states (the shipped async-chunk config over shm; test_pipeline_thinker_talker
+checks full payload over shm and async chunk over ZMQ), completions, chat completions,
 streaming (SSE, incremental: the talker reports its text while it generates), a client
 leaving mid-stream, text-endpoint errors, and a graceful SIGTERM with requests in flight.
 
@@ -27,6 +29,7 @@ import httpx
 import openai
 import pytest
 import yaml
+from pipeline_fixtures import hf_reference, load_dump
 from serve_fixtures import ROOT, Server, shm_names, start_serve, stop, wait_for
 
 from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
@@ -44,6 +47,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped
     tmp = tmp_path_factory.mktemp("serve-thinker-talker")
     spec = yaml.safe_load(CONFIG.read_text())
     spec["stages"][1]["default_sampling_params"].update(max_tokens=TALKER_TOKENS, ignore_eos=True)
+    spec.setdefault("runtime", {})["debug_dump_dir"] = str(tmp / "dump")
     config = tmp / "thinker_talker.yaml"
     config.write_text(yaml.safe_dump(spec))
     srv = start_serve(config, tmp, ensure_tiny_model())
@@ -55,6 +59,26 @@ def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped
 
 def _client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_talker_input_is_the_thinkers_hidden_states(server: Server) -> None:
+    """What the talker received, reassembled from the chunks, equals transformers' final-norm
+    hidden states for the prompt and the thinker's generated tokens (all but the last)."""
+    from transformers import AutoTokenizer
+
+    model = ensure_tiny_model()
+    dump = server.log_path.parent / "dump"  # the fixture's runtime.debug_dump_dir
+    prompt = "Once upon a time there was a tiny model"
+    before = set(dump.glob("stage1_*_payload.safetensors"))
+    _client(server).completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)
+    [path] = set(dump.glob("stage1_*_payload.safetensors")) - before
+    got = load_dump(path)
+    generated = got["token_ids"].tolist()
+    assert 0 < len(generated) <= 8  # the thinker's max_tokens
+    tokens = AutoTokenizer.from_pretrained(str(model))(prompt).input_ids + generated
+    _, hidden = hf_reference(model, tokens[:-1])
+    assert got["hidden_states"].shape == hidden.shape
+    assert (got["hidden_states"] - hidden).abs().max().item() <= 1e-4
 
 
 def test_completions_chat_and_streaming(server: Server) -> None:
