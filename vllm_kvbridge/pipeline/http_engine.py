@@ -28,6 +28,7 @@ cancels the HTTP request, and vLLM aborts a request whose client went away.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import queue
 import threading
@@ -46,6 +47,30 @@ class ExternalStageDown(RuntimeError):
     """The stage's server cannot be reached."""
 
 
+@functools.cache
+def _vllm_negatable_flags() -> frozenset[str]:
+    """The ``--no-<name>`` flags vLLM's engine arguments accept (its BooleanOptionalAction)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    flags = EngineArgs.add_cli_args(FlexibleArgumentParser())._option_string_actions
+    return frozenset(f for f in flags if f.startswith("--no-"))
+
+
+def _engine_arg_flags(key: str, value: Any) -> list[str]:
+    flag = "--" + key.replace("_", "-")
+    if value is None:
+        return []
+    if value is True:
+        return [flag]
+    if value is False:
+        # Left out, a False would be vLLM's default, which for many flags is True (e.g.
+        # enable_prefix_caching): say --no-<name>. A plain store_true flag defaults to False.
+        negated = "--no-" + flag[2:]
+        return [negated] if negated in _vllm_negatable_flags() else []
+    return [flag, json.dumps(value) if isinstance(value, dict | list) else str(value)]
+
+
 def vllm_serve_argv(stage: ResolvedStage, model: str, *, port: int, host: str = "127.0.0.1") -> list[str]:
     """The ``vllm serve`` command line that runs ``stage`` with the kvbridge worker."""
     from vllm_kvbridge.config.runner_settings import runner_settings
@@ -59,13 +84,7 @@ def vllm_serve_argv(stage: ResolvedStage, model: str, *, port: int, host: str = 
     if stage.tensor_parallel_size != 1:
         argv += ["--tensor-parallel-size", str(stage.tensor_parallel_size)]
     for key, value in stage.engine_args.items():
-        flag = "--" + key.replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif value is False or value is None:
-            continue
-        else:
-            argv += [flag, json.dumps(value) if isinstance(value, dict | list) else str(value)]
+        argv += _engine_arg_flags(key, value)
     return argv
 
 
