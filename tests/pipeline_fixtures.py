@@ -121,6 +121,22 @@ def hf_reference(
     return layers, out.hidden_states[-1][0]
 
 
+def hf_greedy(
+    model_dir: str | Path, prompt_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = False
+) -> list[int]:
+    """transformers' greedy continuation of ``prompt_ids`` (what vLLM's temperature 0 gives)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    out = model.generate(
+        torch.tensor([prompt_ids]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        min_new_tokens=max_new_tokens if ignore_eos else 0,
+    )
+    return out[0, len(prompt_ids) :].tolist()
+
+
 def load_dump(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

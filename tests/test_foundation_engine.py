@@ -5,20 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
+from pipeline_fixtures import hf_greedy
 
 PROMPTS = ["A cute cat", "The quick brown fox jumps over the lazy dog and"]
 MAX_TOKENS = 24
-
-
-def _hf_greedy(model_dir: Path, prompt_ids: list[int]) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    out = model.generate(
-        torch.tensor([prompt_ids]), max_new_tokens=MAX_TOKENS, do_sample=False, min_new_tokens=MAX_TOKENS
-    )
-    return out[0, len(prompt_ids) :].tolist()
 
 
 @pytest.mark.engine
@@ -38,4 +28,6 @@ def test_vllm_greedy_is_deterministic_and_matches_transformers(tiny_model_dir: P
     for out in batched:
         tokens = list(out.outputs[0].token_ids)
         assert len(tokens) == MAX_TOKENS
-        assert tokens == _hf_greedy(tiny_model_dir, list(out.prompt_token_ids)), out.prompt
+        assert tokens == hf_greedy(tiny_model_dir, list(out.prompt_token_ids), MAX_TOKENS, ignore_eos=True), (
+            out.prompt
+        )

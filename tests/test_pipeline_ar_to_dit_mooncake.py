@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pipeline_fixtures import ROOT, hf_reference, load_dump, processes_using
+from pipeline_fixtures import ROOT, hf_greedy, hf_reference, load_dump, processes_using
 
 from vllm_kvbridge.cli.main import main as cli_main
 from vllm_kvbridge.cli.run import use_mooncake_master, uses_mooncake
@@ -97,6 +97,7 @@ def test_run_starts_and_stops_its_own_mooncake_master() -> None:
     from vllm_kvbridge.pipeline.images import encode_png
 
     tokenizer = AutoTokenizer.from_pretrained(str(model))
+    max_tokens = resolve(CONFIG, env={}).stages[0].default_sampling_params["max_tokens"]
     reqs = json.loads((out_dir / "result.json").read_text())["requests"]
     assert [r["prompt"] for r in reqs] == prompts
     pngs = []
@@ -104,14 +105,18 @@ def test_run_starts_and_stops_its_own_mooncake_master() -> None:
         assert req["error"] is None and req["image_shape"] == [3, 32, 32]
         assert req["transfers"][0]["what"] == "kv" and req["transfers"][0]["bytes"] > 0
         kv = _dumped_kv(out_dir / "dump" / f"stage1_{encode_request_id(req['request_id'])}_kv.safetensors")
-        # the KV the DiT consumed is transformers' over the prompt (the rows of the generated
-        # tokens follow; a causal model's prompt rows do not depend on them)
+        # the KV the DiT consumed is transformers' KV of the same tokens: the prompt and the
+        # LLM stage's greedy continuation (result.json does not carry that stage's tokens;
+        # vLLM's greedy equals transformers', test_foundation_engine.py)
         prompt_ids = tokenizer(req["prompt"]).input_ids
-        ref, _ = hf_reference(model, prompt_ids)
-        assert len(kv) == len(ref) and kv[0][0].shape[0] > len(prompt_ids)
+        tokens = prompt_ids + hf_greedy(model, prompt_ids, max_tokens)
+        seq = kv[0][0].shape[0]
+        assert len(tokens) - 1 <= seq <= len(tokens)
+        ref, _ = hf_reference(model, tokens[:seq])
+        assert len(kv) == len(ref)
         for i, ((k, v), (rk, rv)) in enumerate(zip(kv, ref)):
-            assert (k[: len(prompt_ids)] - rk).abs().max().item() <= 1e-4, f"layer {i} K"
-            assert (v[: len(prompt_ids)] - rv).abs().max().item() <= 1e-4, f"layer {i} V"
+            assert (k - rk).abs().max().item() <= 1e-4, f"layer {i} K"
+            assert (v - rv).abs().max().item() <= 1e-4, f"layer {i} V"
         pngs.append(Path(req["outputs"][0]).read_bytes())
         assert pngs[-1] == encode_png(np.asarray(_expected_image(kv)))
     assert pngs[0] != pngs[1]

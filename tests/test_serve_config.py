@@ -84,8 +84,8 @@ def test_vllm_serve_command_carries_worker_settings_and_connector(tmp_path: Path
     # A False engine arg is said (left out, vLLM's default True would win), and vLLM's own
     # `vllm serve` parser reads every flag back as the config has it.
     engine_args = {"enable_prefix_caching": False, "enforce_eager": True, "disable_log_stats": False}
-    stage = resolve(_config(tmp_path, url="http://127.0.0.1:8001", engine_args=engine_args)).stages[0]
-    argv = vllm_serve_argv(stage, "/models/tiny", port=8001)
+    with_false = resolve(_config(tmp_path, url="http://127.0.0.1:8001", engine_args=engine_args)).stages[0]
+    argv = vllm_serve_argv(with_false, "/models/tiny", port=8001)
     assert "--no-enable-prefix-caching" in argv and "--disable-log-stats" not in argv
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -96,7 +96,6 @@ def test_vllm_serve_command_carries_worker_settings_and_connector(tmp_path: Path
     assert parsed.disable_log_stats is False
     kv = parsed.kv_transfer_config
     assert (kv["kv_connector"] if isinstance(kv, dict) else kv.kv_connector) == "KVBridgeConnector"
-    stage = resolve(_config(tmp_path, url="http://127.0.0.1:8001")).stages[0]
 
     config = _config(tmp_path, url="http://127.0.0.1:8005")
     printed = subprocess.run(
