@@ -65,6 +65,19 @@ def test_shipped_configs_resolve_and_have_a_header() -> None:
         assert plan.stages[0].outputs[0].connector.name == plan.stages[1].inputs[0].connector.name
 
 
+def test_shipped_single_rank_dit_configs_batch_and_the_default_does_not(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from vllm_kvbridge.cli.main import main
+
+    for path in sorted((ROOT / "stage_configs").glob("ar_to_dit_*.yaml")):
+        d = resolve(path, env={}).stage(1).diffusion
+        assert d["max_batch_size"] == (1 if d["num_ranks"] == 2 else 8), path.name
+    assert main(["check-config", str(ROOT / "stage_configs/ar_to_dit_shm.yaml")]) == 0
+    assert "batching: up to 8 requests of the same steps denoised together" in capsys.readouterr().out
+    assert resolve_spec(spec_from_dict(BASE, env={})).stage(1).diffusion["max_batch_size"] == 1
+
+
 def test_check_config_cli_on_every_shipped_config(capsys: pytest.CaptureFixture[str]) -> None:
     from vllm_kvbridge.cli.main import main
 
@@ -144,6 +157,17 @@ def test_check_config_cli_broken_file_is_one_line_naming_the_key(tmp_path: Path)
             "stages[1].diffusion.class_path: 'not a path' is not",
         ),
         ("stages.1.diffusion", {"num_steps": 0}, "stages[1].diffusion.num_steps: must be >= 1"),
+        (
+            "stages.1.diffusion",
+            {"max_batch_size": 0},
+            "stages[1].diffusion.max_batch_size: must be >= 1, got 0",
+        ),
+        (
+            "stages.1.diffusion",
+            {"num_ranks": 2, "max_batch_size": 4},
+            "stages[1].diffusion.max_batch_size: a 2-rank (CFG-parallel) stage denoises one request "
+            "at a time, got 4",
+        ),
         ("stages.0.diffusion", {}, "stages[0].diffusion: only valid for kind 'diffusion'"),
         ("stages.0.engine_args", {"model": "x"}, "stages[0].engine_args.model: set it as a stage field"),
         ("stages.0.worker_cls", "nodots", "stages[0].worker_cls: 'nodots' is not a dotted path"),

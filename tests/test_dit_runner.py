@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,10 @@ from runner_fixtures import send_cfg_kv
 
 from vllm_kvbridge.config import resolve_spec, spec_from_dict
 from vllm_kvbridge.errors import TransferCorrupt, TransferTimeout
+from vllm_kvbridge.models.guidance import CFG_NEGATIVE
+from vllm_kvbridge.models.tiny_dit import TinyKVDiT
+from vllm_kvbridge.pipeline.cfg import companion_request_id
+from vllm_kvbridge.runner.diffusion_batch import select_batch
 from vllm_kvbridge.runner.diffusion_runner import DiffusionRequest, DiffusionRunner, denoise
 
 
@@ -31,6 +36,8 @@ def _stage(
     dump_dir: str | None = None,
     dit_kwargs: dict[str, Any] | None = None,
     expect: dict[str, Any] | None = None,
+    max_batch_size: int = 1,
+    class_path: str = "vllm_kvbridge.models.tiny_dit.TinyKVDiT",
 ):
     kv_transfer = {"need_recv_cache": True, "recv_timeout": recv_timeout, "prefetch": True}
     if expect is not None:
@@ -43,7 +50,12 @@ def _stage(
                 "stage_id": 1,
                 "kind": "diffusion",
                 "kv_transfer": kv_transfer,
-                "diffusion": {"kwargs": {"image_size": 16, **(dit_kwargs or {})}, "num_steps": 3},
+                "diffusion": {
+                    "class_path": class_path,
+                    "kwargs": {"image_size": 16, **(dit_kwargs or {})},
+                    "num_steps": 3,
+                    "max_batch_size": max_batch_size,
+                },
             },
         ],
         "edges": [{"from_stage": 0, "to_stage": 1, "connector": "shm"}],
@@ -173,4 +185,158 @@ def test_an_abort_stops_a_denoise_under_way_and_the_stage_serves_the_next() -> N
         finally:
             engine.close()
     assert [(type(x).__name__, x.request_id) for x in out] == [("StageDone", "next-2")]
+    assert _leftovers(ns) == []
+
+
+# -- batching (diffusion.max_batch_size) ----------------------------------------------------
+
+
+def test_batch_selection_policy() -> None:
+    """The head, then later requests of the head's steps in arrival order, up to the size;
+    aborted ones the scan passes are dropped, others wait (arrival order kept)."""
+    steps = {"a": 8, "b": 4, "c": 8, "x": 8, "d": 8, "e": 8}
+    queue = ["a", "b", "c", "x", "d", "e"]
+    pick = lambda q, n: select_batch(q, n, steps.__getitem__, lambda r: r == "x")  # noqa: E731
+    assert pick(queue, 3) == ([0, 2, 4], [3])  # a c d; x (aborted) passed, dropped; b waits
+    assert pick(queue, 1) == ([0], [])
+    assert pick(queue, 8) == ([0, 2, 4, 5], [3])
+    assert pick(["x", "b", "a"], 2) == ([1], [0])  # an aborted head never leads a batch
+    assert pick(["x"], 4) == ([], [0])
+
+
+@pytest.mark.forked
+def test_a_batch_receives_each_kv_and_a_failed_receive_fails_that_request_alone() -> None:
+    """Three requests of different prompt lengths and seeds (one guided, with its companion)
+    and one whose KV never comes: that one fails with TransferTimeout, the others are
+    denoised together, each exactly as it is alone."""
+    ns = f"ditbatch{os.getpid()}"
+    caches = fake_cpu_caches(2, seed=5)
+    cid = companion_request_id("g-3", CFG_NEGATIVE)
+    plans = {
+        "a-1": request_plan(1),
+        "g-3": request_plan(3),
+        cid: {**request_plan(4), "purpose": CFG_NEGATIVE, "companion_of": "g-3"},
+        "b-2": request_plan(2),
+    }
+    with send_cfg_kv(ns, caches, plans) as sender:
+        runner = DiffusionRunner(_stage(ns, recv_timeout=0.5, max_batch_size=4))
+        try:
+            info_g = {
+                "keys": {**sender.get_sender_info("g-3")["keys"], **sender.get_sender_info(cid)["keys"]}
+            }
+            reqs = [
+                DiffusionRequest("a", "a-1", 0, sender.get_sender_info("a-1"), seed=0),
+                DiffusionRequest(
+                    "g", "g-3", 0, info_g, seed=5, guidance_scale=3.0, cfg_purposes=[CFG_NEGATIVE]
+                ),
+                DiffusionRequest("never", "never", 0, {}, seed=1),
+                DiffusionRequest("b", "b-2", 0, sender.get_sender_info("b-2"), seed=2),
+            ]
+            runner.prefetch(reqs[3])
+            out = runner.execute_batch(reqs)
+        finally:
+            runner.close()
+    assert isinstance(out[2], TransferTimeout), out[2]
+    module = TinyKVDiT(image_size=16, seed=0).eval()
+
+    def ref(rid: str) -> list:
+        keys, values = reference_kv(caches, plans[rid])
+        return list(zip(keys, values))
+
+    want = {
+        "a": denoise(module, ref("a-1"), num_steps=3, seed=0)[0],
+        "g": denoise(module, ref("g-3"), num_steps=3, seed=5, uncond_kv=ref(cid), guidance_scale=3.0)[0],
+        "b": denoise(module, ref("b-2"), num_steps=3, seed=2)[0],
+    }
+    for got in (out[0], out[1], out[3]):
+        assert not isinstance(got, Exception), got
+        assert torch.equal(got.image, want[got.request_id]), got.request_id
+        assert got.batch_size == 3
+    assert set(out[1].kv_transfers) == {"kv", CFG_NEGATIVE}
+    assert _leftovers(ns) == []
+
+
+class GateDiT(TinyKVDiT):
+    """TinyKVDiT whose forwards wait for ``GateDiT.gate`` and record the rows of each call
+    (the engine runs it in this process, on its worker thread)."""
+
+    gate = threading.Event()
+    entered = threading.Event()
+    calls: list[tuple[str, int]] = []
+
+    def forward(self, latents: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        GateDiT.entered.set()
+        GateDiT.gate.wait(60)
+        GateDiT.calls.append(("forward", latents.shape[0]))
+        return super().forward(latents, *args, **kwargs)
+
+    def forward_batch(self, latents: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        GateDiT.gate.wait(60)
+        GateDiT.calls.append(("batch", latents.shape[0]))
+        return super().forward_batch(latents, *args, **kwargs)
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(120)
+def test_the_engine_batches_queued_requests_of_one_step_count_in_arrival_order() -> None:
+    """While ``first`` denoises, r1..r5 queue (r2 with other steps, r5 then aborted): the
+    next batch is r1 r3 r4 (max 3, the head's steps, arrival order), then r2 alone; r5 is
+    dropped (its KV consumed, nothing reported). Every image equals its unbatched run."""
+    from vllm_kvbridge.pipeline import messages as m
+    from vllm_kvbridge.pipeline.engines import build_engine
+
+    ns = f"ditbatcheng{os.getpid()}"
+    caches = fake_cpu_caches(2, seed=5)
+    ids = ["first", "r1", "r2", "r3", "r4", "r5"]
+    plans = {rid: request_plan(i + 1) for i, rid in enumerate(ids)}
+    steps = {"first": 3, "r1": 3, "r2": 5, "r3": 3, "r4": 3, "r5": 3}
+    GateDiT.calls.clear()
+    with send_cfg_kv(ns, caches, plans) as sender:
+
+        def submit(rid: str) -> m.Submit:
+            return m.Submit(
+                rid,
+                sampling_params={"num_steps": steps[rid], "seed": ids.index(rid)},
+                upstream=[m.Upstream(0, rid, sender.get_sender_info(rid))],
+            )
+
+        engine = build_engine(_stage(ns, max_batch_size=3, class_path="test_dit_runner.GateDiT"))
+        out: list = []
+        try:
+            engine.submit(submit("first"))
+            assert GateDiT.entered.wait(30)  # first is in its forward: the worker is busy
+            for rid in ids[1:]:
+                engine.submit(submit(rid))
+            engine.abort(["r5"])
+            GateDiT.gate.set()
+            end = time.monotonic() + 60
+            while len(out) < 5 and time.monotonic() < end:
+                out.extend(engine.step())
+                time.sleep(0.02)
+            time.sleep(0.3)  # r5 would have been reported by now
+            out.extend(engine.step())
+        finally:
+            engine.close()
+    assert [(type(x).__name__, x.request_id) for x in out] == [
+        ("StageDone", "first"),
+        ("StageDone", "r1"),
+        ("StageDone", "r3"),
+        ("StageDone", "r4"),
+        ("StageDone", "r2"),
+    ]
+    assert {x.request_id: x.output["batch_size"] for x in out} == {
+        "first": 1,
+        "r1": 3,
+        "r3": 3,
+        "r4": 3,
+        "r2": 1,
+    }
+    assert GateDiT.calls == [("forward", 1)] * 3 + [("batch", 3)] * 3 + [("forward", 1)] * 5
+    module = TinyKVDiT(image_size=16, seed=0).eval()
+    for x in out:
+        keys, values = reference_kv(caches, plans[x.request_id])
+        want = denoise(
+            module, list(zip(keys, values)), num_steps=steps[x.request_id], seed=ids.index(x.request_id)
+        )
+        assert torch.equal(torch.from_numpy(m.tensor_from_msg(x.image)), want[0]), x.request_id
     assert _leftovers(ns) == []

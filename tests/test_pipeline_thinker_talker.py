@@ -1,39 +1,47 @@
 """Thinker -> talker end to end (two vLLM engines), full payload and async chunk.
 
-The talker's received embeddings must equal the thinker's final-norm hidden states (as
-transformers computes them for the prompt and generated tokens), and the async-chunk run
-must deliver exactly what the full-payload run delivers. Full payload runs the shipped
-config (shm), async chunk the shipped config with its edge over ZMQ; the shipped async-chunk
-config itself (shm) is checked the same way by test_serve_thinker_talker's server.
+Full payload (the shipped config, shm): the talker's received embeddings equal the
+thinker's final-norm hidden states (as transformers computes them for the prompt and
+generated tokens). Async chunk fed per step (thinker_talker_per_step.yaml, through
+``vllm-kvbridge run``): the talker, conditioned per position on the streamed rows, starts
+before the thinker is done (its first token is older than the thinker's last one in the
+timestamps result.json holds) and says what transformers says for the same rows. That
+the overlapped run equals a run whose whole stream came first (bit-exact) is checked on one
+engine by test_runner_conditioning_engine; the shipped async-chunk config (prompt embeddings
+once the stream is complete, shm) is served by test_serve_thinker_talker.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import msgspec
 import pytest
-import torch
 import yaml
-from pipeline_fixtures import ROOT, hf_reference, load_dump, processes_using, shm_segments
+from pipeline_fixtures import ROOT, hf_greedy, hf_reference, load_dump, processes_using, shm_segments
 
 from vllm_kvbridge.connectors.keys import encode_request_id
 from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.models.tiny_talker import ensure_tiny_talker, reference_greedy
 from vllm_kvbridge.pipeline import Pipeline
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 PROMPTS = ["A cute cat", "Once upon a time there was a tiny model"]
+#: The thinker generates long enough that the talker's start (after its first chunk of 4
+#: tokens) comes well before the thinker's end: tens of decode steps of margin.
+THINKER_TOKENS, TALKER_TOKENS = 48, 12
 
 
-def _zmq_async_chunk_config() -> Path:
-    """The shipped async-chunk config with its edge over ZMQ: the talker starts receiving
-    before the thinker put any chunk, so it must learn the thinker's endpoint up front
-    (issue 11, case 7: it was started with empty sender info and failed at once)."""
-    config = yaml.safe_load((ROOT / "stage_configs/thinker_talker_async_chunk.yaml").read_text())
-    config["connectors"] = {"zmq": {"name": "ZmqConnector"}}
-    config["edges"] = [{"from_stage": 0, "to_stage": 1, "connector": "zmq"}]
-    path = Path(tempfile.mkdtemp(prefix="kvb-tt-zmq-")) / "thinker_talker_async_chunk_zmq.yaml"
+def _async_chunk_config() -> Path:
+    """The shipped per-step config, with more tokens in both stages (see THINKER_TOKENS)."""
+    config = yaml.safe_load((ROOT / "stage_configs/thinker_talker_per_step.yaml").read_text())
+    config["stages"][0]["default_sampling_params"].update(max_tokens=THINKER_TOKENS, ignore_eos=True)
+    config["stages"][1]["default_sampling_params"].update(max_tokens=TALKER_TOKENS, ignore_eos=True)
+    path = Path(tempfile.mkdtemp(prefix="kvb-tt-ac-")) / "thinker_talker_async_chunk.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 
@@ -51,30 +59,51 @@ def _run(config: str | Path, dump: Path) -> tuple[list, str]:
 
 
 @pytest.mark.forked
-@pytest.mark.timeout(750)
-def test_thinker_talker_full_payload_and_async_chunk_agree() -> None:
+@pytest.mark.timeout(400)
+def test_thinker_talker_full_payload() -> None:
     model = ensure_tiny_model()
-    received: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
-    configs = ("thinker_talker_full_payload.yaml", _zmq_async_chunk_config())
-    for config in configs:
-        dump = Path(tempfile.mkdtemp(prefix="kvb-tt-"))
-        results, run_id = _run(config, dump)
-        received[config] = {}
-        for r in results:
-            assert r.error is None, r.error
-            thinker = r.stages[0].output
-            assert isinstance(r.text, str) and len(r.token_ids) > 0  # the talker generated
-            got = load_dump(dump / f"stage1_{encode_request_id(r.request_id)}_payload.safetensors")
-            received[config][r.request_id] = got
-            tokens = list(thinker["prompt_token_ids"]) + list(thinker["token_ids"])
-            _, hidden = hf_reference(model, tokens[:-1])
-            assert got["hidden_states"].shape == hidden.shape
-            assert (got["hidden_states"] - hidden).abs().max().item() <= 1e-4
-            assert got["token_ids"].tolist() == list(thinker["token_ids"])
-            assert any(t.what == "payload" and t.nbytes > 0 for t in r.transfers)
-        assert processes_using(dump) == []
-        assert shm_segments(f"kvbridge.{run_id}") == []
-    full, chunked_zmq = received.values()
-    for rid in full:
-        for key in ("hidden_states", "token_ids"):
-            assert torch.equal(full[rid][key], chunked_zmq[rid][key]), (rid, key)
+    dump = Path(tempfile.mkdtemp(prefix="kvb-tt-"))
+    results, run_id = _run("thinker_talker_full_payload.yaml", dump)
+    for r in results:
+        assert r.error is None, r.error
+        thinker = r.stages[0].output
+        assert isinstance(r.text, str) and len(r.token_ids) > 0  # the talker generated
+        got = load_dump(dump / f"stage1_{encode_request_id(r.request_id)}_payload.safetensors")
+        tokens = list(thinker["prompt_token_ids"]) + list(thinker["token_ids"])
+        _, hidden = hf_reference(model, tokens[:-1])
+        assert got["hidden_states"].shape == hidden.shape
+        assert (got["hidden_states"] - hidden).abs().max().item() <= 1e-4
+        assert got["token_ids"].tolist() == list(thinker["token_ids"])
+        assert any(t.what == "payload" and t.nbytes > 0 for t in r.transfers)
+    assert processes_using(dump) == []
+    assert shm_segments(f"kvbridge.{run_id}") == []
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(400)
+def test_async_chunk_talker_overlaps_the_thinker_through_the_cli() -> None:
+    from transformers import AutoTokenizer
+
+    model, talker = ensure_tiny_model(), ensure_tiny_talker()
+    out_dir = Path(tempfile.mkdtemp(prefix="kvb-tt-run-"))
+    argv = [sys.executable, "-m", "vllm_kvbridge.cli.main", "run", "--stage-config"]
+    argv += [str(_async_chunk_config()), "--model", str(model), "--output-dir", str(out_dir)]
+    for prompt in PROMPTS:
+        argv += ["--prompt", prompt]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=380)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((out_dir / "result.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    bos = int(json.loads((talker / "config.json").read_text())["bos_token_id"])
+    for req, prompt in zip(result["requests"], PROMPTS):
+        assert req["error"] is None, req["error"]
+        thinker, talker_stage = req["stages"]
+        # Overlap: the talker's first token came before the thinker's last one.
+        assert talker_stage["first_token_at"] < thinker["last_token_at"], (thinker, talker_stage)
+        assert thinker["first_token_at"] <= thinker["last_token_at"]
+        # What the talker said is what transformers says for the thinker's rows.
+        prompt_ids = tokenizer(prompt).input_ids
+        generated = hf_greedy(model, prompt_ids, THINKER_TOKENS, ignore_eos=True)
+        _, hidden = hf_reference(model, (prompt_ids + generated)[:-1])
+        assert req["token_ids"] == reference_greedy(talker, hidden, [bos], TALKER_TOKENS)
+    assert processes_using(out_dir) == []

@@ -10,7 +10,9 @@ must run on this host) and measures how long the supervisor takes to have it rea
 
 Printed as a table (and ``--json FILE``): requests ok / failed (by HTTP status) / aborted,
 latency p50 / p99 of the successful ones and each as a ratio to the unloaded latency
-measured first in the same run (``--baseline`` sequential requests), throughput, recovery
+measured first in the same run (``--baseline`` sequential requests, median and spread),
+throughput and its ratio to the sequential rate ``1 / unloaded latency`` (what
+``--concurrency 1`` reaches, measured in the same run), recovery
 seconds per kill, and leftovers: KV payloads published but not consumed once the load
 drained, the server's thread count before and after the load, and (for a server started
 here) the run's shared-memory names and vLLM message queues left after it stopped.
@@ -64,6 +66,8 @@ class SoakResult:
     retried: int = 0
     failed: dict[str, int] = field(default_factory=dict)  # HTTP status (or error type) -> count
     baseline_s: float = 0.0
+    #: every unloaded latency measured (``baseline_s`` is their median): the spread
+    baseline_all_s: list[float] = field(default_factory=list)
     p50_s: float = 0.0
     p99_s: float = 0.0
     wall_s: float = 0.0
@@ -73,6 +77,12 @@ class SoakResult:
     @property
     def throughput(self) -> float:
         return self.ok / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def throughput_ratio(self) -> float | None:
+        """Throughput under load over the sequential rate ``1 / baseline_s`` of the same run
+        (what concurrency 1 reaches): how much the server gains from concurrent requests."""
+        return self.throughput * self.baseline_s if self.baseline_s else None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -215,7 +225,9 @@ def _soak(
                 f"vllm-kvbridge bench soak: an unloaded request failed: {r.status_code} {r.text}"
             )
         baseline.append(time.monotonic() - t0)
-    res = SoakResult(args.requests, args.concurrency, baseline_s=statistics.median(baseline))
+    res = SoakResult(
+        args.requests, args.concurrency, baseline_s=statistics.median(baseline), baseline_all_s=baseline
+    )
     state = client.get("/debug/state").json()
     server_pid = server.proc.pid if server is not None else None
     threads_before = _threads(server_pid)
@@ -312,16 +324,22 @@ def _kill_and_watch(client: httpx.Client, kill: Kill, start: float, timeout_s: f
 def format_result(r: SoakResult) -> str:
     ratio = lambda x: f"{x / r.baseline_s:.2f}x" if r.baseline_s else "-"  # noqa: E731
     failed = ", ".join(f"{k}: {v}" for k, v in sorted(r.failed.items())) or "0"
+    spread = gain = ""
+    if len(r.baseline_all_s) > 1:
+        lo, hi = min(r.baseline_all_s), max(r.baseline_all_s)
+        spread = f" (median of {len(r.baseline_all_s)}: {lo:.3f} .. {hi:.3f} s)"
+    if r.throughput_ratio is not None:
+        gain = f" ({r.throughput_ratio:.2f}x the sequential {1 / r.baseline_s:.2f}/s)"
     rows = [
         ("requests (concurrency)", f"{r.requests} ({r.concurrency})"),
         ("ok", str(r.ok)),
         ("failed (by status)", failed),
         ("aborted by the client", str(r.aborted)),
         ("retried after 429/503", str(r.retried)),
-        ("unloaded latency (ceiling)", f"{r.baseline_s:.3f} s"),
+        ("unloaded latency (ceiling)", f"{r.baseline_s:.3f} s{spread}"),
         ("p50 latency", f"{r.p50_s:.3f} s ({ratio(r.p50_s)} unloaded)"),
         ("p99 latency", f"{r.p99_s:.3f} s ({ratio(r.p99_s)} unloaded)"),
-        ("throughput", f"{r.throughput:.2f} ok/s over {r.wall_s:.1f} s"),
+        ("throughput", f"{r.throughput:.2f} ok/s over {r.wall_s:.1f} s{gain}"),
     ]
     for k in r.kills:
         back = "not back" if k.recovery_s is None else f"back in {k.recovery_s:.1f} s"
@@ -334,6 +352,7 @@ def format_result(r: SoakResult) -> str:
 def write_json(r: SoakResult, path: str) -> None:
     data = asdict(r)
     data["throughput"] = r.throughput
+    data["throughput_ratio"] = r.throughput_ratio
     data["p50_ratio"] = r.p50_s / r.baseline_s if r.baseline_s else None
     data["p99_ratio"] = r.p99_s / r.baseline_s if r.baseline_s else None
     Path(path).write_text(json.dumps(data, indent=2))

@@ -59,6 +59,10 @@ def _stage_lines(s: ResolvedStage) -> list[str]:
                 f"  guidance: scale {d['guidance_scale']}, negative prompt {d.get('negative_prompt', '')!r} "
                 "(its KV comes as the 'cfg_neg' companion)"
             )
+        if int(d.get("max_batch_size", 1)) > 1:
+            lines.append(
+                f"  batching: up to {d['max_batch_size']} requests of the same steps denoised together"
+            )
         if int(d.get("num_ranks", 1)) > 1:
             lines.append(f"  ranks: {d['num_ranks']}, CFG-parallel (rank 0 receives and distributes the KV)")
     kv = s.kv_transfer

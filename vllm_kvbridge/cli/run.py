@@ -116,6 +116,9 @@ def write_outputs(results: list[Any], plan: Any, out_dir: Path, started: float) 
                         "kind": s.kind,
                         "wall_s": round(s.wall_s, 6),
                         "stage_s": round(max(0.0, s.finished - s.started), 6) if s.finished else None,
+                        # wall-clock seconds (time.time()), one clock for the stages of a host
+                        "first_token_at": (s.first_token_at or s.finished) or None,
+                        "last_token_at": (s.last_token_at or s.finished) or None,
                     }
                     for s in r.stages
                 ],

@@ -218,6 +218,10 @@ def _check_stage(i: int, s: StageSpec) -> None:
                 raise ConfigError(f"{p}.kv_transfer.expect.{name}: must be >= 1, got {value}")
     if pl.chunk_size < 1:
         raise ConfigError(f"{p}.payload.chunk_size: must be >= 1, got {pl.chunk_size}")
+    if pl.feed == "per_step" and (s.kind not in LLM_KINDS or s.url is not None):
+        raise ConfigError(
+            f"{p}.payload.feed: per_step feeds a vLLM engine's model (this stage is {s.kind!r})"
+        )
     for name in ("stall_timeout", "recv_timeout", "send_timeout"):
         if getattr(pl, name) <= 0:
             raise ConfigError(f"{p}.payload.{name}: must be > 0, got {getattr(pl, name)}")
@@ -256,6 +260,13 @@ def _check_stage(i: int, s: StageSpec) -> None:
             raise ConfigError(
                 f"{p}.diffusion.num_ranks: 2 ranks split guided KV-conditioned requests; "
                 "this stage receives no KV"
+            )
+        if d.max_batch_size < 1:
+            raise ConfigError(f"{p}.diffusion.max_batch_size: must be >= 1, got {d.max_batch_size}")
+        if d.num_ranks == 2 and d.max_batch_size != 1:
+            raise ConfigError(
+                f"{p}.diffusion.max_batch_size: a 2-rank (CFG-parallel) stage denoises one request "
+                f"at a time, got {d.max_batch_size}; use num_ranks: 1 to batch requests"
             )
     else:
         if s.diffusion is not None:
@@ -332,6 +343,11 @@ def resolve_spec(spec: PipelineSpec, source: str | None = None) -> ResolvedPipel
             raise ConfigError(f"{sp}.payload.mode: diffusion stages do not produce payloads")
         if not kv and mode == "none":
             raise ConfigError(f"{path}: edge {a} -> {b} carries nothing (no KV, payload mode 'none')")
+        if dst.payload.feed == "per_step" and (mode == "none" or "hidden_states" not in src.payload.capture):
+            raise ConfigError(
+                f"{dp}.payload.feed: per_step conditions the model on stage {a}'s hidden states, "
+                f"which edge {a} -> {b} does not carry (set {sp}.payload.capture to include hidden_states)"
+            )
         tp_a, tp_b = src.tensor_parallel_size, dst.tensor_parallel_size
         if max(tp_a, tp_b) % min(tp_a, tp_b):
             raise ConfigError(
@@ -473,7 +489,7 @@ def _resolve_stage(
         engine_args = {**DEFAULT_ENGINE_ARGS, **s.engine_args}
         if platform == "cpu":
             engine_args.setdefault("dtype", "float32")
-        if any(e.payload_mode != "none" for e in inputs):
+        if any(e.payload_mode != "none" for e in inputs) and s.payload.feed == "prompt_embeds":
             # The received hidden states become the prompt (vLLM's prompt-embeds input).
             engine_args["enable_prompt_embeds"] = True
         worker_cls = s.worker_cls

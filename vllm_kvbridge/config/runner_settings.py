@@ -80,6 +80,7 @@ def runner_settings(stage: ResolvedStage) -> dict[str, Any]:
             "connector_config": dict(e.connector.config),
             "recv_timeout_s": float(payload.get("recv_timeout", 30.0)),
             "stall_timeout_s": float(payload.get("stall_timeout", 30.0)),
+            "feed": payload.get("feed", "prompt_embeds"),
         }
         for e in stage.inputs
         if e.payload_mode != "none"

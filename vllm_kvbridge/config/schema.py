@@ -96,6 +96,12 @@ class PayloadSpec(_Spec):
     the payload. ``custom_process_next_stage_input_func`` is a dotted path to a function
     that turns a producer's outputs into the next stage's inputs. ``send_timeout`` (sender):
     how long one put waits for room on a full edge before its request fails.
+
+    ``feed`` (a receiving LLM stage): ``prompt_embeds`` waits for the whole payload and
+    makes its hidden states the request's prompt embeddings; ``per_step`` starts the request
+    at once and conditions each position on the producer's row for it as the stream arrives
+    (the model needs the hook of ``vllm_kvbridge.runner.conditioning``, e.g. the built-in
+    ``kvbridge://tiny-talker``), so the two stages overlap.
     """
 
     mode: PayloadMode = "none"
@@ -107,6 +113,7 @@ class PayloadSpec(_Spec):
         default_factory=lambda: ["hidden_states", "token_ids"]
     )
     custom_process_next_stage_input_func: str | None = None
+    feed: Literal["prompt_embeds", "per_step"] = "prompt_embeds"
 
 
 class DiffusionSpec(_Spec):
@@ -120,6 +127,11 @@ class DiffusionSpec(_Spec):
     the LLM stage also runs ``negative_prompt`` as its own request and sends its KV as the
     ``cfg_neg`` companion. ``num_ranks: 2`` runs the stage on two ranks, CFG-parallel (gloo;
     rank 0 receives the KV and distributes it to rank 1).
+
+    ``max_batch_size`` (default 1: one request at a time) lets the stage denoise up to that
+    many queued requests of the same ``num_steps`` together, each on its own KV, seed and
+    guidance; batches form only at step 0, from the queue head, when the stage becomes free
+    (see :mod:`vllm_kvbridge.runner.diffusion_batch`). Single-rank stages only.
     """
 
     class_path: str = "vllm_kvbridge.models.tiny_dit.TinyKVDiT"
@@ -132,6 +144,7 @@ class DiffusionSpec(_Spec):
     guidance_scale: float = 1.0
     negative_prompt: str = ""
     num_ranks: int = 1
+    max_batch_size: int = 1
 
 
 class StageSpec(_Spec):

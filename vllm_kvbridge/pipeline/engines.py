@@ -140,9 +140,17 @@ def build_engine(stage: ResolvedStage) -> StageEngine:
 class DiffusionStageEngine(StageEngine):
     """Runs :class:`~vllm_kvbridge.runner.diffusion_runner.DiffusionRunner` on a worker thread.
 
-    Requests run in arrival order; while one denoises, the KV of the next queued one is
-    prefetched. Per-request errors (a KV that never arrives) become ``RequestFailed``;
-    the worker thread itself never dies on one.
+    Requests run in batches of up to ``diffusion.max_batch_size`` (1 by default: one at a
+    time, in arrival order). Policy (:func:`~vllm_kvbridge.runner.diffusion_batch.select_batch`):
+    when the worker becomes free it takes the queue head and, in arrival order, the queued
+    requests with the head's ``num_steps``, up to ``max_batch_size``; the others wait for a
+    later batch. Requests join only at step 0: one arriving while a batch denoises waits
+    for the next batch (the worker never waits for a batch to fill). While a batch
+    denoises, the KV of the next batch is prefetched (as it stands when the batch forms,
+    plus, with ``max_batch_size`` > 1, requests submitted meanwhile that fall within the
+    next batch's places). Per-request errors (a KV that never arrives) become
+    ``RequestFailed`` of that request alone; an aborted request leaves its batch at the
+    next step and reports nothing; the worker thread itself never dies on one.
     """
 
     def __init__(self, stage: ResolvedStage) -> None:
@@ -168,7 +176,7 @@ class DiffusionStageEngine(StageEngine):
         self._aborted = ExpiringIds()
         #: requests given up because their KV died unread with its producer (already reported)
         self._lost = ExpiringIds()
-        self._current: tuple[m.Submit, Any] | None = None  # popped, being received/denoised
+        self._current: list[tuple[m.Submit, Any]] = []  # the batch popped, being received/denoised
         self._pending = 0
         self._stop = False
         self._thread = threading.Thread(target=self._work, name="kvbridge-diffusion", daemon=True)
@@ -202,6 +210,14 @@ class DiffusionStageEngine(StageEngine):
         # A queue longer than the sender's TTL must not lose its tail's KV: renew it.
         self._safe(lambda: self.runner.hold_kv(req))
         with self._lock:
+            # Submitted while a batch runs, within the next batch's places: prefetch it now so
+            # its receive overlaps the running denoise (a batch of one keeps the old rule:
+            # only the next request, when its predecessor starts). Started under the lock,
+            # so the worker cannot have consumed it already (a late prefetch would wait
+            # for KV that is gone).
+            size = self.runner.max_batch_size
+            if size > 1 and self._current and len(self._queue) < size:
+                self._safe(lambda: self.runner.prefetch(req))
             self._queue.append((msg, req))
             self._pending += 1
         self._wakeup.set()
@@ -220,7 +236,7 @@ class DiffusionStageEngine(StageEngine):
     def producer_lost(self, msg: m.ProducerLost) -> list[m.RequestFailed]:
         wanted, out = set(msg.request_ids), []
         with self._lock:  # the worker pops and starts requests under it: none slips by
-            held = [*self._queue, *([self._current] if self._current is not None else [])]
+            held = [*self._queue, *self._current]
             for sub, req in held:
                 rid = sub.request_id
                 if rid not in wanted or req.from_stage != msg.stage_id or rid in self._aborted:
@@ -243,57 +259,95 @@ class DiffusionStageEngine(StageEngine):
     def _work(self) -> None:
         try:
             while True:
-                self._wakeup.wait(0.1)
+                with self._lock:
+                    idle = not self._queue and not self._stop
+                if idle:  # queued work is taken at once, not on the next wakeup
+                    self._wakeup.wait(0.1)
                 with self._lock:
                     self._wakeup.clear()
                     if self._stop:
                         return
                     if not self._queue:
                         continue
-                    msg, req = self._queue.pop(0)
-                    self._current = (msg, req)
-                    nxt = self._queue[0][1] if self._queue else None
-                    aborted = msg.request_id in self._aborted
-                    lost = msg.request_id in self._lost
-                    self._aborted.discard(msg.request_id)
+                    batch, dropped = self._take_batch()
+                    self._current = batch
+                    nxt = [self._queue[i][1] for i in self._select(self._queue)[0]]
                 try:
-                    self._run(msg, req, nxt, aborted, lost)
+                    for _, req, lost in dropped:
+                        self._drop(req, lost)
+                    if batch:
+                        self._run(batch, nxt)
                 finally:
                     with self._lock:
-                        self._current = None
-                        self._lost.discard(msg.request_id)
-                    self._safe(lambda r=req: self.runner.forget_kv(r))
+                        self._current = []
+                        for msg, *_ in [*batch, *dropped]:
+                            self._lost.discard(msg.request_id)
+                    for _, req, *_ in [*batch, *dropped]:
+                        self._safe(lambda r=req: self.runner.forget_kv(r))
         except BaseException as exc:  # an engine bug: fail the stage, loudly
             traceback.print_exc()
             self._done.put(exc)
 
-    def _run(self, msg: m.Submit, req: Any, nxt: Any, aborted: bool, lost: bool) -> None:
-        """One request, popped from the queue (``nxt``: the one after it, to prefetch)."""
+    def _select(self, entries: list[tuple[m.Submit, Any]]) -> tuple[list[int], list[int]]:
+        from vllm_kvbridge.runner.diffusion_batch import select_batch
+
+        return select_batch(
+            entries,
+            self.runner.max_batch_size,
+            lambda e: self.runner.steps_of(e[1]),
+            lambda e: e[0].request_id in self._aborted,
+        )
+
+    def _take_batch(self) -> tuple[list[tuple[m.Submit, Any]], list[tuple[m.Submit, Any, bool]]]:
+        """Pop the next batch off the queue (under the lock), and the aborted / lost
+        requests the selection passed (``(msg, req, lost)``: to drop now)."""
+        picked, skipped = self._select(self._queue)
+        batch = [self._queue[i] for i in picked]
+        dropped = []
+        for i in skipped:
+            msg, req = self._queue[i]
+            dropped.append((msg, req, msg.request_id in self._lost))
+            self._aborted.discard(msg.request_id)
+        gone = set(picked) | set(skipped)
+        self._queue = [e for i, e in enumerate(self._queue) if i not in gone]
+        return batch, dropped
+
+    def _drop(self, req: Any, lost: bool) -> None:
+        """A request aborted (or lost) while it was queued: it never runs."""
         self._safe(lambda r=req: self.runner.release_kv(r))
         if lost:  # reported when its producer was lost; its KV is gone with it
             return
-        if aborted:
-            # The producer reports a request done only once its KV send completed, so
-            # the KV is there: consume it now so its segment/keys are freed at once
-            # instead of waiting for the connector's TTL.
-            if req.from_stage >= 0 and self.runner.need_kv:
-                self._safe(lambda r=req: self.runner.receive_kv(r))
-            return
-        if nxt is not None:
-            self._safe(lambda n=nxt: self.runner.prefetch(n))
+        # The producer reports a request done only once its KV send completed, so the KV
+        # is there: consume it now so its segment/keys are freed at once instead of
+        # waiting for the connector's TTL.
+        if req.from_stage >= 0 and self.runner.need_kv:
+            self._safe(lambda r=req: self.runner.receive_kv(r))
+
+    def _run(self, batch: list[tuple[m.Submit, Any]], nxt: list[Any]) -> None:
+        """One batch, popped from the queue (``nxt``: the next batch as it stands, to prefetch)."""
+        for _, req in batch:
+            self._safe(lambda r=req: self.runner.release_kv(r))
+        for n in nxt:
+            self._safe(lambda n=n: self.runner.prefetch(n))
         started = time.time()
-        try:
-            res = self.runner.execute(req, cancelled=lambda rid=msg.request_id: self._is_aborted(rid))
-        except RequestCancelled:
+        results = self.runner.execute_batch(
+            [req for _, req in batch],
+            [lambda rid=msg.request_id: self._is_aborted(rid) for msg, _ in batch],
+        )
+        for (msg, req), res in zip(batch, results):
+            self._report(msg, req, res, started)
+
+    def _report(self, msg: m.Submit, req: Any, res: Any, started: float) -> None:
+        if isinstance(res, RequestCancelled):
             with self._lock:  # aborted mid-way: nobody waits for it, say nothing
                 self._aborted.discard(msg.request_id)
             return
-        except Exception as exc:
+        if isinstance(res, Exception):
             with self._lock:
                 if msg.request_id in self._lost:  # its receive was withdrawn: reported already
                     return
             self._done.put(
-                m.RequestFailed(msg.request_id, self.stage.stage_id, f"{type(exc).__name__}: {exc}")
+                m.RequestFailed(msg.request_id, self.stage.stage_id, f"{type(res).__name__}: {res}")
             )
             return
         transfers = []
@@ -310,7 +364,7 @@ class DiffusionStageEngine(StageEngine):
             m.StageDone(
                 msg.request_id,
                 self.stage.stage_id,
-                output={"shape": list(res.image.shape)},
+                output={"shape": list(res.image.shape), "batch_size": res.batch_size},
                 image=m.tensor_to_msg(res.image),
                 started=started,
                 finished=time.time(),

@@ -8,9 +8,21 @@ every rank), together with the sender info of every rank (``kvbridge_sender_info
 which the orchestrator forwards to the next stage. The transfer id of every request is
 the orchestrator's request id (``extra_args["kvbridge"]["request_id"]``).
 
-A stage with an incoming payload edge (a talker) receives the producer's payload on a
-:class:`~vllm_kvbridge.runner.payload_receiver.PayloadReceiver` and submits its
-``hidden_states`` to vLLM as prompt embeddings (``enable_prompt_embeds``).
+A stage with an incoming payload edge (a talker) takes the producer's payload one of two
+ways (the edge's ``feed``):
+
+* ``prompt_embeds``: it receives the whole payload on a
+  :class:`~vllm_kvbridge.runner.payload_receiver.PayloadReceiver` and then submits its
+  ``hidden_states`` to vLLM as prompt embeddings (``enable_prompt_embeds``);
+* ``per_step``: it adds the request to vLLM at once, with the model's start token as its
+  prompt and the stream named in ``extra_args["kvbridge"]["condition"]``; the engine's
+  connector receives the rows and its scheduler runs each position once its row is there
+  (:mod:`vllm_kvbridge.runner.conditioning`), so the talker overlaps the thinker. A stream
+  that fails fails the request with the reason (``kvbridge_error``).
+
+Every ``StageDone`` carries ``first_token_at`` / ``last_token_at`` (``time.time()`` when
+the engine produced the request's first and last token), which ``run`` writes to
+result.json.
 
 A request submitted with ``stream`` gets a :class:`~vllm_kvbridge.pipeline.messages.StageProgress`
 after every engine step that produced new text or tokens (vLLM's outputs are cumulative:
@@ -29,9 +41,13 @@ import msgspec
 from vllm_kvbridge.config.resolve import ResolvedStage
 from vllm_kvbridge.config.runner_settings import runner_settings
 from vllm_kvbridge.errors import RequestRejected
+from vllm_kvbridge.models.builtin import builtin_model
 from vllm_kvbridge.pipeline import messages as m
 from vllm_kvbridge.pipeline.cfg import CompanionGroups
 from vllm_kvbridge.pipeline.engines import ExpiringIds, StageEngine, producer_lost_failure
+from vllm_kvbridge.runner.conditioning import CONDITION_OPTION
+from vllm_kvbridge.runner.conditioning_scheduler import ERROR_KEY
+from vllm_kvbridge.runner.settings import RunnerSettings
 
 #: Seconds between two transfer-status RPCs while requests wait for their sends.
 STATUS_POLL_S = 0.005
@@ -86,14 +102,25 @@ class LLMStageEngine(StageEngine):
         self.moves_data = bool(stage.outputs or stage.inputs)
         kwargs = dict(stage.engine_args)
         if self.moves_data or stage.runner_cls:
-            kwargs.update(engine_kwargs(self.settings, worker_cls=stage.worker_cls))
-        self.llm = LLM(model=stage.model, tensor_parallel_size=stage.tensor_parallel_size, **kwargs)
+            kwargs.update(
+                engine_kwargs(
+                    self.settings,
+                    worker_cls=stage.worker_cls,
+                    async_scheduling=stage.engine_args.get("async_scheduling"),
+                )
+            )
+        self.llm = LLM(
+            model=builtin_model(stage.model), tensor_parallel_size=stage.tensor_parallel_size, **kwargs
+        )
         self.engine = self.llm.llm_engine
         self.dump_dir = Path(stage.debug_dump_dir) if stage.debug_dump_dir else None
         self._receivers: dict[int, Any] = {}
         self._pool: ThreadPoolExecutor | None = None
+        feeds = {str(e.peer_stage): e.feed for e in RunnerSettings.from_dict(self.settings).payload.inputs}
+        #: producers whose rows condition the model per step (no receiver here: the engine's)
+        self._fed_from = {e.from_stage for e in stage.inputs if feeds.get(str(e.from_stage)) == "per_step"}
         for e in stage.inputs:
-            if e.payload_mode == "none":
+            if e.payload_mode == "none" or e.from_stage in self._fed_from:
                 continue
             from vllm_kvbridge.connectors.registry import create_connector
             from vllm_kvbridge.runner.payload_receiver import PayloadReceiver
@@ -109,6 +136,8 @@ class LLMStageEngine(StageEngine):
             )
         if self._receivers:
             self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvbridge-payload-wait")
+        #: request id -> time.time() of its first token (popped when it is reported)
+        self._first_token: dict[str, float] = {}
         self._inputs: dict[str, tuple[Future, Any, float]] = {}
         self._input_of: dict[str, tuple[int, str]] = {}  # rid -> (producer, transfer id)
         self._started: dict[str, float] = {}
@@ -191,6 +220,10 @@ class LLMStageEngine(StageEngine):
         self._started[msg.request_id] = time.time()
         if msg.stream:
             self._streamed[msg.request_id] = (0, 0)
+        fed = [u for u in msg.upstream if u.from_stage in self._fed_from]
+        if fed:
+            self._submit_fed(msg, fed[0], params)
+            return
         payload_ups = [u for u in msg.upstream if u.from_stage in self._receivers]
         if payload_ups:
             up = payload_ups[0]
@@ -206,6 +239,22 @@ class LLMStageEngine(StageEngine):
             raise ValueError(f"request {msg.request_id!r} has neither a prompt nor an upstream payload")
         self.engine.add_request(msg.request_id, msg.prompt, params)
 
+    def _submit_fed(self, msg: m.Submit, up: m.Upstream, params: Any) -> None:
+        """Start a request whose model is conditioned per step on ``up``'s stream: at once,
+        from the model's start token (see the module docstring)."""
+        start = self.engine.model_config.hf_config.bos_token_id
+        if start is None:
+            raise ValueError(
+                f"stage {self.stage.stage_id}: a per_step feed starts from the model's bos_token_id"
+            )
+        meta = (up.sender_info.get("payload") or {}).get(str(self.stage.stage_id)) or None
+        params.extra_args["kvbridge"][CONDITION_OPTION] = {
+            "from_stage": up.from_stage,
+            "transfer_id": up.transfer_request_id,
+            "metadata": meta,
+        }
+        self.engine.add_request(msg.request_id, {"prompt_token_ids": [int(start)]}, params)
+
     def abort(self, request_ids: list[str]) -> None:
         request_ids = list(request_ids)
         for rid in list(request_ids):
@@ -219,6 +268,7 @@ class LLMStageEngine(StageEngine):
                     receiver.cancel(rid)
             self._awaiting.pop(rid, None)
             self._streamed.pop(rid, None)
+            self._first_token.pop(rid, None)
         self.engine.abort_request(list(request_ids))
         # Nobody downstream will consume their KV, whether it is out already (sent, maybe
         # reported in a StageDone this Abort crossed), being sent, or owed by a request
@@ -305,16 +355,28 @@ class LLMStageEngine(StageEngine):
         if self._inputs:
             self._start_from_payload(out)
         if self.engine.has_unfinished_requests():
+            now = time.time()
             for o in self.engine.step():
                 if o.request_id in self._aborted:
                     continue
+                error = (o.kv_transfer_params or {}).get(ERROR_KEY) if o.finished else None
+                if error:  # its per-step feed failed in the engine (runner/conditioning.py)
+                    self._forget(o.request_id)
+                    out.append(m.RequestFailed(o.request_id, self.stage.stage_id, str(error)))
+                    continue
+                if o.outputs and o.outputs[0].token_ids:
+                    self._first_token.setdefault(o.request_id, now)
                 if o.request_id in self._streamed:
                     self._progress(o, out)
                 if o.finished:
-                    self._awaiting[o.request_id] = (o, time.time())
+                    self._awaiting[o.request_id] = (o, now)
         if self._awaiting:
             self._report_finished(out)
         return out
+
+    def _forget(self, rid: str) -> None:
+        for table in (self._started, self._streamed, self._first_token):
+            table.pop(rid, None)
 
     def _progress(self, o: Any, out: list[m.StageDone | m.StageProgress | m.RequestFailed]) -> None:
         """Append a StageProgress with what ``o`` (a cumulative output) adds to what was sent."""
@@ -414,6 +476,8 @@ class LLMStageEngine(StageEngine):
                 started=self._started.pop(rid, finished_at),
                 finished=time.time(),
                 transfers=transfers,
+                first_token_at=self._first_token.pop(rid, finished_at),
+                last_token_at=finished_at,
             )
             if self._cfg.has(rid):
                 self._cfg.primary_done(rid, done)
@@ -458,8 +522,7 @@ class LLMStageEngine(StageEngine):
             self._aborted.update(others)
             self.engine.abort_request(others)
             self._withdraw_kv(others)  # e.g. the primary's KV, sent before its companion failed
-        self._started.pop(primary, None)
-        self._streamed.pop(primary, None)
+        self._forget(primary)
         out.append(m.RequestFailed(primary, self.stage.stage_id, error))
 
     def close(self) -> None:

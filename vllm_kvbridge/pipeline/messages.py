@@ -121,6 +121,10 @@ class StageDone(_Msg, tag="done"):
     started: float = 0.0  # time.time() on the stage
     finished: float = 0.0
     transfers: list[TransferStat] = []
+    #: time.time() when the stage produced the request's first and last token (a stage
+    #: that makes no tokens: when it produced its output)
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
 
 
 class StageProgress(_Msg, tag="progress"):

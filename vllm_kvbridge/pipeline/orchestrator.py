@@ -423,6 +423,7 @@ class Pipeline:
             return  # late answer for a request that already failed or timed out
         rec = next(x for x in r.stages if x.stage_id == msg.stage_id)
         rec.done, rec.started, rec.finished, rec.output = time.time(), msg.started, msg.finished, msg.output
+        rec.first_token_at, rec.last_token_at = msg.first_token_at, msg.last_token_at
         r.transfers.extend(msg.transfers)
         # The stage is done with it: what it sent is the next stage's to consume (or, on an
         # abort, to drop), so a later Abort goes there only. A producer still holding the

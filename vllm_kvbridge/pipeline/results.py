@@ -54,6 +54,10 @@ class StageRecord:
     started: float = 0.0  # as the stage reported
     finished: float = 0.0
     output: dict[str, Any] = field(default_factory=dict)
+    #: time.time() of the stage's first and last token (a stage that makes no tokens, such
+    #: as diffusion: when it produced its output); one clock for the stages of a host
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
 
     @property
     def wall_s(self) -> float:

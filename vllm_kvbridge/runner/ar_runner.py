@@ -102,6 +102,10 @@ class CaptureState:
     scheduler_output: Any = None
     #: per captured request, this step's payload tensors until its tokens are sampled
     step_rows: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    #: a fed stage (``feed: per_step``): the model's conditioning width (runner/conditioning.py)
+    feed_dim: int | None = None
+    #: engine steps this runner executed (with or without a forward), for tests and health
+    steps: int = 0
 
 
 class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
@@ -138,11 +142,31 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
                 "KVBridgeConnector; start the engine with vllm_kvbridge.runner.worker.engine_kwargs(...)"
             )
 
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)
+        if self._kvb.settings.payload.per_step_inputs:
+            model = self.get_model()
+            dim = getattr(model, "kvbridge_conditioning_dim", None)
+            if not callable(getattr(model, "kvbridge_set_conditioning", None)) or not dim:
+                raise ConfigError(
+                    f"stage {self._kvb.settings.stage_id} feeds its payload per step "
+                    f"(payload.feed: per_step), but its model {type(model).__name__} lacks the hook "
+                    "(kvbridge_conditioning_dim and kvbridge_set_conditioning; see "
+                    "vllm_kvbridge.runner.conditioning)"
+                )
+            self._kvb_capture.feed_dim = int(dim)
+
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
         self._kvb_capture.scheduler_output = scheduler_output
+        self._kvb_capture.steps += 1
         return super().execute_model(scheduler_output, intermediate_tensors)
 
+    def kvbridge_debug_state(self) -> dict[str, Any]:
+        return {**super().kvbridge_debug_state(), "steps": self._kvb_capture.steps}
+
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._kvb_capture.feed_dim is not None:
+            self._kvbridge_feed_model()
         output = super()._model_forward(*args, **kwargs)
         if self._kvb_capture.on and isinstance(output, torch.Tensor):
             self._kvbridge_capture_rows(output)
@@ -159,6 +183,23 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
         parent = getattr(super(), "shutdown", None)
         if parent is not None:
             parent()
+
+    def _kvbridge_feed_model(self) -> None:
+        """Give the model this step's conditioning rows (every step: zeros when no fed
+        request runs, so no row of an earlier step is ever reused)."""
+        from vllm_kvbridge.runner.conditioning import step_rows
+
+        so = self._kvb_capture.scheduler_output
+        meta = getattr(so, "kv_connector_metadata", None)
+        conditioning = getattr(meta, "conditioning", None) or {}
+        assert self._kvb_capture.feed_dim is not None
+        rows = step_rows(
+            conditioning,
+            list(self.input_batch.req_ids),
+            so.num_scheduled_tokens if so is not None else {},
+            self._kvb_capture.feed_dim,
+        )
+        self.get_model().kvbridge_set_conditioning(rows.to(self.device))
 
     # -- capture -----------------------------------------------------------------------------
     def _kvbridge_capture_rows(self, hidden: torch.Tensor) -> None:

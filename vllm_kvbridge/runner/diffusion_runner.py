@@ -10,7 +10,17 @@ and runs a flow-matching Euler loop of ``num_steps`` steps:
     x_1 ~ N(0, I) (seeded per request);  x_{t - 1/n} = x_t - v(x_t, t, KV) / n;  image = decode(x_0)
 
 Module contract (see :mod:`vllm_kvbridge.models.tiny_dit` for the reference one):
-``latent_shape``, ``forward(latents, t, kv, payload)`` -> velocity, optional ``decode``.
+``latent_shape``, ``forward(latents, t, kv, payload)`` -> velocity, optional ``decode``,
+optional ``forward_batch(latents [B, ...], t [B], kvs: one KV per row, payloads)`` whose row
+``r`` must equal ``forward`` of row ``r`` alone (a module without it is run row by row).
+
+Batching (``diffusion.max_batch_size`` > 1, single-rank stages): :meth:`DiffusionRunner.execute_batch`
+receives the KV of each request of a batch on its own (a failed receive fails that request
+alone) and denoises the rest together, each row on its own KV, seed and guidance scale
+(:func:`~vllm_kvbridge.runner.diffusion_batch.denoise_batch`; the policy of which requests
+form a batch is in :mod:`vllm_kvbridge.runner.diffusion_batch`). Each request gets the
+image it gets unbatched (bit-exact on CPU with the tiny DiT). A batch of one runs
+:meth:`DiffusionRunner.execute`, the unbatched path, unchanged.
 
 Classifier-free guidance: a request with ``guidance_scale != 1`` names the *purposes* of
 its companion caches (``DiffusionRequest.cfg_purposes``, e.g. ``["cfg_neg"]``: the KV of the
@@ -229,6 +239,8 @@ class DiffusionOutput:
     seconds: float
     #: bytes per received cache: ``"kv"`` (primary) and each companion purpose
     kv_transfers: dict[str, int] = field(default_factory=dict)
+    #: requests denoised together with this one (itself included)
+    batch_size: int = 1
 
 
 def cfg_kv_collect(req: Any) -> list[str]:
@@ -267,6 +279,7 @@ class DiffusionRunner(KVBridgeModelRunnerMixin):
         self.seed = int(d.get("seed", 0))
         self.guidance_scale = float(d.get("guidance_scale", 1.0))
         self.num_ranks = int(d.get("num_ranks", 1))
+        self.max_batch_size = int(d.get("max_batch_size", 1))
         self.cfg_group: Any = cfg_group
         self.module = build_module(
             d.get("class_path", "vllm_kvbridge.models.tiny_dit.TinyKVDiT"),
@@ -380,11 +393,16 @@ class DiffusionRunner(KVBridgeModelRunnerMixin):
         )
 
     # -- execution -----------------------------------------------------------------------
-    def execute(self, req: DiffusionRequest, cancelled: Callable[[], bool] | None = None) -> DiffusionOutput:
-        """Receive ``req``'s KV and denoise; ``cancelled`` as for :func:`denoise`."""
-        t0 = time.perf_counter()
-        scale = self.guidance_scale if req.guidance_scale is None else float(req.guidance_scale)
-        check_cfg_request(scale, req.cfg_purposes)
+    def steps_of(self, req: DiffusionRequest) -> int:
+        """The number of denoise steps ``req`` runs (its own, else the stage's)."""
+        return req.num_steps or self.num_steps
+
+    def _scale_of(self, req: DiffusionRequest) -> float:
+        return self.guidance_scale if req.guidance_scale is None else float(req.guidance_scale)
+
+    def _take_kv(self, req: DiffusionRequest) -> ReceivedKVLayers:
+        """Check ``req``'s guidance, receive (and dump) its KV and companions."""
+        check_cfg_request(self._scale_of(req), req.cfg_purposes)
         got = ReceivedKVLayers([], {}, {}, 0.0)
         if self.need_kv:
             got = self.receive_kv(req, denoise=True)
@@ -394,14 +412,20 @@ class DiffusionRunner(KVBridgeModelRunnerMixin):
                     self._dump(req, layers, purpose)
         elif req.cfg_purposes:
             raise ConfigError("a guided request needs a stage that receives KV")
+        return got
+
+    def execute(self, req: DiffusionRequest, cancelled: Callable[[], bool] | None = None) -> DiffusionOutput:
+        """Receive ``req``'s KV and denoise; ``cancelled`` as for :func:`denoise`."""
+        t0 = time.perf_counter()
+        got = self._take_kv(req)
         uncond = got.companions.get(CFG_NEGATIVE)
         image = denoise(
             self.module,
             got.kv,
-            num_steps=req.num_steps or self.num_steps,
+            num_steps=self.steps_of(req),
             seed=self.seed if req.seed is None else req.seed,
             uncond_kv=uncond,
-            guidance_scale=scale,
+            guidance_scale=self._scale_of(req),
             cfg_group=self.cfg_group if uncond is not None else None,
             cancelled=cancelled,
         )[0]
@@ -413,6 +437,75 @@ class DiffusionRunner(KVBridgeModelRunnerMixin):
             time.perf_counter() - t0,
             dict(got.nbytes),
         )
+
+    def execute_batch(
+        self,
+        reqs: Sequence[DiffusionRequest],
+        cancelled: Sequence[Callable[[], bool] | None] | None = None,
+    ) -> list[DiffusionOutput | Exception]:
+        """Receive the KV of each of ``reqs`` (one ``num_steps``) and denoise them together.
+
+        Per request, in order: its :class:`DiffusionOutput`, or the exception that ended it
+        (a failed receive or guidance check: that request alone; :class:`RequestCancelled`
+        when ``cancelled[i]`` said so before a step; a forward that raised: every request
+        that got that far). One request runs :meth:`execute` (the unbatched path, also the
+        only one of a 2-rank stage).
+        """
+        from vllm_kvbridge.runner.diffusion_batch import BatchRow, denoise_batch
+
+        cancels = list(cancelled) if cancelled is not None else [None] * len(reqs)
+        if len(reqs) == 1:
+            try:
+                return [self.execute(reqs[0], cancels[0])]
+            except Exception as exc:
+                return [exc]
+        if self.cfg_group is not None:
+            raise ConfigError("a 2-rank (CFG-parallel) diffusion stage denoises one request at a time")
+        steps = {self.steps_of(r) for r in reqs}
+        if len(steps) > 1:
+            raise ConfigError(f"one batch runs one number of steps, got {sorted(steps)}")
+        t0 = time.perf_counter()
+        out: list[DiffusionOutput | Exception | None] = [None] * len(reqs)
+        rows, got_of = [], {}
+        for i, (req, cancel) in enumerate(zip(reqs, cancels)):
+            try:
+                got = self._take_kv(req)
+            except Exception as exc:
+                out[i] = exc
+                continue
+            got_of[i] = got
+            rows.append(
+                BatchRow(
+                    req.request_id,
+                    got.kv,
+                    self.seed if req.seed is None else req.seed,
+                    got.companions.get(CFG_NEGATIVE),
+                    self._scale_of(req),
+                    cancelled=cancel,
+                )
+            )
+        idx = list(got_of)
+        if rows:
+            try:
+                images: list[Any] = denoise_batch(self.module, rows, num_steps=steps.pop())
+            except Exception as exc:
+                images = [exc] * len(rows)
+            for i, image in zip(idx, images):
+                got = got_of[i]
+                out[i] = (
+                    image
+                    if isinstance(image, Exception)
+                    else DiffusionOutput(
+                        reqs[i].request_id,
+                        image,
+                        sum(got.nbytes.values()),
+                        got.seconds,
+                        time.perf_counter() - t0,
+                        dict(got.nbytes),
+                        len(rows),
+                    )
+                )
+        return out  # type: ignore[return-value]
 
     def _dump(
         self, req: DiffusionRequest, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], purpose: str = "kv"

@@ -127,6 +127,14 @@ class PayloadReceiver:
         with self._lock:
             return set(self._streams)
 
+    def status(self, request_id: str) -> tuple[str, BaseException | None] | None:
+        """``(state, error)`` of an expected request without waiting or forgetting it: state
+        ``receiving``, ``done`` (every chunk arrived), ``failed`` (a stall, the sender's abort,
+        a corrupt chunk: ``error`` says which) or ``cancelled``; None when not expected."""
+        with self._lock:
+            stream = self._streams.get(request_id)
+            return None if stream is None else (stream.state, stream.error)
+
     def _finish(self, stream: _Stream, state: str, error: BaseException | None = None) -> None:
         # Called with the lock held.
         if stream.state != "receiving":

@@ -32,7 +32,8 @@ runner) builds it with :meth:`RunnerSettings.from_dict` too. The dict, every key
           {"from_stage": 0, "mode": "full",
            "connector": "SharedMemoryConnector", "connector_config": {},
            "recv_timeout_s": 30.0,         # full payload: deadline from expect() to arrival
-           "stall_timeout_s": 30.0}        # async chunk: longest gap between two chunks
+           "stall_timeout_s": 30.0,        # async chunk: longest gap between two chunks
+           "feed": "prompt_embeds"}        # | "per_step": rows condition the model per position
         ]
       }
     }
@@ -60,6 +61,10 @@ from vllm_kvbridge.errors import ConfigError
 ADDITIONAL_CONFIG_KEY = "kvbridge"
 TRIGGERS = ("on_finish", "prefill_finished", "special_token")
 PAYLOAD_MODES = ("full", "async_chunk")
+#: How a consumer LLM stage takes an input edge's payload (see runner/conditioning.py):
+#: the hidden states as the request's prompt embeddings once the payload is complete, or
+#: row by row as the model's per-position conditioning while the stream arrives.
+PAYLOAD_FEEDS = ("prompt_embeds", "per_step")
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+(:[A-Za-z_][A-Za-z0-9_.]*)?")
 _STAGE = re.compile(r"[A-Za-z0-9_-]{1,32}")
 
@@ -166,6 +171,8 @@ class PayloadEdgeSettings:
     stall_timeout_s: float = 30.0
     send_retries: int = 3
     send_timeout_s: float = 60.0
+    #: input edges only: one of :data:`PAYLOAD_FEEDS`
+    feed: str = "prompt_embeds"
 
     @classmethod
     def from_dict(cls, data: Any, *, direction: str, path: str) -> PayloadEdgeSettings:
@@ -175,7 +182,7 @@ class PayloadEdgeSettings:
         extra = (
             {"chunk_size", "send_retries", "send_timeout_s"}
             if direction == "output"
-            else {"recv_timeout_s", "stall_timeout_s"}
+            else {"recv_timeout_s", "stall_timeout_s", "feed"}
         )
         d = _check_keys(data, common | extra, path)
         if peer_key not in d:
@@ -197,7 +204,10 @@ class PayloadEdgeSettings:
             raise ConfigError(f"{path}.send_retries: must be >= 0, got {retries}")
         send_timeout = float(_typed(d, "send_timeout_s", (int, float), 60.0, path))
         _positive(send_timeout, f"{path}.send_timeout_s")
-        return cls(peer, mode, connector, dict(cfg), chunk, recv, stall, retries, send_timeout)
+        feed = _typed(d, "feed", str, "prompt_embeds", path)
+        if feed not in PAYLOAD_FEEDS:
+            raise ConfigError(f"{path}.feed: must be one of {', '.join(PAYLOAD_FEEDS)}, got {feed!r}")
+        return cls(peer, mode, connector, dict(cfg), chunk, recv, stall, retries, send_timeout, feed)
 
 
 @dataclass(frozen=True)
@@ -246,6 +256,11 @@ class PayloadSettings:
     @property
     def sends(self) -> bool:
         return bool(self.outputs)
+
+    @property
+    def per_step_inputs(self) -> tuple[PayloadEdgeSettings, ...]:
+        """Input edges whose rows condition the model per position (runner/conditioning.py)."""
+        return tuple(e for e in self.inputs if e.feed == "per_step")
 
     def process_func(self) -> Callable[..., dict[str, Any]] | None:
         """The loaded ``custom_process_next_stage_input_func`` (None when unset)."""

@@ -69,11 +69,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_kvbridge.errors import ConfigError
+from vllm_kvbridge.runner.conditioning import CONDITION_OPTION
 from vllm_kvbridge.runner.settings import KVSendSettings, RunnerSettings
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
+    from vllm_kvbridge.runner.conditioning import ConditioningFeeds
     from vllm_kvbridge.runner.kv_sender import WorkerKVSender
 
 logger = logging.getLogger(__name__)
@@ -137,6 +139,9 @@ class KVBridgeConnectorMetadata(KVConnectorMetadata):
     finished: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: The step runs no forward (only held KV sends keep the engine stepping).
     idle: bool = False
+    #: Fed requests of a ``per_step`` stage (runner/conditioning.py): internal id ->
+    #: (first scheduled position, rows ``[num_scheduled_tokens, dim]``) of this step.
+    conditioning: dict[str, tuple[int, Any]] = field(default_factory=dict)
 
 
 class ConnectorHost(Protocol):
@@ -181,6 +186,17 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._pending: list[KVSendSpec] = []
         self._finished: dict[str, tuple[str, str]] = {}
         self._held: set[str] = set()
+        #: per-step conditioning of a fed stage (runner/conditioning.py), scheduler side only
+        self._feeds: ConditioningFeeds | None = None
+        self._fed: dict[str, Request] = {}
+        self._feed_errors: dict[str, str] = {}
+        self._feed_dim: int | None = None
+        if role == KVConnectorRole.SCHEDULER and self.settings.payload.per_step_inputs:
+            from vllm_kvbridge.runner.conditioning import ConditioningFeeds
+
+            self._feeds = ConditioningFeeds(self.settings.stage_id, self.settings.payload.per_step_inputs)
+            dim = getattr(vllm_config.model_config.hf_config, "kvbridge_conditioning_dim", None)
+            self._feed_dim = int(dim) if dim else None
         # Worker side.
         self._host: ConnectorHost | None = None
         self._sender: WorkerKVSender | None = None
@@ -288,16 +304,67 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return (released or None), None
 
     # --------------------------------------------------------------- scheduler side
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        # None: "ask again later" - a fed request's prompt waits for its rows here.
+        if self.kvbridge_waiting_blocked(request):
+            return None, False
         return 0, False
+
+    # -- per-step conditioning (runner/conditioning.py; the gate is conditioning_scheduler.py)
+    def _feed_ready(self, request: Request, start: int, num_tokens: int) -> bool:
+        return self._feeds is None or self._feeds.ready(request.request_id, start, num_tokens)
+
+    def kvbridge_waiting_blocked(self, request: Request) -> bool:
+        """A waiting fed request whose prompt rows have not all arrived (it cannot start)."""
+        if request.request_id not in self._fed or request.num_computed_tokens:
+            return False
+        return not self._feed_ready(request, 0, max(1, request.num_tokens))
+
+    def kvbridge_running_blocked(self, request: Request) -> bool:
+        """A running fed request whose next position's row has not arrived."""
+        if request.request_id not in self._fed:
+            return False
+        start = request.num_computed_tokens
+        return not self._feed_ready(request, start, max(1, request.num_tokens - start))
+
+    def kvbridge_wait_for_rows(self, timeout: float) -> bool:
+        """Sleep until a row arrives for any fed request (True) or ``timeout`` passes."""
+        if self._feeds is None:
+            return False
+        return self._feeds.wait(timeout)
+
+    def kvbridge_take_feed_failures(self) -> dict[str, str]:
+        """Fed requests to fail now (internal id -> reason), each reported once."""
+        if self._feeds is None:
+            return {}
+        out, self._feed_errors = self._feed_errors, {}
+        out.update(self._feeds.failed())
+        for req_id in out:
+            self._fed.pop(req_id, None)
+        return out
+
+    def _expect_feed(self, request: Request, options: Any) -> None:
+        assert self._feeds is not None
+        try:
+            if not isinstance(options, dict):
+                raise ConfigError(f"extra_args.kvbridge.condition: expected a mapping, got {options!r}")
+            self._feeds.expect(request.request_id, options, expect_dim=self._feed_dim)
+        except Exception as exc:  # the request's own fault: fail it, never the engine
+            self._feed_errors[request.request_id] = f"{type(exc).__name__}: {exc}"
+            return
+        self._fed[request.request_id] = request
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         return None
 
     def on_new_request(self, request: Request) -> None:
+        opts = request_options(request.sampling_params)
+        if self._feeds is not None and opts.get(CONDITION_OPTION) is not None:
+            self._expect_feed(request, opts[CONDITION_OPTION])
         if not self.settings.sends_kv:
             return
-        opts = request_options(request.sampling_params)
         if opts.get("send_kv") is False:
             return
         kv_send = self.settings.kv_send
@@ -368,13 +435,22 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 tracked.sent = True
         finished, self._finished = self._finished, {}
         idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
-        return KVBridgeConnectorMetadata(sends=sends, finished=finished, idle=idle)
+        conditioning: dict[str, tuple[int, Any]] = {}
+        if self._feeds is not None:
+            for req_id, request in self._fed.items():
+                n = scheduled.get(req_id, 0)
+                rows = self._feeds.rows(req_id, request.num_computed_tokens, n) if n else None
+                if rows is not None:
+                    conditioning[req_id] = (request.num_computed_tokens, rows)
+        return KVBridgeConnectorMetadata(sends=sends, finished=finished, idle=idle, conditioning=conditioning)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         req_id = request.request_id
         aborted = request.status == RequestStatus.FINISHED_ABORTED
+        if self._fed.pop(req_id, None) is not None and self._feeds is not None:
+            self._feeds.cancel(req_id)
         tracked = self._tracked.pop(req_id, None)
         transfer_id = tracked.transfer_id if tracked else transfer_id_for(req_id, request.sampling_params)
         self._finished[req_id] = ("aborted" if aborted else "finished", transfer_id)
@@ -431,6 +507,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
             return
         from vllm_kvbridge.runner.runtime import reap_stage_leftovers
 
+        if self._feeds is not None:
+            self._feeds.close()
         try:
             reap_stage_leftovers(self.settings)
         except Exception:

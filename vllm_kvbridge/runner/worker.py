@@ -216,6 +216,7 @@ def engine_kwargs(
     *,
     platform: str | None = None,
     worker_cls: str | None = None,
+    async_scheduling: bool | None = None,
 ) -> dict[str, Any]:
     """Engine arguments (JSON-safe) that make a vLLM engine a kvbridge stage.
 
@@ -223,6 +224,9 @@ def engine_kwargs(
     ``worker_cls`` (default: the kvbridge worker of ``platform``, ``"cpu"`` or ``"gpu"``,
     default vLLM's current platform); a KV-only stage runs ``worker_cls`` if given, else
     vLLM's stock worker with :class:`KVBridgeWorkerExtension` (see the module docstring).
+    A stage fed per step (``feed: per_step``) also gets the gated ``scheduler_cls``
+    (runner/conditioning_scheduler.py), the async one when ``async_scheduling`` is True,
+    and no prefix caching.
     """
     if isinstance(settings, RunnerSettings):
         raise ConfigError("engine_kwargs needs the settings dict (it travels to the worker as JSON)")
@@ -241,6 +245,15 @@ def engine_kwargs(
     cls = load_dotted(worker_cls, "worker_cls") if worker_cls is not None else None
     if not (isinstance(cls, type) and issubclass(cls, KVBridgeWorkerExtension)):
         kwargs["worker_extension_cls"] = WORKER_EXTENSION  # the RPCs, on a worker without them
+    if parsed.payload.per_step_inputs:
+        from vllm_kvbridge.runner.conditioning_scheduler import scheduler_cls_for
+
+        kwargs["scheduler_cls"] = scheduler_cls_for(async_scheduling)
+        # A position's KV depends on its conditioning row, not only on its token: a prefix
+        # cache keyed by tokens would hand one request another's KV (e.g. when a preempted
+        # request recomputes). Per request, skip_reading_prefix_cache cannot do it: vLLM
+        # then never asks the connector whether the prompt's rows are there.
+        kwargs["enable_prefix_caching"] = False
     return kwargs
 
 
