@@ -18,6 +18,7 @@ head size vLLM's CPU attention backend supports.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -198,22 +199,19 @@ def default_cache_dir() -> Path:
     return Path(root)
 
 
-def ensure_tiny_model(seed: int = 0, cache_dir: str | Path | None = None) -> Path:
-    """Return the default tiny model for ``seed``, building it once into the cache dir.
-
-    The model is written into a temporary sibling and renamed into place, so a
-    concurrent or interrupted build never leaves a half-written model behind.
-    """
+def build_once(target: Path, make: Callable[[Path], object]) -> Path:
+    """``target``, built once by ``make(directory)``: written into a temporary sibling and
+    renamed into place, so a concurrent or interrupted build never leaves a half-written
+    model behind (a build that lost the race to another keeps the winner's)."""
     import shutil
     import tempfile
 
-    target = Path(cache_dir or default_cache_dir()) / f"tiny-llama-seed{seed}"
     if (target / "model.safetensors").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        make_tiny_model(tmp, seed=seed)
+        make(tmp)
         try:
             tmp.rename(target)
         except OSError:
@@ -222,3 +220,10 @@ def ensure_tiny_model(seed: int = 0, cache_dir: str | Path | None = None) -> Pat
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def ensure_tiny_model(seed: int = 0, cache_dir: str | Path | None = None) -> Path:
+    """Return the default tiny model for ``seed``, building it once into the cache dir
+    (:func:`build_once`)."""
+    target = Path(cache_dir or default_cache_dir()) / f"tiny-llama-seed{seed}"
+    return build_once(target, lambda tmp: make_tiny_model(tmp, seed=seed))

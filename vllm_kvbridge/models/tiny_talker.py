@@ -77,7 +77,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from vllm_kvbridge.models.tiny_llama import TinyLlamaSpec, default_cache_dir, make_tiny_model
+from vllm_kvbridge.models.tiny_llama import TinyLlamaSpec, build_once, default_cache_dir, make_tiny_model
 
 ARCHITECTURE = "KVBridgeTinyTalkerForCausalLM"
 MODEL_CLASS = "vllm_kvbridge.models.tiny_talker:TinyTalkerForCausalLM"
@@ -318,26 +318,10 @@ def ensure_tiny_talker(
     :data:`FORMAT_VERSION`) builds a new one. Written into a temporary sibling and
     renamed into place, like ``ensure_tiny_model``.
     """
-    import shutil
-    import tempfile
-
     spec = talker_spec(seed, conditioning_dim)
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
     target = Path(cache_dir or default_cache_dir()) / f"tiny-talker-seed{seed}-{digest}"
-    if (target / "model.safetensors").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
-    try:
-        make_tiny_talker(tmp, seed=seed, conditioning_dim=conditioning_dim)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "model.safetensors").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_once(target, lambda tmp: make_tiny_talker(tmp, seed=seed, conditioning_dim=conditioning_dim))
 
 
 # --------------------------------------------------------------------------------------
