@@ -56,6 +56,7 @@ def test_shipped_configs_resolve_and_have_a_header() -> None:
         "ar_to_dit_zmq.yaml",
         "thinker_talker_full_payload.yaml",
         "thinker_talker_async_chunk.yaml",
+        "thinker_talker_async_chunk_embeds.yaml",
     }
     for path in CONFIGS:
         assert path.read_text().startswith("# "), f"{path.name} needs a comment header"
@@ -341,6 +342,14 @@ def test_resolved_settings_are_what_the_lower_layers_accept() -> None:
     assert thinker.payload.capture_hidden_states and thinker.payload.outputs[0].mode == "async_chunk"
     assert thinker.payload.outputs[0].chunk_size == 4
     assert talker.payload.inputs[0].mode == "async_chunk" and not talker.sends_kv
+    # The shipped async-chunk config overlaps the stages (the talker is fed per step); the
+    # _embeds variant waits for the whole stream and makes it the prompt embeddings.
+    assert talker.payload.inputs[0].feed == "per_step"
+    assert plan.stage(1).model == "kvbridge://tiny-talker"
+    plan = resolve(ROOT / "stage_configs/thinker_talker_async_chunk_embeds.yaml", env={})
+    talker = RunnerSettings.from_dict(runner_settings(plan.stage(1)))
+    assert talker.payload.inputs[0].mode == "async_chunk"
+    assert talker.payload.inputs[0].feed == "prompt_embeds"
 
 
 def test_model_override_and_empty_env_model() -> None:

@@ -2,7 +2,7 @@
 
 Full payload (the shipped config, shm): the talker's received embeddings equal the
 thinker's final-norm hidden states (as transformers computes them for the prompt and
-generated tokens). Async chunk fed per step (thinker_talker_per_step.yaml, through
+generated tokens). Async chunk fed per step (thinker_talker_async_chunk.yaml, through
 ``vllm-kvbridge run``): the talker, conditioned per position on the streamed rows, starts
 before the thinker is done (its first token is older than the thinker's last one in the
 timestamps result.json holds) and says what transformers says for the same rows. That
@@ -38,7 +38,7 @@ THINKER_TOKENS, TALKER_TOKENS = 48, 12
 
 def _async_chunk_config() -> Path:
     """The shipped per-step config, with more tokens in both stages (see THINKER_TOKENS)."""
-    config = yaml.safe_load((ROOT / "stage_configs/thinker_talker_per_step.yaml").read_text())
+    config = yaml.safe_load((ROOT / "stage_configs/thinker_talker_async_chunk.yaml").read_text())
     config["stages"][0]["default_sampling_params"].update(max_tokens=THINKER_TOKENS, ignore_eos=True)
     config["stages"][1]["default_sampling_params"].update(max_tokens=TALKER_TOKENS, ignore_eos=True)
     path = Path(tempfile.mkdtemp(prefix="kvb-tt-ac-")) / "thinker_talker_async_chunk.yaml"

@@ -1,10 +1,11 @@
 """``vllm-kvbridge serve`` in front of thinker -> talker (async chunk): text endpoints.
 
 One real server for the module (two vLLM engines); the talker's input is exactly the
-thinker's hidden states (the shipped async-chunk config over shm; test_pipeline_thinker_talker
-checks full payload over shm and async chunk over ZMQ), completions, chat completions,
-streaming (SSE, incremental: the talker reports its text while it generates), a client
-leaving mid-stream, text-endpoint errors, and a graceful SIGTERM with requests in flight.
+thinker's hidden states (thinker_talker_async_chunk_embeds.yaml: the stream becomes the
+talker's prompt embeddings, over shm; test_pipeline_thinker_talker checks full payload and
+the overlapping per-step feed), completions, chat completions, streaming (SSE,
+incremental: the talker reports its text while it generates), a client leaving
+mid-stream, text-endpoint errors, and a graceful SIGTERM with requests in flight.
 
 The streaming tests hold the talker (SIGSTOP on its process group) the moment the client
 has read the first piece of text, and ask the server, while it is held, whether the request
@@ -36,8 +37,8 @@ from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
 from vllm_kvbridge.pipeline.stage_handles import group_alive
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
-CONFIG = ROOT / "stage_configs/thinker_talker_async_chunk.yaml"
-MODEL_NAME = "thinker_talker_async_chunk"
+CONFIG = ROOT / "stage_configs/thinker_talker_async_chunk_embeds.yaml"
+MODEL_NAME = "thinker_talker_async_chunk_embeds"
 TALKER_TOKENS = 128
 ATTEMPTS = 5
 

@@ -1,6 +1,10 @@
-"""Thinker hidden states -> talker prompt embeddings, through the Python API.
+"""Thinker hidden states -> talker, through the Python API.
 
 python examples/offline_inference/thinker_talker.py [--config stage_configs/thinker_talker_async_chunk.yaml]
+
+The default config hands the talker the thinker's hidden states as prompt embeddings once
+per request; thinker_talker_async_chunk.yaml streams them and the built-in tiny talker is
+conditioned on them position by position while the thinker still generates.
 """
 
 from __future__ import annotations
