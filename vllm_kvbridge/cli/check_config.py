@@ -46,6 +46,15 @@ def _stage_lines(s: ResolvedStage) -> list[str]:
         lines.append(f"  engine_args: {json.dumps(s.engine_args, sort_keys=True)}")
         if s.default_sampling_params:
             lines.append(f"  sampling: {json.dumps(s.default_sampling_params, sort_keys=True)}")
+    elif s.vocoder is not None:
+        v = s.vocoder
+        lines.append(
+            f"{head}  module={v.get('class_path')}  input={v.get('input_key')}  "
+            f"weights={v.get('weights') or 'random (seeded)'}"
+        )
+        if v.get("kwargs"):
+            lines.append(f"  kwargs: {json.dumps(v['kwargs'], sort_keys=True)}")
+        lines.append("  streams: each arriving chunk becomes audio at once (last stage)")
     else:
         d = s.diffusion or {}
         lines.append(

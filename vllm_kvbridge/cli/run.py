@@ -87,7 +87,9 @@ def summary_table(results: list[Any], plan: Any) -> str:
 
 
 def write_outputs(results: list[Any], plan: Any, out_dir: Path, started: float) -> dict[str, Any]:
-    from vllm_kvbridge.pipeline.images import encode_png  # lazy: the pipeline package is heavy
+    # lazy: the pipeline package is heavy
+    from vllm_kvbridge.pipeline.audio import encode_wav
+    from vllm_kvbridge.pipeline.images import encode_png
 
     out_dir.mkdir(parents=True, exist_ok=True)
     records = []
@@ -96,6 +98,10 @@ def write_outputs(results: list[Any], plan: Any, out_dir: Path, started: float) 
         if r.image is not None:
             path = out_dir / f"{_safe_name(r.request_id)}.png"
             path.write_bytes(encode_png(r.image))
+            paths.append(str(path))
+        if r.audio is not None:
+            path = out_dir / f"{_safe_name(r.request_id)}.wav"
+            path.write_bytes(encode_wav(r.audio, r.sample_rate))
             paths.append(str(path))
         if r.text is not None:
             path = out_dir / f"{_safe_name(r.request_id)}.txt"
@@ -109,6 +115,9 @@ def write_outputs(results: list[Any], plan: Any, out_dir: Path, started: float) 
                 "text": r.text,
                 "token_ids": r.token_ids,
                 "image_shape": list(r.image.shape) if r.image is not None else None,
+                "audio": None
+                if r.audio is None
+                else {"num_samples": len(r.audio), "sample_rate": r.sample_rate},
                 "outputs": paths,
                 "stages": [
                     {
@@ -119,6 +128,8 @@ def write_outputs(results: list[Any], plan: Any, out_dir: Path, started: float) 
                         # wall-clock seconds (time.time()), one clock for the stages of a host
                         "first_token_at": (s.first_token_at or s.finished) or None,
                         "last_token_at": (s.last_token_at or s.finished) or None,
+                        # an LLM stage's generated tokens (a talker's codes a vocoder read)
+                        **({"token_ids": s.output["token_ids"]} if "token_ids" in s.output else {}),
                     }
                     for s in r.stages
                 ],

@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from vllm_kvbridge.config.loader import load_spec
-from vllm_kvbridge.config.schema import DiffusionSpec, PipelineSpec, StageSpec
+from vllm_kvbridge.config.schema import DiffusionSpec, PipelineSpec, StageSpec, VocoderSpec
 from vllm_kvbridge.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -94,6 +94,8 @@ class ResolvedStage(msgspec.Struct):
     url: str | None = None
     #: The custom AR runner class the kvbridge worker builds (else None).
     runner_cls: str | None = None
+    #: The streaming module of a vocoder stage (``VocoderSpec`` as a dict; else None).
+    vocoder: dict[str, Any] | None = None
 
     @property
     def is_llm(self) -> bool:
@@ -238,7 +240,27 @@ def _check_stage(i: int, s: StageSpec) -> None:
             raise ConfigError(f"{p}.url: only LLM stages can be external servers (this stage is {s.kind!r})")
         if not re.fullmatch(r"https?://[^\s/]+(/[^\s]*)?", s.url):
             raise ConfigError(f"{p}.url: {s.url!r} is not an http(s) URL like 'http://127.0.0.1:8001'")
-    if s.kind == "diffusion":
+    if s.kind != "diffusion" and s.diffusion is not None:
+        raise ConfigError(f"{p}.diffusion: only valid for kind 'diffusion' (this stage is {s.kind!r})")
+    if s.kind != "vocoder" and s.vocoder is not None:
+        raise ConfigError(f"{p}.vocoder: only valid for kind 'vocoder' (this stage is {s.kind!r})")
+    if s.kind == "vocoder":
+        if s.tensor_parallel_size != 1:
+            raise ConfigError(
+                f"{p}.tensor_parallel_size: vocoder stages run on one rank, got {s.tensor_parallel_size}"
+            )
+        if kv.need_send_cache or kv.need_recv_cache:
+            which = "need_send_cache" if kv.need_send_cache else "need_recv_cache"
+            raise ConfigError(f"{p}.kv_transfer.{which}: a vocoder stage consumes payloads, not KV")
+        for name in ("worker_cls", "runner_cls", "model"):
+            if getattr(s, name) is not None:
+                raise ConfigError(
+                    f"{p}.{name}: vocoder stages host the module of 'vocoder', not a vLLM model"
+                )
+        if s.engine_args:
+            raise ConfigError(f"{p}.engine_args: vocoder stages run no vLLM engine")
+        _check_dotted((s.vocoder or VocoderSpec()).class_path, f"{p}.vocoder.class_path")
+    elif s.kind == "diffusion":
         if s.tensor_parallel_size != 1:
             raise ConfigError(
                 f"{p}.tensor_parallel_size: diffusion stages run on one rank, got {s.tensor_parallel_size}"
@@ -269,8 +291,6 @@ def _check_stage(i: int, s: StageSpec) -> None:
                 f"at a time, got {d.max_batch_size}; use num_ranks: 1 to batch requests"
             )
     else:
-        if s.diffusion is not None:
-            raise ConfigError(f"{p}.diffusion: only valid for kind 'diffusion' (this stage is {s.kind!r})")
         if kv.need_recv_cache:
             raise ConfigError(f"{p}.kv_transfer.need_recv_cache: LLM stages cannot consume KV caches yet")
 
@@ -339,8 +359,15 @@ def resolve_spec(spec: PipelineSpec, source: str | None = None) -> ResolvedPipel
                 f"{dp}.payload.mode: stage {a} sends {mode!r} payloads on edge {a} -> {b} "
                 f"but this stage expects {dst.payload.mode!r}"
             )
-        if mode != "none" and src.kind == "diffusion":
-            raise ConfigError(f"{sp}.payload.mode: diffusion stages do not produce payloads")
+        if mode != "none" and src.kind in ("diffusion", "vocoder"):
+            raise ConfigError(f"{sp}.payload.mode: {src.kind} stages do not produce payloads")
+        if dst.kind == "vocoder":
+            key = (dst.vocoder or VocoderSpec()).input_key
+            if mode == "none" or key not in src.payload.capture:
+                raise ConfigError(
+                    f"{dp}.vocoder.input_key: the vocoder reads stage {a}'s {key!r}, which edge "
+                    f"{a} -> {b} does not carry (set {sp}.payload.mode and its capture to include {key})"
+                )
         if not kv and mode == "none":
             raise ConfigError(f"{path}: edge {a} -> {b} carries nothing (no KV, payload mode 'none')")
         if dst.payload.feed == "per_step" and (mode == "none" or "hidden_states" not in src.payload.capture):
@@ -412,6 +439,10 @@ def resolve_spec(spec: PipelineSpec, source: str | None = None) -> ResolvedPipel
             raise ConfigError(
                 f"{p}.url: an external stage takes the text prompt; it cannot receive KV or payloads "
                 f"(stage {s.stage_id} has an incoming edge)"
+            )
+        if s.kind == "vocoder" and not inputs[s.stage_id]:
+            raise ConfigError(
+                f"{p}.kind: a vocoder stage needs an incoming payload edge (stage {s.stage_id} has none)"
             )
         if s.kv_transfer.need_send_cache and not outputs[s.stage_id]:
             raise ConfigError(f"{p}.kv_transfer.need_send_cache: stage {s.stage_id} has no outgoing edge")
@@ -499,9 +530,11 @@ def _resolve_stage(
             worker_cls = DEFAULT_WORKER_CLS[platform]
         if captures and platform == "gpu":
             _adapt_for_capture(s, engine_args, env)
-    diffusion = None
+    diffusion = vocoder = None
     if s.kind == "diffusion":
         diffusion = msgspec.structs.asdict(s.diffusion or DiffusionSpec())
+    if s.kind == "vocoder":
+        vocoder = msgspec.structs.asdict(s.vocoder or VocoderSpec())
     return ResolvedStage(
         stage_id=s.stage_id,
         kind=s.kind,
@@ -521,6 +554,7 @@ def _resolve_stage(
         debug_dump_dir=debug_dump_dir,
         url=s.url.rstrip("/") if s.url else None,
         runner_cls=s.runner_cls,
+        vocoder=vocoder,
     )
 
 

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import msgspec
 
-StageKind = Literal["llm_ar", "diffusion", "llm_generation"]
+StageKind = Literal["llm_ar", "diffusion", "llm_generation", "vocoder"]
 Trigger = Literal["on_finish", "prefill_finished", "special_token"]
 PayloadMode = Literal["none", "full", "async_chunk"]
 
@@ -147,6 +147,26 @@ class DiffusionSpec(_Spec):
     max_batch_size: int = 1
 
 
+class VocoderSpec(_Spec):
+    """The streaming torch ``nn.Module`` a vocoder stage hosts (``kind: vocoder``).
+
+    A vocoder stage is a last stage fed by an async-chunk (or full) payload edge: each
+    chunk's ``input_key`` rows (the producer's captured ``token_ids``: a talker's codes, or
+    its ``hidden_states``) are turned into waveform samples as the chunk arrives, so audio
+    streams out while the producer still generates. ``class_path`` / ``kwargs`` /
+    ``weights`` as for diffusion; the module contract (``sample_rate``, ``hop_length``,
+    ``init_state``, ``forward_chunk``) is in :mod:`vllm_kvbridge.models.tiny_vocoder`, the
+    built-in reference.
+    """
+
+    class_path: str = "vllm_kvbridge.models.tiny_vocoder.TinyVocoder"
+    kwargs: dict[str, Any] = {}
+    weights: str | None = None
+    input_key: Literal["token_ids", "hidden_states"] = "token_ids"
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    device: str = "cpu"
+
+
 class StageSpec(_Spec):
     """One stage: an engine in its own process (or group of TP ranks).
 
@@ -174,6 +194,7 @@ class StageSpec(_Spec):
     kv_transfer: KVTransferSpec = msgspec.field(default_factory=KVTransferSpec)
     payload: PayloadSpec = msgspec.field(default_factory=PayloadSpec)
     diffusion: DiffusionSpec | None = None
+    vocoder: VocoderSpec | None = None
     start_timeout: float = 300.0
     url: str | None = None
 

@@ -128,6 +128,10 @@ def drain_results(done: queue.SimpleQueue) -> list[m.StageDone | m.RequestFailed
 def build_engine(stage: ResolvedStage) -> StageEngine:
     if stage.kind == "diffusion":
         return DiffusionStageEngine(stage)
+    if stage.kind == "vocoder":
+        from vllm_kvbridge.pipeline.vocoder_engine import VocoderStageEngine
+
+        return VocoderStageEngine(stage)
     if stage.url is not None:
         from vllm_kvbridge.pipeline.http_engine import HTTPStageEngine
 

@@ -355,8 +355,11 @@ class LLMStageEngine(StageEngine):
         if self._inputs:
             self._start_from_payload(out)
         if self.engine.has_unfinished_requests():
+            outputs = self.engine.step()
+            # Taken after the step: it blocks until the engine core has output, which for a
+            # request fed per step can be long after the step was asked for.
             now = time.time()
-            for o in self.engine.step():
+            for o in outputs:
                 if o.request_id in self._aborted:
                     continue
                 error = (o.kv_transfer_params or {}).get(ERROR_KEY) if o.finished else None

@@ -116,6 +116,8 @@ class StageDone(_Msg, tag="done"):
     #: Text outputs: ``text``, ``token_ids``, ``prompt_token_ids``; diffusion: ``image``.
     output: dict[str, Any] = {}
     image: Tensor | None = None
+    #: a vocoder stage's samples (float32, [n], in [-1, 1]; ``output["sample_rate"]``)
+    audio: Tensor | None = None
     transfer_request_id: str = ""
     sender_info: dict[str, Any] = {}
     started: float = 0.0  # time.time() on the stage
@@ -132,13 +134,15 @@ class StageProgress(_Msg, tag="progress"):
 
     Deltas concatenate to the ``text`` / ``token_ids`` of the request's ``StageDone``
     (vLLM holds back text a stop string could still remove, so a delta is never taken
-    back); the last tokens may arrive only with ``StageDone``.
+    back); the last tokens may arrive only with ``StageDone``. A vocoder stage's
+    ``audio_delta`` pieces concatenate to its ``StageDone.audio``.
     """
 
     request_id: str
     stage_id: int
     text_delta: str = ""
     token_ids_delta: list[int] = []
+    audio_delta: Tensor | None = None
 
 
 class RequestFailed(_Msg, tag="request_failed"):

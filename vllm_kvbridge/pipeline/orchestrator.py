@@ -441,6 +441,8 @@ class Pipeline:
         else:
             if msg.image is not None:
                 r.image = m.tensor_from_msg(msg.image)
+            if msg.audio is not None:
+                r.audio, r.sample_rate = m.tensor_from_msg(msg.audio), msg.output.get("sample_rate")
             r.text = msg.output.get("text")
             r.token_ids = msg.output.get("token_ids")
         if len(r.stages) == len(self._order) and all(x.done for x in r.stages):

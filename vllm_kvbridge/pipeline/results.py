@@ -75,6 +75,8 @@ class RequestResult:
     text: str | None = None
     token_ids: list[int] | None = None
     image: Any = None  # numpy [3, H, W] float32 in [0, 1] when the last stage is diffusion
+    audio: Any = None  # numpy [n] float32 in [-1, 1] when the last stage is a vocoder
+    sample_rate: int | None = None  # of ``audio`` (Hz)
     error: str | None = None
     finished: bool = False
     #: The stage whose loss (crash, stall) failed it, when that is why it failed.

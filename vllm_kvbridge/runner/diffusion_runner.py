@@ -64,31 +64,37 @@ def build_module(
     weights: str | None = None,
     dtype: str = "float32",
     device: str = "cpu",
+    *,
+    section: str = "diffusion",
+    required: tuple[str, ...] = ("latent_shape",),
 ) -> nn.Module:
-    """Build ``class_path(**kwargs)``, load ``weights`` (safetensors, strict), move, eval()."""
-    cls = load_dotted(class_path, "diffusion.class_path")
+    """Build ``class_path(**kwargs)``, load ``weights`` (safetensors, strict), move, eval().
+
+    ``section`` names the stage config's section in errors; ``required``: the attributes
+    the stage's runner contract needs of the module."""
+    cls = load_dotted(class_path, f"{section}.class_path")
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise ConfigError(f"diffusion.class_path: {class_path!r} is not a torch.nn.Module subclass")
+        raise ConfigError(f"{section}.class_path: {class_path!r} is not a torch.nn.Module subclass")
     try:
         module = cls(**dict(kwargs or {}))
-    except TypeError as exc:
-        raise ConfigError(f"diffusion.kwargs: {class_path}({', '.join(kwargs or {})}) failed: {exc}") from exc
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{section}.kwargs: {class_path}({', '.join(kwargs or {})}) failed: {exc}") from exc
     if weights is not None:
         from safetensors.torch import load_file
 
         path = Path(weights).expanduser()
         if not path.is_file():
-            raise ConfigError(f"diffusion.weights: no such file {str(path)!r}")
+            raise ConfigError(f"{section}.weights: no such file {str(path)!r}")
         state = load_file(str(path))
         missing, unexpected = module.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ConfigError(
-                f"diffusion.weights: {path.name} does not match {class_path} "
+                f"{section}.weights: {path.name} does not match {class_path} "
                 f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})"
             )
-    for name in ("latent_shape",):
+    for name in required:
         if not hasattr(module, name):
-            raise ConfigError(f"diffusion.class_path: {class_path} lacks {name!r} (see the runner contract)")
+            raise ConfigError(f"{section}.class_path: {class_path} lacks {name!r} (see the runner contract)")
     return module.to(device=device, dtype=_DTYPES[dtype]).eval()
 
 

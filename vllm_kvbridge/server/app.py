@@ -3,7 +3,8 @@
 Endpoints: ``POST /v1/images/generations`` (pipelines ending in a diffusion stage),
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (pipelines ending in an LLM
 stage; ``stream: true`` answers as server-sent events, one chunk per piece of text the
-last stage reports while it generates), ``GET /v1/models``, ``GET /health``
+last stage reports while it generates), ``POST /v1/audio/speech`` (pipelines ending in a
+vocoder stage; :mod:`vllm_kvbridge.server.speech`), ``GET /v1/models``, ``GET /health``
 (per stage; 503 when a stage is down), ``GET /metrics`` (Prometheus), ``GET /debug/state``
 (in-flight requests and this run's shared-memory names), ``GET /images/{name}`` (images
 returned as URLs).
@@ -43,6 +44,7 @@ from vllm_kvbridge.server.auth import DEFAULT_OPEN_PATHS, ApiKeyAuth
 from vllm_kvbridge.server.errors import ApiError, ClientGone, error_body
 from vllm_kvbridge.server.metrics import ServerMetrics
 from vllm_kvbridge.server.protocol import ChatCompletionRequest, CompletionRequest, ImageRequest
+from vllm_kvbridge.server.speech import add_speech_routes
 
 #: How often a waiting handler checks whether its client is still connected (seconds).
 DISCONNECT_POLL_S = 0.1
@@ -50,6 +52,13 @@ DISCONNECT_POLL_S = 0.1
 RETRY_AFTER_S = "1"
 #: ``Retry-After`` (seconds) of a 503 answer while a lost stage is restarted.
 RECOVERING_RETRY_AFTER_S = "5"
+#: What a pipeline's last stage makes, by its kind (LLM stages: text), and where to ask for it.
+OUTPUT_OF_KIND = {"diffusion": "image", "vocoder": "audio"}
+ENDPOINT_OF_OUTPUT = {
+    "image": "/v1/images/generations",
+    "audio": "/v1/audio/speech",
+    "text": "/v1/completions or /v1/chat/completions",
+}
 _IMAGE_NAME = re.compile(r"[A-Za-z0-9_.-]+\.png")
 #: ASGI scope key of the per-request flags :class:`_CountRequests` sets (``client_gone``).
 _SCOPE_KEY = "kvbridge"
@@ -78,12 +87,22 @@ class ServerState:
         entry = self.plan.entry_stage
         self.max_model_len = int(entry.engine_args.get("max_model_len") or 0) or None
         self.default_max_tokens = int(entry.default_sampling_params.get("max_tokens") or 16)
-        self.produces_image = self.plan.final_stage.kind == "diffusion"
+        #: what the last stage makes: "image" (diffusion), "audio" (vocoder) or "text"
+        self.output_kind = OUTPUT_OF_KIND.get(self.plan.final_stage.kind, "text")
         self.metrics = ServerMetrics(lambda: float(service.in_flight()), service.pipeline.stage_health)
         service.on_result = self.metrics.observe_result
         self.created = int(time.time())
 
     # -- validation --------------------------------------------------------------------
+    def require_output(self, kind: str) -> None:
+        """400 unless this pipeline makes ``kind`` (the error names the endpoint to use)."""
+        if self.output_kind != kind:
+            raise ApiError(
+                400,
+                f"this pipeline produces {'images' if self.output_kind == 'image' else self.output_kind}: "
+                f"use {ENDPOINT_OF_OUTPUT[self.output_kind]}",
+            )
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
             raise ApiError(
@@ -374,7 +393,7 @@ def build_app(
                     "max_model_len": state.max_model_len,
                     "kvbridge": {
                         "pipeline": state.plan.name,
-                        "output": "image" if state.produces_image else "text",
+                        "output": state.output_kind,
                         "stages": [{"stage_id": s.stage_id, "kind": s.kind} for s in state.plan.stages],
                     },
                 }
@@ -421,8 +440,7 @@ def build_app(
 
         t0 = time.perf_counter()
         state.check_model(body.model)
-        if not state.produces_image:
-            raise ApiError(400, "this pipeline produces text: use /v1/completions or /v1/chat/completions")
+        state.require_output("image")
         if body.response_format == "url" and state.output_dir is None:
             raise ApiError(400, "response_format 'url' needs the server's --output-dir")
         final = state.plan.final_stage
@@ -467,8 +485,7 @@ def build_app(
 
     def _text_endpoint_checks(model: str | None) -> None:
         state.check_model(model)
-        if state.produces_image:
-            raise ApiError(400, "this pipeline produces images: use /v1/images/generations")
+        state.require_output("text")
 
     def _usage(r: RequestResult) -> dict[str, int]:
         entry = r.stages[0].output if r.stages else {}
@@ -610,4 +627,5 @@ def build_app(
             "usage": _usage(r),
         }
 
+    add_speech_routes(app, state)
     return app

@@ -99,3 +99,21 @@ class ImageRequest(_Request):
     negative_prompt: str | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=4096)
     user: str | None = None
+
+
+class SpeechRequest(_Request):
+    """``POST /v1/audio/speech`` (pipelines ending in a vocoder stage). ``input`` is the
+    first stage's prompt. ``response_format``: ``wav`` (16-bit mono) or ``pcm`` (raw 16-bit
+    little-endian at the vocoder's sample rate); ``stream_format: sse`` streams each piece
+    of audio as the vocoder makes it (``speech.audio.delta`` events, base64 PCM), ``audio``
+    (the default) answers the whole file. ``voice`` is accepted for OpenAI clients, which
+    always send one; the pipeline's model has one voice. ``max_tokens`` bounds the first
+    stage's generation (a kvbridge extension)."""
+
+    input: str = Field(min_length=1)
+    model: str | None = None
+    voice: str | None = None
+    response_format: Literal["wav", "pcm"] = "wav"
+    stream_format: Literal["audio", "sse"] = "audio"
+    max_tokens: int | None = Field(default=None, ge=1, le=4096)
+    seed: int | None = Field(default=None, ge=0, le=2**31 - 1)

@@ -1,0 +1,140 @@
+"""``vllm-kvbridge serve`` in front of thinker -> talker -> vocoder: ``POST /v1/audio/speech``.
+
+One real server for the module (two vLLM engines and the vocoder stage, the shipped
+thinker_talker_vocoder.yaml): WAV, raw PCM and the SSE stream of one input carry the same
+audio (greedy in both LLM stages), through OpenAI's client too; the stream's first piece
+of audio leaves while the talker is still generating; the other endpoints answer 400
+naming this one.
+
+The streaming test holds the talker (SIGSTOP on its process group) the moment the client
+has read the first piece of audio, and asks the server, while it is held, which stages
+still work on the request: a server that streams audio as the vocoder makes it still has
+the talker on it (it generates ``TALKER_TOKENS`` positions, most of them after the
+thinker's stream ended, so its first chunk of codes comes long before its last), one that
+sends the audio once the request finished has nobody. A process stalled on this 2-core
+machine can let the talker finish before the first piece was read; such an attempt shows
+nothing and is repeated (``ATTEMPTS``); a server that does not stream fails every one.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import wave
+
+import httpx
+import openai
+import pytest
+import yaml
+from serve_fixtures import ROOT, Server, start_serve, stop
+
+from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+CONFIG = ROOT / "stage_configs/thinker_talker_vocoder.yaml"
+MODEL_NAME = "thinker_talker_vocoder"
+TALKER_TOKENS = 64
+HOP, RATE = 240, 24_000  # the tiny vocoder's defaults
+ATTEMPTS = 5
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    tmp = tmp_path_factory.mktemp("serve-vocoder")
+    spec = yaml.safe_load(CONFIG.read_text())
+    spec["stages"][1]["default_sampling_params"].update(max_tokens=TALKER_TOKENS, ignore_eos=True)
+    config = tmp / "thinker_talker_vocoder.yaml"
+    config.write_text(yaml.safe_dump(spec))
+    srv = start_serve(config, tmp, ensure_tiny_model())
+    try:
+        yield srv
+    finally:
+        stop(srv)
+
+
+def _speech(server: Server, **body: object) -> httpx.Response:
+    return httpx.post(server.url + "/v1/audio/speech", json={"model": MODEL_NAME, **body}, timeout=120)
+
+
+def _sse(server: Server, body: dict, on_delta=None) -> list[dict]:  # type: ignore[no-untyped-def, type-arg]
+    """Stream ``body`` as SSE; the parsed events. ``on_delta(event)`` runs at each audio piece."""
+    events: list[dict] = []  # type: ignore[type-arg]
+    body = {"model": MODEL_NAME, **body, "stream_format": "sse"}
+    with httpx.stream("POST", server.url + "/v1/audio/speech", json=body, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            events.append(json.loads(line[len("data: ") :]))
+            if on_delta is not None and events[-1]["type"] == "speech.audio.delta":
+                on_delta(events[-1])
+    return events
+
+
+def test_wav_pcm_sse_and_openai_client_carry_the_same_audio(server: Server) -> None:
+    text = "Hello there, little model"
+    wav = _speech(server, input=text)
+    assert wav.status_code == 200 and wav.headers["content-type"] == "audio/wav", wav.text
+    with wave.open(io.BytesIO(wav.content)) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, RATE)
+        frames = w.readframes(w.getnframes())
+    assert len(frames) == TALKER_TOKENS * HOP * 2
+    pcm = _speech(server, input=text, response_format="pcm")
+    assert pcm.status_code == 200 and pcm.headers["x-sample-rate"] == str(RATE)
+    assert pcm.content == frames  # greedy in both LLM stages: the same codes, the same audio
+
+    events = _sse(server, {"input": text})
+    *deltas, done = events
+    assert [e["type"] for e in deltas] == ["speech.audio.delta"] * len(deltas) and len(deltas) > 1
+    assert b"".join(base64.b64decode(e["audio"]) for e in deltas) == frames
+    assert done["type"] == "speech.audio.done"
+    usage = done["usage"]
+    assert usage["input_tokens"] > 0 and usage["output_tokens"] == TALKER_TOKENS
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    res = client.audio.speech.create(model=MODEL_NAME, voice="alloy", input=text, response_format="wav")
+    assert res.content == wav.content
+
+
+def test_audio_streams_while_the_talker_still_generates(server: Server) -> None:
+    pgid = int(httpx.get(server.url + "/health").json()["stages"][1]["pid"])
+    seen: list[list[int]] = []  # the stages working on the request at its first piece of audio
+
+    def at_first_piece(event: dict) -> None:  # type: ignore[type-arg]
+        if seen:
+            return
+        os.killpg(pgid, signal.SIGSTOP)
+        try:
+            requests = httpx.get(server.url + "/debug/state", timeout=30).json()["requests"]
+            seen.append(sorted(next(iter(requests.values()), [])))
+        finally:
+            os.killpg(pgid, signal.SIGCONT)
+
+    for _ in range(ATTEMPTS):
+        seen.clear()
+        events = _sse(server, {"input": "Once upon a time"}, at_first_piece)
+        assert events[-1]["type"] == "speech.audio.done", events[-1]
+        if seen and 1 in seen[0]:
+            break
+    assert seen and 1 in seen[0], f"stages on the request at its first audio: {seen} (in {ATTEMPTS} attempts)"
+
+
+def test_other_endpoints_name_this_one_and_bad_requests_are_400(server: Server) -> None:
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"})
+    assert r.status_code == 400 and "/v1/audio/speech" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/images/generations", json={"prompt": "hi"})
+    assert r.status_code == 400 and "produces audio" in r.json()["error"]["message"]
+    r = _speech(server, input="hi", response_format="mp3")
+    assert r.status_code == 400 and "response_format" in r.json()["error"]["message"]
+    r = _speech(server, input="")
+    assert r.status_code == 400 and "input" in r.json()["error"]["message"]
+    r = _speech(server, input="hi", model="other")
+    assert r.status_code == 404
+    [model] = httpx.get(server.url + "/v1/models").json()["data"]
+    assert model["kvbridge"]["output"] == "audio"
+    assert [s["kind"] for s in model["kvbridge"]["stages"]] == ["llm_ar", "llm_generation", "vocoder"]
