@@ -30,6 +30,7 @@ from vllm_kvbridge.pipeline.messages import StageProgress, tensor_from_msg
 from vllm_kvbridge.pipeline.results import RequestResult
 from vllm_kvbridge.server.errors import ApiError, ClientGone, error_body
 from vllm_kvbridge.server.protocol import SpeechRequest
+from vllm_kvbridge.server.state import ServerState
 
 ROUTE = "/v1/audio/speech"
 
@@ -45,8 +46,8 @@ def _event(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-def add_speech_routes(app: FastAPI, state: Any) -> None:
-    """Add ``POST /v1/audio/speech`` to ``app`` (``state``: the server's ``ServerState``)."""
+def add_speech_routes(app: FastAPI, state: ServerState) -> None:
+    """Add ``POST /v1/audio/speech`` to ``app``, served from ``state``."""
     metrics = state.metrics
 
     async def events(request: Request, prompt: str, params: dict[str, Any]) -> AsyncIterator[str]:
