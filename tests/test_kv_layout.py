@@ -8,6 +8,7 @@ from kv_fixtures import ALL_PHYSICAL_ORDERS, reference_gather, vllm_layer_views
 
 from vllm_kvbridge.errors import KVBridgeError
 from vllm_kvbridge.kv.layout import (
+    KVCacheLayout,
     KVContent,
     KVLayoutError,
     cpu_layout,
@@ -63,14 +64,33 @@ def test_cpu_layout_matches_reference_and_head_slice(dtype: torch.dtype) -> None
 @pytest.mark.parametrize(("block_size", "head_size"), [(32, 32), (16, 64), (64, 32)])
 def test_cpu_layout_matches_the_real_vllm_kernel(dtype: torch.dtype, block_size: int, head_size: int) -> None:
     """K/V written by vLLM's own ``cpu_attn_reshape_and_cache`` come back exactly."""
-    from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     heads, num_blocks = 2, 5
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=dtype)
     layout = layout_for_backend(CPUAttentionBackend, spec, model_dtype=dtype)
-    assert layout.content is KVContent.CPU_VEC
+    # bfloat16 on a CPU with AMX tiles takes the amx page format (this machine has them)
+    amx = dtype == torch.bfloat16 and block_size % 32 == 0 and torch.cpu._is_amx_tile_supported()
+    assert layout.content is (KVContent.CPU_AMX if amx else KVContent.CPU_VEC)
+    _check_cpu_layout_against_the_kernel(layout, dtype, block_size, head_size)
+
+
+@pytest.mark.parametrize(("block_size", "head_size"), [(32, 32), (32, 64), (64, 32), (32, 128), (96, 64)])
+def test_amx_layout_matches_the_real_vllm_kernel(block_size: int, head_size: int) -> None:
+    """The amx page format (tiles of 16 tokens x channel pairs for K, 16 channels x token
+    pairs for V), written by vLLM's own kernel with the ``amx`` ISA, comes back exactly."""
+    layout = cpu_layout(2, head_size, block_size, torch.bfloat16, isa="amx")
+    assert layout.content is KVContent.CPU_AMX
+    _check_cpu_layout_against_the_kernel(layout, torch.bfloat16, block_size, head_size)
+
+
+def _check_cpu_layout_against_the_kernel(
+    layout: KVCacheLayout, dtype: torch.dtype, block_size: int, head_size: int
+) -> None:
+    from vllm import _custom_ops as ops
+
+    heads, num_blocks = 2, 5
     cache = torch.zeros(layout.expected_shape(num_blocks), dtype=dtype)
     seq_len = 2 * block_size + 3
     block_ids = [3, 0, 4]
@@ -90,7 +110,7 @@ def test_cpu_layout_matches_the_real_vllm_kernel(dtype: torch.dtype, block_size:
     assert torch.equal(other, cache)
 
 
-@pytest.mark.parametrize("content", ["packed", "cpu"])
+@pytest.mark.parametrize("content", ["packed", "cpu", "amx"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_scatter_is_the_inverse_and_preserves_neighbours(content: str, dtype: torch.dtype) -> None:
     if content == "packed":
@@ -98,7 +118,7 @@ def test_scatter_is_the_inverse_and_preserves_neighbours(content: str, dtype: to
         layout = packed_layout(4, 8, 16, dtype)
     else:
         cache = _cpu_cache(6, 4, 32, 32, dtype, seed=3)
-        layout = cpu_layout(4, 32, 32, dtype)
+        layout = cpu_layout(4, 32, 32, dtype, isa="amx" if content == "amx" else "vec")
     before = cache.clone()
     n = layout.block_size
     seq_len = n + 5
@@ -223,7 +243,9 @@ def test_layout_construction_errors() -> None:
     with pytest.raises(KVLayoutError, match="quantized"):
         layout_for_backend("FLASH_ATTN", spec, cache_dtype="fp8")
     with pytest.raises(KVLayoutError, match="kernel-private"):
-        cpu_layout(2, 32, 32, torch.bfloat16, isa="amx")
+        cpu_layout(2, 32, 32, torch.bfloat16, isa="neon")
+    with pytest.raises(KVLayoutError, match="amx page format needs block_size and head_size divisible by 32"):
+        cpu_layout(2, 48, 32, torch.bfloat16, isa="amx")
     with pytest.raises(KVLayoutError, match="not an attention KV cache spec"):
         layout_for_backend("FLASH_ATTN", object())
     with pytest.raises(KVLayoutError, match="positive int"):

@@ -18,8 +18,14 @@ between backends is how K and V sit inside ``C``:
   without AMX) stores the K half *transposed*, ``[head_size, block_size]``, and the V
   half token-major, ``[block_size, head_size]``. So K and V are **not** packed per token
   in the last dim on CPU; the tests check this against the real kernel and a real engine.
-  Other CPU ISAs (``amx``, ``neon``, ``vsx``, ...) use kernel-private page formats and
-  are refused with :class:`KVLayoutError` rather than read wrongly.
+* ``KVContent.CPU_AMX`` - the same CPU pages written by the ``amx`` ISA (x86 with AMX,
+  bfloat16, ``block_size % 32 == 0``; the tile format AMX multiplies): the K half is
+  ``[block_size/16, head_size/2, 16, 2]`` (16 tokens by pairs of channels) and the V half
+  ``[head_size/16, block_size/2, 16, 2]`` (16 channels by pairs of tokens), so token
+  ``t``'s K channel ``c`` sits at ``((t//16)*head_size/2 + c//2)*32 + (t%16)*2 + c%2``.
+  Checked against vLLM's own ``cpu_attn_reshape_and_cache`` in the tests. Other CPU ISAs
+  (``neon``, ``vsx``, ...) use kernel-private page formats and are refused with
+  :class:`KVLayoutError` rather than read wrongly.
 
 The layout is described by :class:`KVCacheLayout`, built from the backend and the KV
 cache spec (:func:`layout_for_backend`, :func:`layout_from_vllm`), never guessed from a
@@ -66,6 +72,7 @@ class KVContent(enum.StrEnum):
 
     PACKED = "packed"
     CPU_VEC = "cpu_vec"
+    CPU_AMX = "cpu_amx"
 
 
 #: CPU attention ISAs whose page format is CPU_VEC (checked against the kernel in the tests).
@@ -122,7 +129,7 @@ class KVCacheLayout:
                 f"unknown physical order {self.physical_order!r} (vLLM KVCacheLayout names: "
                 f"{sorted(_PHYSICAL_ORDERS)})"
             )
-        if self.content is KVContent.CPU_VEC:
+        if self.content is not KVContent.PACKED:
             if self.head_size_v != self.head_size:
                 raise KVLayoutError("the CPU backend needs head_size_v == head_size")
             if self.physical_order != "LBHNC":
@@ -158,7 +165,7 @@ class KVCacheLayout:
                 f"{cache.shape[0]} tensor blocks is not a multiple of "
                 f"blocks_per_block={self.blocks_per_block}"
             )
-        if self.content is KVContent.CPU_VEC:
+        if self.content is not KVContent.PACKED:
             # The kernel reinterprets each (block, head) page; it must be one dense run.
             n, c = self.block_size, self.content_size
             if cache.stride(3) != 1 or cache.stride(2) != c or cache.stride(1) != n * c:
@@ -195,13 +202,22 @@ def cpu_layout(
     num_kv_heads: int, head_size: int, block_size: int, dtype: torch.dtype, *, isa: str = "vec"
 ) -> KVCacheLayout:
     """Layout of vLLM's CPU attention backend for the given kernel ISA."""
-    if isa not in _CPU_VEC_ISAS:
+    if isa == "amx":
+        if block_size % 32 or head_size % 32:
+            raise KVLayoutError(
+                f"the amx page format needs block_size and head_size divisible by 32, "
+                f"got {block_size} and {head_size}"
+            )
+        content = KVContent.CPU_AMX
+    elif isa in _CPU_VEC_ISAS:
+        content = KVContent.CPU_VEC
+    else:
         raise KVLayoutError(
             f"CPU attention ISA {isa!r} stores K/V in a kernel-private page format that "
-            f"vllm-kvbridge cannot read (supported: {sorted(_CPU_VEC_ISAS)})"
+            f"vllm-kvbridge cannot read (supported: {sorted(_CPU_VEC_ISAS | {'amx'})})"
         )
     return KVCacheLayout(
-        KVContent.CPU_VEC,
+        content,
         num_kv_heads,
         head_size,
         head_size,
@@ -415,24 +431,42 @@ def _head_range(layout: KVCacheLayout, head_start: int, head_end: int | None) ->
 
 
 def _token_views(pages: torch.Tensor, layout: KVCacheLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views ``[nb, block_size, heads, D]`` of K and V into contiguous pages ``[nb, heads, N, C]``."""
+    """Views ``[nb, N1, N2, heads, D1, D2]`` of K and V into contiguous pages
+    ``[nb, heads, N, C]``: token ``n1*N2 + n2`` of a block, channel ``d1*D2 + d2``.
+
+    Two split dims per axis express every page format as a view (the AMX tiles interleave
+    tokens and channels); the packed and vec formats have singleton ``N1`` and ``D2``."""
     if layout.content is KVContent.PACKED:
-        tok = pages.permute(0, 2, 1, 3)
-        return tok[..., : layout.head_size], tok[..., layout.head_size :]
+        tok = pages.permute(0, 2, 1, 3)[:, None, ..., None]
+        return tok[..., : layout.head_size, :], tok[..., layout.head_size :, :]
     n, d = layout.block_size, layout.head_size
     flat = pages.reshape(pages.shape[0], pages.shape[1], 2 * n * d)
-    k = flat[..., : n * d].unflatten(-1, (d, n)).permute(0, 3, 1, 2)
-    v = flat[..., n * d :].unflatten(-1, (n, d)).permute(0, 2, 1, 3)
+    if layout.content is KVContent.CPU_VEC:
+        k = flat[..., : n * d].unflatten(-1, (d, n)).permute(0, 3, 1, 2)[:, None, ..., None]
+        v = flat[..., n * d :].unflatten(-1, (n, d)).permute(0, 2, 1, 3)[:, None, ..., None]
+        return k, v
+    # CPU_AMX: K [N/16, D/2, 16, 2], V [D/16, N/2, 16, 2] per (block, head) page.
+    k = flat[..., : n * d].unflatten(-1, (n // 16, d // 2, 16, 2)).permute(0, 2, 4, 1, 3, 5)
+    v = flat[..., n * d :].unflatten(-1, (d // 16, n // 2, 16, 2)).permute(0, 3, 5, 1, 2, 4)
     return k, v
 
 
-def _copy_tokens(dst: torch.Tensor, src_blocks: torch.Tensor, seq_len: int, block_size: int) -> None:
-    """dst[:seq_len] (dense [seq, h, d]) <- src_blocks ([nb, N, h, d] view), two strided copies."""
-    full, rem = divmod(seq_len, block_size)
-    if full:
-        dst[: full * block_size].view(full, block_size, *dst.shape[1:]).copy_(src_blocks[:full])
-    if rem:
-        dst[full * block_size : seq_len].copy_(src_blocks[full, :rem])
+def _copy_blocks(blocks: torch.Tensor, dense: torch.Tensor, seq_len: int, *, into_dense: bool) -> None:
+    """Copy between the first ``seq_len`` tokens of ``blocks`` (a ``[nb, N1, N2, h, D1, D2]``
+    view, see :func:`_token_views`) and the contiguous ``dense`` (``[seq, h, D]``): whole
+    blocks in one strided copy, the last partial block ``N2`` tokens at a time."""
+    _, n1, n2, h, d1, d2 = blocks.shape
+    n = n1 * n2
+    full, rem = divmod(seq_len, n)
+    pairs = [(blocks[:full], dense[: full * n].view(full, n1, n2, h, d1, d2))] if full else []
+    for i in range(0, rem, n2):
+        m, at = min(n2, rem - i), full * n + i
+        pairs.append((blocks[full, i // n2, :m], dense[at : at + m].view(m, h, d1, d2)))
+    for b, x in pairs:
+        if into_dense:
+            x.copy_(b)
+        else:
+            b.copy_(x)
 
 
 def _check_dense(
@@ -500,8 +534,8 @@ def _gather_indexed(
         out_k = torch.empty(k_shape, dtype=cache.dtype, device=cache.device)
     if out_v is None:
         out_v = torch.empty(v_shape, dtype=cache.dtype, device=cache.device)
-    _copy_tokens(out_k, k_blocks, seq_len, layout.block_size)
-    _copy_tokens(out_v, v_blocks, seq_len, layout.block_size)
+    _copy_blocks(k_blocks, out_k, seq_len, into_dense=True)
+    _copy_blocks(v_blocks, out_v, seq_len, into_dense=True)
     return out_k, out_v
 
 
@@ -557,11 +591,6 @@ def scatter(
     src = cache if (hs, he) == (0, layout.num_kv_heads) else cache[:, hs:he]
     pages = src.index_select(0, index)
     k_blocks, v_blocks = _token_views(pages, layout)
-    n = layout.block_size
-    full, rem = divmod(seq_len, n)
-    for blocks, dense in ((k_blocks, k), (v_blocks, v)):
-        if full:
-            blocks[:full].copy_(dense[: full * n].reshape(full, n, *dense.shape[1:]))
-        if rem:
-            blocks[full, :rem].copy_(dense[full * n :])
+    _copy_blocks(k_blocks, k.contiguous(), seq_len, into_dense=False)
+    _copy_blocks(v_blocks, v.contiguous(), seq_len, into_dense=False)
     src.index_copy_(0, index, pages)
