@@ -67,7 +67,7 @@ def test_cpu_layout_matches_the_real_vllm_kernel(dtype: torch.dtype, block_size:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    heads, num_blocks = 2, 5
+    heads = 2
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=dtype)
     layout = layout_for_backend(CPUAttentionBackend, spec, model_dtype=dtype)
     # bfloat16 on a CPU with AMX tiles takes the amx page format (this machine has them)

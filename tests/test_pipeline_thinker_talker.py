@@ -1,16 +1,17 @@
-"""Thinker -> talker (-> vocoder) end to end (two vLLM engines), full payload and async chunk.
+"""Thinker -> talker (-> vocoder) end to end (vLLM engines), full payload and async chunk.
 
 Full payload (the shipped config, shm): the talker's received embeddings equal the
 thinker's final-norm hidden states (as transformers computes them for the prompt and
-generated tokens). Async chunk, three stages (thinker_talker_vocoder.yaml, through
+generated tokens). Async chunk fed per step (thinker_talker_async_chunk.yaml, through
 ``vllm-kvbridge run``): the talker, conditioned per position on the streamed rows, starts
 before the thinker is done (its first token is older than the thinker's last one in the
-timestamps result.json holds) and says what transformers says for the same rows; the
-vocoder turns the talker's codes into audio chunk by chunk, its first audio older than the
-talker's last token, and the WAV is the tiny vocoder's audio of those codes. That the
-overlapped run equals a run whose whole stream came first (bit-exact) is checked on one
-engine by test_runner_conditioning_engine; the shipped async-chunk config that feeds
-prompt embeddings once the stream is complete is served by test_serve_thinker_talker.
+timestamps result.json holds) and says what transformers says for the same rows. Three
+stages (thinker_talker_vocoder.yaml, through ``run``): the vocoder turns the talker's codes
+into audio chunk by chunk, its first audio older than the talker's last token, and the WAV
+is the tiny vocoder's audio of those codes. That the overlapped run equals a run whose
+whole stream came first (bit-exact) is checked on one engine by
+test_runner_conditioning_engine; the async-chunk config that feeds prompt embeddings once
+the stream is complete is served by test_serve_thinker_talker.
 """
 
 from __future__ import annotations
@@ -35,22 +36,34 @@ from vllm_kvbridge.pipeline import Pipeline
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 PROMPTS = ["A cute cat", "Once upon a time there was a tiny model"]
-#: The thinker generates long enough that the talker's start (after its first chunk of 4
-#: tokens) comes well before the thinker's end: tens of decode steps of margin. The talker
-#: generates more positions than the thinker has rows (prompt + 47), so its last ones wait
-#: for the end of the thinker's stream: its last token comes after the thinker's last, long
-#: after its first chunk of codes reached the vocoder.
-THINKER_TOKENS, TALKER_TOKENS = 48, 64
+#: The thinker generates long enough that the talker's start (after the thinker's first
+#: chunk of 4 tokens) comes well before the thinker's end: hundreds of decode steps of
+#: margin (a talker engine sharing these 2 cores with the thinker was seen to take up to
+#: 2 s to start).
+THINKER_TOKENS, TALKER_TOKENS = 320, 12
+#: The vocoder run: the talker generates long after its first chunk of codes left.
+VOCODER_TALKER_TOKENS = 64
 
 
-def _async_chunk_config() -> Path:
-    """The shipped three-stage config, with more tokens in both LLM stages (see THINKER_TOKENS)."""
-    config = yaml.safe_load((ROOT / "stage_configs/thinker_talker_vocoder.yaml").read_text())
-    config["stages"][0]["default_sampling_params"].update(max_tokens=THINKER_TOKENS, ignore_eos=True)
-    config["stages"][1]["default_sampling_params"].update(max_tokens=TALKER_TOKENS, ignore_eos=True)
-    path = Path(tempfile.mkdtemp(prefix="kvb-tt-ac-")) / "thinker_talker_vocoder.yaml"
+def _config(name: str, thinker_tokens: int, talker_tokens: int) -> Path:
+    """A shipped config with more tokens in both LLM stages (greedy, EOS ignored)."""
+    config = yaml.safe_load((ROOT / "stage_configs" / name).read_text())
+    config["stages"][0]["default_sampling_params"].update(max_tokens=thinker_tokens, ignore_eos=True)
+    config["stages"][1]["default_sampling_params"].update(max_tokens=talker_tokens, ignore_eos=True)
+    path = Path(tempfile.mkdtemp(prefix="kvb-tt-ac-")) / name
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def _run_cli(config: Path, model: Path) -> tuple[dict, Path]:  # type: ignore[type-arg]
+    out_dir = Path(tempfile.mkdtemp(prefix="kvb-tt-run-"))
+    argv = [sys.executable, "-m", "vllm_kvbridge.cli.main", "run", "--stage-config"]
+    argv += [str(config), "--model", str(model), "--output-dir", str(out_dir)]
+    for prompt in PROMPTS:
+        argv += ["--prompt", prompt]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=380)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads((out_dir / "result.json").read_text()), out_dir
 
 
 def _run(config: str | Path, dump: Path) -> tuple[list, str]:
@@ -88,49 +101,55 @@ def test_thinker_talker_full_payload() -> None:
 
 @pytest.mark.forked
 @pytest.mark.timeout(400)
-def test_async_chunk_stages_overlap_through_the_cli() -> None:
-    import wave
-
+def test_async_chunk_talker_overlaps_the_thinker_through_the_cli() -> None:
     from transformers import AutoTokenizer
 
-    from vllm_kvbridge.models.tiny_vocoder import TinyVocoder
-    from vllm_kvbridge.pipeline.audio import encode_pcm16
-
     model, talker = ensure_tiny_model(), ensure_tiny_talker()
-    out_dir = Path(tempfile.mkdtemp(prefix="kvb-tt-run-"))
-    argv = [sys.executable, "-m", "vllm_kvbridge.cli.main", "run", "--stage-config"]
-    argv += [str(_async_chunk_config()), "--model", str(model), "--output-dir", str(out_dir)]
-    for prompt in PROMPTS:
-        argv += ["--prompt", prompt]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=380)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = json.loads((out_dir / "result.json").read_text())
+    config = _config("thinker_talker_async_chunk.yaml", THINKER_TOKENS, TALKER_TOKENS)
+    result, out_dir = _run_cli(config, model)
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     bos = int(json.loads((talker / "config.json").read_text())["bos_token_id"])
-    vocoder = TinyVocoder()
     for req, prompt in zip(result["requests"], PROMPTS):
         assert req["error"] is None, req["error"]
-        thinker, talker_stage, vocoder_stage = req["stages"]
-        # Overlap: the talker's first token came before the thinker's last one, the
-        # vocoder's first audio before the talker's last token.
+        thinker, talker_stage = req["stages"]
+        # Overlap: the talker's first token came before the thinker's last one.
         assert talker_stage["first_token_at"] < thinker["last_token_at"], (thinker, talker_stage)
-        assert vocoder_stage["first_token_at"] < talker_stage["last_token_at"], (talker_stage, vocoder_stage)
         assert thinker["first_token_at"] <= thinker["last_token_at"]
         # What the talker said is what transformers says for the thinker's rows.
         prompt_ids = tokenizer(prompt).input_ids
         generated = hf_greedy(model, prompt_ids, THINKER_TOKENS, ignore_eos=True)
         assert thinker["token_ids"] == generated
         _, hidden = hf_reference(model, (prompt_ids + generated)[:-1])
-        codes = reference_greedy(talker, hidden, [bos], TALKER_TOKENS)
-        assert talker_stage["token_ids"] == codes
-        # The audio is the vocoder's of those codes (16-bit: one step of rounding apart).
+        assert req["token_ids"] == reference_greedy(talker, hidden, [bos], TALKER_TOKENS)
+    assert processes_using(out_dir) == []
+
+
+def test_vocoder_streams_the_talkers_codes_through_the_cli() -> None:
+    import wave
+
+    from vllm_kvbridge.models.tiny_vocoder import TinyVocoder
+    from vllm_kvbridge.pipeline.audio import encode_pcm16
+
+    model = ensure_tiny_model()
+    config = _config("thinker_talker_vocoder.yaml", 16, VOCODER_TALKER_TOKENS)
+    result, out_dir = _run_cli(config, model)
+    vocoder = TinyVocoder()
+    for req in result["requests"]:
+        assert req["error"] is None, req["error"]
+        _, talker_stage, vocoder_stage = req["stages"]
+        # The vocoder's first audio came before the talker's last token (its first chunk of
+        # codes left after 4 of its 64 tokens).
+        assert vocoder_stage["first_token_at"] < talker_stage["last_token_at"], (talker_stage, vocoder_stage)
+        codes = talker_stage["token_ids"]
+        assert len(codes) == VOCODER_TALKER_TOKENS
+        # The audio is the vocoder's of the talker's codes (16-bit: one step of rounding apart).
         [wav] = [Path(p) for p in req["outputs"] if p.endswith(".wav")]
         with wave.open(str(wav)) as w:
             assert w.getframerate() == vocoder.sample_rate == req["audio"]["sample_rate"]
             got = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.int32)
         want = np.frombuffer(encode_pcm16(vocoder(torch.tensor(codes))), "<i2").astype(np.int32)
-        assert len(got) == len(want) == TALKER_TOKENS * vocoder.hop_length == req["audio"]["num_samples"]
+        assert len(got) == len(want) == len(codes) * vocoder.hop_length == req["audio"]["num_samples"]
         assert np.abs(got - want).max() <= 1
         [edge] = [t for t in req["transfers"] if t["from_stage"] == 1]
-        assert (edge["to_stage"], edge["what"]) == (2, "chunks") and edge["bytes"] == TALKER_TOKENS * 8
+        assert (edge["to_stage"], edge["what"]) == (2, "chunks") and edge["bytes"] == len(codes) * 8
     assert processes_using(out_dir) == []

@@ -27,7 +27,7 @@ from runner_fixtures import shm_entries, shm_namespace, start_engine, stop_engin
 
 from vllm_kvbridge.connectors.registry import create_connector
 from vllm_kvbridge.models.tiny_talker import ensure_tiny_talker, reference_greedy
-from vllm_kvbridge.runner.conditioning_scheduler import ERROR_KEY
+from vllm_kvbridge.runner.conditioning_scheduler import ERROR_KEY, IDLE_WAIT_S
 from vllm_kvbridge.runner.payload_stream import PayloadSender
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -144,11 +144,13 @@ def test_a_request_waits_for_its_rows_without_holding_up_the_batch(talker) -> No
     # Positions 0..3 had rows: 4 tokens, then it waited while "whole" ran its 6 more steps.
     assert _tokens(outputs["stream"]) == _tokens(outputs["whole"])[:CHUNK]
     assert not outputs["stream"].finished
-    # Every request waits now: the engine core sleeps on the feed (20 ms at a time) instead
-    # of stepping empty batches (vLLM alone: one per millisecond).
-    cpu, steps = _idle(llm, 1.0)
-    assert cpu < 0.35, f"the engine core used {cpu:.2f} s of CPU in 1 s while waiting"
-    assert steps <= 100, f"{steps} empty engine steps in 1 s while every request waited"
+    # Every request waits now: the engine core sleeps on the feed (IDLE_WAIT_S at a time)
+    # instead of stepping empty batches (vLLM alone: one per millisecond; an RPC round trip
+    # to the worker each). vLLM's CPU worker busy-polls its message queue whatever the
+    # scheduler does, so only the engine core's CPU and the step count say anything.
+    cpu, steps = _idle(llm, 2.0)
+    assert cpu < 0.5, f"the engine core used {cpu:.2f} s of CPU in 2 s while waiting"
+    assert steps <= 2 + 2.0 / IDLE_WAIT_S, f"{steps} empty engine steps in 2 s while every request waited"
     _send(sender, "stream", rows, range(1, 3), final=True)
     _step_until(llm, outputs, lambda o: o["stream"].finished)
     assert _tokens(outputs["stream"]) == _tokens(outputs["whole"])

@@ -243,3 +243,17 @@ def test_an_aborted_request_reports_nothing_more(stage) -> None:  # type: ignore
     sender.send_chunk("stays", {"token_ids": _codes(8, 4)}, final=True)
     _collect(engine, out, lambda o: _ended(o, "stays"))
     assert [type(x) for x in out["gone"]] == [m.StageProgress]
+
+
+def test_a_stage_fed_per_step_cannot_send_payloads_of_its_own_yet() -> None:
+    cfg = _config()
+    cfg["stages"].insert(
+        0,
+        {"stage_id": 9, "kind": "llm_ar", "model": "m", "payload": {"mode": "async_chunk", "chunk_size": 4}},
+    )
+    cfg["stages"][1]["payload"]["feed"] = "per_step"
+    cfg["edges"].insert(0, {"from_stage": 9, "to_stage": 0, "connector": "shm"})
+    with pytest.raises(ConfigError, match=r"stages\[1\]\.payload\.feed: a stage fed per step cannot send"):
+        resolve_spec(spec_from_dict(cfg))
+    cfg["stages"][1]["payload"]["feed"] = "prompt_embeds"  # the shipped vocoder config's talker
+    assert resolve_spec(spec_from_dict(cfg)).stage(1).payload["feed"] == "prompt_embeds"

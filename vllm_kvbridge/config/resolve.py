@@ -440,6 +440,15 @@ def resolve_spec(spec: PipelineSpec, source: str | None = None) -> ResolvedPipel
                 f"{p}.url: an external stage takes the text prompt; it cannot receive KV or payloads "
                 f"(stage {s.stage_id} has an incoming edge)"
             )
+        sends = [e.to_stage for e in outputs[s.stage_id] if e.payload_mode != "none"]
+        if s.payload.feed == "per_step" and inputs[s.stage_id] and sends:
+            # Seen in a thinker -> talker -> vocoder pipeline: a talker fed per step that also
+            # captured its codes conditioned later requests on wrong rows and stalled;
+            # refused until that combination is understood and tested.
+            raise ConfigError(
+                f"{p}.payload.feed: a stage fed per step cannot send payloads of its own yet "
+                f"(stage {s.stage_id} sends to {sends}); use feed: prompt_embeds there"
+            )
         if s.kind == "vocoder" and not inputs[s.stage_id]:
             raise ConfigError(
                 f"{p}.kind: a vocoder stage needs an incoming payload edge (stage {s.stage_id} has none)"

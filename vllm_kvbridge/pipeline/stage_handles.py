@@ -64,6 +64,13 @@ def spawn_stage(
     env = {**env, **stage.env}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # vLLM-CPU pins each engine's OpenMP threads to cores ("auto"): the stages of one host
+    # are several engines, each pinned to the same cores, and a worker busy-polls its
+    # message queue whenever its engine has a request. A thinker pinned beside the spinning
+    # worker of a talker waiting for its rows made 4 tokens in over 30 s on 2 cores (the
+    # same run unpinned: a few seconds in all). Unpinned, the OS places the threads; a
+    # user's own setting wins. (GPU engines do not read it.)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if stage.devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = stage.devices
     argv = [sys.executable, "-m", "vllm_kvbridge.pipeline.stage_process", "--address", address]

@@ -90,6 +90,10 @@ class ConditioningFeeds:
         self._feeds: dict[str, _Feed] = {}  # vLLM internal request id -> feed
         self._by_transfer: dict[tuple[str, str], str] = {}  # (from stage, transfer id) -> internal id
         self._arrived = threading.Event()
+        # Created now, not at the first request: a bad connector config fails the engine's
+        # start, and the first request does not wait for the connector to be set up.
+        for from_stage in self._edges:
+            self._receiver(from_stage)
 
     def _receiver(self, from_stage: str) -> PayloadReceiver:
         edge = self._edges.get(from_stage)
