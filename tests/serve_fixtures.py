@@ -11,11 +11,13 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 from vllm_kvbridge.pipeline.stage_handles import kill_stage_group, shm_mapped_by_group
 
@@ -101,6 +103,23 @@ def start_serve(
     return start_process(
         argv, tmp / "serve.log", f"{scheme}://127.0.0.1:{port}", "/health", timeout_s, verify
     )
+
+
+@contextlib.contextmanager
+def serve_edited(
+    config: Path, tmp: Path, model: str | Path, edit: Callable[[dict[str, Any]], None]
+) -> Iterator[Server]:
+    """Serve a copy of the stage config ``config`` that ``edit`` changed (the parsed YAML, in
+    place); stopped on exit."""
+    spec = yaml.safe_load(config.read_text())
+    edit(spec)
+    edited = tmp / config.name
+    edited.write_text(yaml.safe_dump(spec))
+    srv = start_serve(edited, tmp, model)
+    try:
+        yield srv
+    finally:
+        stop(srv)
 
 
 def self_signed_cert(directory: Path) -> tuple[Path, Path]:

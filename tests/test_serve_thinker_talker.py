@@ -29,9 +29,8 @@ import time
 import httpx
 import openai
 import pytest
-import yaml
 from pipeline_fixtures import hf_reference, load_dump
-from serve_fixtures import ROOT, Server, shm_names, start_serve, stop, wait_for
+from serve_fixtures import ROOT, Server, serve_edited, shm_names, stop, wait_for
 
 from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
 from vllm_kvbridge.pipeline.stage_handles import group_alive
@@ -46,16 +45,13 @@ ATTEMPTS = 5
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("serve-thinker-talker")
-    spec = yaml.safe_load(CONFIG.read_text())
-    spec["stages"][1]["default_sampling_params"].update(max_tokens=TALKER_TOKENS, ignore_eos=True)
-    spec.setdefault("runtime", {})["debug_dump_dir"] = str(tmp / "dump")
-    config = tmp / "thinker_talker.yaml"
-    config.write_text(yaml.safe_dump(spec))
-    srv = start_serve(config, tmp, ensure_tiny_model())
-    try:
+
+    def edit(spec: dict) -> None:  # type: ignore[type-arg]
+        spec["stages"][1]["default_sampling_params"].update(max_tokens=TALKER_TOKENS, ignore_eos=True)
+        spec.setdefault("runtime", {})["debug_dump_dir"] = str(tmp / "dump")
+
+    with serve_edited(CONFIG, tmp, ensure_tiny_model(), edit) as srv:
         yield srv
-    finally:
-        stop(srv)
 
 
 def _client(server: Server) -> openai.OpenAI:

@@ -28,8 +28,7 @@ import wave
 import httpx
 import openai
 import pytest
-import yaml
-from serve_fixtures import ROOT, Server, start_serve, stop
+from serve_fixtures import ROOT, Server, serve_edited
 
 from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
 
@@ -44,15 +43,12 @@ ATTEMPTS = 5
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("serve-vocoder")
-    spec = yaml.safe_load(CONFIG.read_text())
-    spec["stages"][1]["default_sampling_params"].update(max_tokens=TALKER_TOKENS, ignore_eos=True)
-    config = tmp / "thinker_talker_vocoder.yaml"
-    config.write_text(yaml.safe_dump(spec))
-    srv = start_serve(config, tmp, ensure_tiny_model())
-    try:
+
+    def edit(spec: dict) -> None:  # type: ignore[type-arg]
+        spec["stages"][1]["default_sampling_params"].update(max_tokens=TALKER_TOKENS, ignore_eos=True)
+
+    with serve_edited(CONFIG, tmp, ensure_tiny_model(), edit) as srv:
         yield srv
-    finally:
-        stop(srv)
 
 
 def _speech(server: Server, **body: object) -> httpx.Response:

@@ -112,10 +112,6 @@ class VocoderRunner(KVBridgeModelRunnerMixin):
                 stream.nbytes += _payload_bytes(data)
         self.arrived.set()
 
-    def stream(self, request_id: str) -> VocoderStream | None:
-        with self._lock:
-            return self._streams.get(request_id)
-
     def active(self) -> list[str]:
         with self._lock:
             return list(self._streams)
