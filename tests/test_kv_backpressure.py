@@ -33,14 +33,14 @@ pytestmark = pytest.mark.forked
 
 
 class _GatedShm(SharedMemoryConnector):
-    """A real shm connector whose puts wait for ``gate`` (a link slower than the engine)."""
+    """A real shm connector whose publishes wait for ``gate`` (a link slower than the engine)."""
 
     name = "BackpressureGatedShm"
     gate = threading.Event()
 
-    def put(self, from_stage, to_stage, key, payload):
+    def _publish_lent(self, reservation, start):  # puts and the KV sender's publishes
         assert type(self).gate.wait(30), "the test never opened the gate"
-        return super().put(from_stage, to_stage, key, payload)
+        return super()._publish_lent(reservation, start)
 
 
 register_connector(_GatedShm.name, _GatedShm, replace=True)
@@ -156,7 +156,9 @@ def test_a_kv_send_into_a_full_edge_waits_then_is_delivered() -> None:
         sender.send([_spec("A")])
         _wait(lambda: _status(sender, "A") == "done")
         sender.send([_spec("B")])
-        _wait(lambda: sender.manager.connector.health()["put_full"] >= 1)  # B found the edge full
+        # B found the edge full at its gather (no segment to gather into: it went to a host
+        # buffer) and again at the put from that buffer, which now waits for room.
+        _wait(lambda: sender.manager.connector.health()["put_full"] >= 2)
         assert _status(sender, "B") == "pending" and sender.manager.queued_send_bytes() > 0
         with _receiver(ns) as receiver:
             _read_exact(receiver, "A")

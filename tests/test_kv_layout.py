@@ -14,11 +14,11 @@ from vllm_kvbridge.kv.layout import (
     cpu_layout,
     gather,
     gather_layers,
-    layout_for_backend,
     packed_layout,
     request_block_index,
     scatter,
 )
+from vllm_kvbridge.kv.layout_vllm import layout_for_backend
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

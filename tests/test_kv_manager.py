@@ -83,7 +83,8 @@ def test_two_process_send_receive_bit_exact(connector: str, config: dict[str, An
 
 
 class _FlakyShm(SharedMemoryConnector):
-    """A real shared-memory connector whose first ``fail_first`` puts raise."""
+    """A real shared-memory connector whose first ``fail_first`` publishes raise (the KV
+    sender publishes the segment it gathered into; a put publishes the same way)."""
 
     name = "FlakyShm"
 
@@ -93,11 +94,11 @@ class _FlakyShm(SharedMemoryConnector):
         self.put_calls = 0
         super().__init__(config)
 
-    def put(self, from_stage, to_stage, key, payload):
+    def _publish_lent(self, reservation, start):
         self.put_calls += 1
         if self.fail_first < 0 or self.put_calls <= self.fail_first:
             raise OSError(f"injected put failure #{self.put_calls}")
-        return super().put(from_stage, to_stage, key, payload)
+        return super()._publish_lent(reservation, start)
 
 
 register_connector("FlakyShm", _FlakyShm, replace=True)
@@ -488,17 +489,18 @@ def test_sender_info_does_not_grow_with_the_number_of_requests() -> None:
 
 
 class _HeldPutShm(SharedMemoryConnector):
-    """A real shared-memory connector whose puts wait while ``gate`` is clear (its registry
-    name is this module's own: test_runner_runtime registers a "GatedShm")."""
+    """A real shared-memory connector whose publishes (of puts and of the KV sender's
+    reservations alike) wait while ``gate`` is clear (its registry name is this module's
+    own: test_runner_runtime registers a "GatedShm")."""
 
     name = "HeldPutShm"
     gate = threading.Event()
     entered = threading.Event()
 
-    def put(self, from_stage, to_stage, key, payload):
+    def _publish_lent(self, reservation, start):
         _HeldPutShm.entered.set()
         assert _HeldPutShm.gate.wait(10), "the test never opened the gate"
-        return super().put(from_stage, to_stage, key, payload)
+        return super()._publish_lent(reservation, start)
 
 
 register_connector("HeldPutShm", _HeldPutShm, replace=True)

@@ -32,15 +32,15 @@ pytestmark = pytest.mark.forked
 
 
 class _GatedShm(SharedMemoryConnector):
-    """A real shared-memory connector whose puts wait until ``gate`` is set (a slow network)."""
+    """A real shared-memory connector whose publishes wait until ``gate`` is set (a slow network)."""
 
     name = "GatedShm"
     gate = threading.Event()
 
-    def put(self, from_stage, to_stage, key, payload):
+    def _publish_lent(self, reservation, start):  # puts and the KV sender's publishes
         if not type(self).gate.wait(30):
             raise TimeoutError("gate never opened")
-        return super().put(from_stage, to_stage, key, payload)
+        return super()._publish_lent(reservation, start)
 
 
 register_connector("GatedShm", _GatedShm, replace=True)

@@ -8,6 +8,12 @@ Roles:
   * the sender calls :meth:`Connector.put`; the returned :class:`PutResult.metadata`
     is what the receiver needs to find the data (an address, a segment name). The
     pipeline forwards it to the receiver as "sender info".
+  * or, to write a payload once straight where the receiver reads it (the KV sender's
+    one-copy path), the sender *reserves* a destination of the payload's packed size
+    (:meth:`Connector.reserve`), *fills* it (:meth:`vllm_kvbridge.wire.Encoded.pack_into`,
+    whose :class:`~vllm_kvbridge.wire.fill.TensorFill` sources gather straight into it)
+    and *publishes* it (:meth:`Reservation.publish`, whose result is a put's). What is on
+    the wire is the same as a put of the same payload.
   * the receiver calls :meth:`Connector.get` with the same key and that metadata.
 
 Semantics every implementation keeps (the shared contract test suite checks them):
@@ -32,6 +38,8 @@ Semantics every implementation keeps (the shared contract test suite checks them
     ``max_held_bytes``, a full store or /dev/shm) refuses a put with ``PutResult.full``; the
     same put succeeds once receivers read or leases expire. Callers wait for room
     (:func:`vllm_kvbridge.connectors.put_retry.put_with_retry`), they never drop the payload.
+    A reservation counts against the same limit from :meth:`Connector.reserve` until it
+    is published or released; ``reserve`` never waits: it answers ``full`` at once.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ import re
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +66,115 @@ class PutResult:
     #: Refused only because the sender holds its limit of unread bytes now: the same put can
     #: succeed later (wait for room), unlike any other refusal.
     full: bool = False
+
+
+class Reservation(ABC):
+    """A destination of ``nbytes`` for one packed payload (see the module docstring).
+
+    ``buffer`` is writable and at least ``nbytes`` long; the sender writes the packed
+    payload into ``buffer[:nbytes]`` (on any one thread), then calls :meth:`publish`, or
+    :meth:`release` to give the destination back unpublished. A publish that returned
+    ``ok=False`` may be tried again (e.g. ``full``, a transient store error: the buffer
+    still holds the data) until it succeeds or the sender releases. After a successful
+    publish the connector owns the data (``release`` then does nothing); ``release`` is
+    idempotent. Whoever reserved must publish or release: until then the bytes count as
+    held by the connector.
+    """
+
+    def __init__(self, key: str, nbytes: int, buffer: memoryview) -> None:
+        self.key, self.nbytes, self.buffer = key, nbytes, buffer
+
+    @abstractmethod
+    def publish(self) -> PutResult:
+        """Make the packed payload in ``buffer[:nbytes]`` readable under ``key``."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """Give the destination back unpublished (no-op once published); idempotent."""
+
+
+class HeapReservation(Reservation):
+    """A reservation in a host buffer of this process.
+
+    Any connector's, by default: published by a :meth:`put <Connector.put>` of the decoded
+    payload (views of the buffer, no copy of its own), so the put's copy, if the connector
+    makes one, is a second copy. A connector that serves from this process's memory (ZMQ)
+    passes ``publish(reservation, since)`` to serve the buffer itself. ``connector`` may be
+    a function returning it (called at each publish: a sender whose transport is not up
+    yet retries creating it). Senders also fall
+    back to the default where a connector's own memory is full now (the put then waits for
+    room, as any put does)."""
+
+    def __init__(
+        self,
+        connector: Connector | Callable[[], Connector],
+        from_stage: int | str,
+        to_stage: int | str,
+        key: str,
+        nbytes: int,
+        *,
+        publish: Callable[[HeapReservation, float], PutResult] | None = None,
+    ) -> None:
+        import torch
+
+        self._storage: Any = torch.empty(nbytes, dtype=torch.uint8)  # uninitialised: no page touched
+        super().__init__(key, nbytes, memoryview(self._storage.numpy()))
+        self._connector, self._stages = connector, (from_stage, to_stage)
+        self._publish = publish or self._put_decoded
+        self._created = time.perf_counter()
+
+    def publish(self) -> PutResult:
+        if self._storage is None:
+            return PutResult(ok=False, error=f"reservation of {self.key!r} was published or released")
+        result = self._publish(self, self._created)
+        if result.ok:
+            self.release()
+        return result
+
+    def _put_decoded(self, r: HeapReservation, start: float) -> PutResult:
+        from vllm_kvbridge.wire import decode_packed
+
+        conn = self._connector if isinstance(self._connector, Connector) else self._connector()
+        return conn.put(*self._stages, self.key, decode_packed(self.buffer[: self.nbytes]))
+
+    def release(self) -> None:
+        # What was published keeps the memory alive through its own views of it.
+        self._storage = None
+        self.buffer = memoryview(b"")
+
+
+class LentReservation(Reservation):
+    """A reservation of memory a connector lends (a pool segment, a registered slab).
+
+    ``lent`` is the connector's own record of what it lent. :meth:`publish` calls the
+    owner's ``_publish_lent(reservation, since)`` (``since``: when the put began, for its
+    stats) and ends the reservation when that succeeds; :meth:`release` calls
+    ``_release_lent(reservation)`` once. Both are thread-safe and run the owner at most
+    once after the reservation ended."""
+
+    def __init__(self, owner: Any, key: str, nbytes: int, buffer: memoryview, lent: Any) -> None:
+        super().__init__(key, nbytes, buffer)
+        self.lent = lent
+        self._owner = owner
+        self._created = time.perf_counter()
+        self._lock = threading.Lock()
+
+    def publish(self, *, since: float | None = None) -> PutResult:
+        with self._lock:
+            owner = self._owner
+            if owner is None:
+                return PutResult(ok=False, error=f"reservation of {self.key!r} was published or released")
+            result = owner._publish_lent(self, self._created if since is None else since)
+            if result.ok:
+                self._owner, self.buffer = None, memoryview(b"")
+            return result
+
+    def release(self) -> None:
+        with self._lock:
+            owner, self._owner = self._owner, None
+            if owner is not None:
+                self.buffer = memoryview(b"")
+                owner._release_lent(self)
 
 
 class ConnectorStats:
@@ -199,6 +316,37 @@ class Connector(ABC):
         deadline: float | None = None,
     ) -> Any | None:
         """Return the payload stored under ``key`` (see the module docstring for semantics)."""
+
+    def reserve(
+        self, from_stage: int | str, to_stage: int | str, key: str, nbytes: int
+    ) -> Reservation | PutResult:
+        """Sender side: a destination for a packed payload of ``nbytes`` to publish under
+        ``key`` (see :class:`Reservation`), or, when none can be had now, the refused
+        put's :class:`PutResult` (``full``: room comes back as receivers read; never waits).
+
+        This default, for a connector without memory of its own to lend, is a
+        :class:`HeapReservation` (published by a put)."""
+        self._check_open()
+        self._check_key(key)
+        return HeapReservation(self, from_stage, to_stage, key, nbytes)
+
+    def _put_reserved(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
+        """A put as reserve + pack + publish, for a connector whose :meth:`reserve` lends its
+        own memory (a :class:`LentReservation`): one implementation of both paths. A refused
+        put holds nothing afterwards."""
+        from vllm_kvbridge.wire import encode
+
+        start = time.perf_counter()
+        enc = encode(payload)
+        reservation = self.reserve(from_stage, to_stage, key, enc.packed_size())
+        if isinstance(reservation, PutResult):
+            return reservation
+        try:
+            enc.pack_into(reservation.buffer)
+            return reservation.publish(since=start)
+        finally:
+            del enc
+            reservation.release()  # a no-op once published
 
     def renew(
         self, from_stage: int | str, to_stage: int | str, key: str, metadata: Mapping[str, Any] | None = None

@@ -5,10 +5,10 @@ object metadata; every connector is a Mooncake store client that may contribute 
 its own memory (``global_segment_size``) to the distributed pool. Bytes move between
 clients over the transfer engine (``protocol: tcp`` or ``rdma``).
 
-Sender (:meth:`MooncakeStoreConnector.put`): the payload is encoded
-(:func:`vllm_kvbridge.wire.encode`), packed with one copy into a *registered* staging
-buffer taken from a small pool, and stored with ``put_from`` (the transfer engine reads
-the registered buffer directly; no copy into Mooncake's own local buffer). By default the
+Sender: :meth:`~MooncakeStoreConnector.reserve` lends a *registered* staging buffer from a
+small pool; the packed payload is written into it once (a put encodes and packs it; the KV
+sender gathers straight into it) and publishing stores it with ``put_from`` (the transfer
+engine reads the registered buffer directly; no copy into Mooncake's own local buffer). By default the
 object is placed in this client's own segment (``prefer_local_segment``), so the put is a
 local write and the receiver pulls one hop. ``PutResult.metadata`` carries the store
 ``namespace``, the object's ``key`` and ``nbytes`` and the ``master`` address.
@@ -70,12 +70,21 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import zmq
 
 from vllm_kvbridge.connectors import te_control as ctl
-from vllm_kvbridge.connectors.base import DEFAULT_LEASE_S, Connector, PutResult, number_option, parse_size
+from vllm_kvbridge.connectors.base import (
+    DEFAULT_LEASE_S,
+    Connector,
+    LentReservation,
+    PutResult,
+    number_option,
+    parse_size,
+)
 from vllm_kvbridge.connectors.mooncake_setup import (
     MASTER_UNREACHABLE,
     NO_AVAILABLE_HANDLE,
@@ -105,6 +114,17 @@ from vllm_kvbridge.errors import (
 _NAMESPACE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _MAX_KEY = 512
 _RENEW_TIMEOUT_S = 3.0  # a renewal the sender does not answer by then raises TransferError
+
+
+@dataclass
+class _Lent:
+    """What a reservation holds: its store key, the control endpoint, and its buffer (a
+    registered slab, or without zero copy a plain host buffer)."""
+
+    store_key: str
+    control: str
+    slab: np.ndarray | None
+    pooled: bool
 
 
 class MooncakeStoreConnector(Connector):
@@ -238,14 +258,17 @@ class MooncakeStoreConnector(Connector):
         or the master stayed unreachable for ``master_retry_s``. The payload is copied:
         the caller may reuse its tensors once this returns.
         """
-        from vllm_kvbridge.wire import encode
+        self._check_open()
+        self.store_key(key)
+        return self._put_reserved(from_stage, to_stage, key, payload)
 
+    def reserve(self, from_stage: int | str, to_stage: int | str, key: str, nbytes: int) -> Any:
+        """A buffer registered with the store (a slab of the pool) to write a packed payload
+        of ``nbytes`` into; publishing puts it from there (``put_from``, no further copy).
+        See :class:`~vllm_kvbridge.connectors.base.Reservation`."""
         self._check_open()
         store_key = self.store_key(key)
-        start = time.perf_counter()
-        enc = encode(payload)
-        need = enc.packed_size()
-        if (refused := self._refuse_oversize(need)) is not None:
+        if (refused := self._refuse_oversize(nbytes)) is not None:
             return refused
         try:
             control = self._ensure_server()
@@ -255,27 +278,45 @@ class MooncakeStoreConnector(Connector):
             self._check_open()
             if store_key in self._published or store_key in self._inflight_puts:
                 return self._put_failed(f"key {key!r} is already stored by this connector")
-            self._inflight_puts[store_key] = need
+            self._inflight_puts[store_key] = nbytes
         try:
-            # Mooncake answers OK to a put of an existing key without replacing it, so ask
-            # first (another client could still race us between the two calls).
-            exists = self._retrying(lambda: self._store.is_exist(store_key))
-            if exists == 1:
-                code = OBJECT_ALREADY_EXISTS
-            elif exists in TRANSIENT:  # retries exhausted: the master is away
-                code = exists
-            else:
-                code = self._put_packed(store_key, enc, need)
-        finally:
-            del enc
+            slab, pooled = self._pool.acquire(nbytes) if self._pool is not None else (None, False)
+        except TransferError as exc:  # registering a new slab needs the master
             with self._lock:
                 self._inflight_puts.pop(store_key, None)
+            if self._master_down():
+                master = self.master_server_address
+                return self._put_failed(
+                    f"cannot register a {nbytes}-byte buffer: master {master} is unreachable"
+                )
+            return self._put_failed(str(exc))
+        buffer = memoryview(slab)[:nbytes] if slab is not None else memoryview(bytearray(nbytes))
+        return LentReservation(self, key, nbytes, buffer, _Lent(store_key, control, slab, pooled))
+
+    def _publish_lent(self, r: LentReservation, start: float) -> PutResult:
+        """Put the written buffer of ``r`` into the store (see :meth:`reserve`)."""
+        lent: _Lent = r.lent
+        store_key, need = lent.store_key, r.nbytes
+        # Mooncake answers OK to a put of an existing key without replacing it, so ask
+        # first (another client could still race us between the two calls).
+        exists = self._retrying(lambda: self._store.is_exist(store_key))
+        if exists == 1:
+            code = OBJECT_ALREADY_EXISTS
+        elif exists in TRANSIENT:  # retries exhausted: the master is away
+            code = exists
+        elif lent.slab is not None:
+            ptr = lent.slab.ctypes.data
+            code = self._put_placed(store_key, lambda rc: self._store.put_from(store_key, ptr, need, rc))
+        else:  # bytes fallback: Mooncake copies through its local buffer
+            data = bytes(r.buffer)
+            code = self._put_placed(store_key, lambda rc: self._store.put(store_key, data, rc))
         if code != OK:
-            why = put_error(code, key, need, self.master_server_address)
+            why = put_error(code, r.key, need, self.master_server_address)
             # A full store has room again once receivers read (or leases expire): wait.
             return self._put_full(why) if code == NO_AVAILABLE_HANDLE else self._put_failed(why)
         with self._lock:
             closed = self._closed
+            self._inflight_puts.pop(store_key, None)
             if not closed:
                 self._published[store_key] = time.monotonic() + self.ttl_s
                 self._start_reaper_locked()
@@ -291,10 +332,18 @@ class MooncakeStoreConnector(Connector):
                 "key": store_key,
                 "nbytes": need,
                 "master": self.master_server_address,
-                "control": control,
+                "control": lent.control,
                 "lease_s": self.lease_s,
             },
         )
+
+    def _release_lent(self, r: LentReservation) -> None:
+        """A reservation ends (published: the store holds its own copy): its buffer goes back."""
+        lent: _Lent = r.lent
+        with self._lock:
+            self._inflight_puts.pop(lent.store_key, None)
+        if lent.slab is not None and self._pool is not None:
+            self._pool.release(lent.slab, lent.pooled)
 
     def _ensure_server(self) -> str:
         """The control endpoint receivers renew at (its server started at the first put)."""
@@ -326,18 +375,6 @@ class MooncakeStoreConnector(Connector):
                     self._published[store_key] = time.monotonic() + self.lease_s
                     return [ctl.OK]
         return [ctl.MISSING]
-
-    def _put_packed(self, store_key: str, enc: Any, need: int) -> int:
-        if self._pool is None:  # bytes fallback: Mooncake copies through its local buffer
-            data = enc.to_bytes()
-            return self._put_placed(store_key, lambda rc: self._store.put(store_key, data, rc))
-        slab, pooled = self._pool.acquire(need)
-        try:
-            enc.pack_into(slab)
-            ptr = slab.ctypes.data
-            return self._put_placed(store_key, lambda rc: self._store.put_from(store_key, ptr, need, rc))
-        finally:
-            self._pool.release(slab, pooled)
 
     def _put_placed(self, store_key: str, put: Callable[[Any], int]) -> int:
         """``put`` with this connector's pin (a misplaced hard-pinned object is spilled)."""

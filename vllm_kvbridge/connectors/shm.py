@@ -51,12 +51,19 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from vllm_kvbridge.connectors import shm_segments as seg
-from vllm_kvbridge.connectors.base import DEFAULT_LEASE_S, Connector, PutResult, number_option
+from vllm_kvbridge.connectors.base import (
+    DEFAULT_LEASE_S,
+    Connector,
+    LentReservation,
+    PutResult,
+    number_option,
+)
 from vllm_kvbridge.connectors.keys import edge_name
 from vllm_kvbridge.errors import PayloadError, TransferCorrupt, TransferTimeout
 
@@ -85,6 +92,15 @@ def _release_claimed(mapping: seg.ReceiverMapping, generation: int) -> None:
     except ValueError:  # mapping already closed
         return
     mapping.release()
+
+
+@dataclass
+class _Lent:
+    """A pool segment lent to a reservation, and the bytes it counts as held."""
+
+    namespace: str
+    segment: seg.PoolSegment
+    reserved: int
 
 
 class SharedMemoryConnector(Connector):
@@ -153,21 +169,24 @@ class SharedMemoryConnector(Connector):
         is larger than ``max_payload_bytes`` or /dev/shm is full. The payload is copied:
         the caller may reuse its tensors once this returns.
         """
-        from vllm_kvbridge.wire import encode
+        self._check_open()
+        seg.check_key(key)
+        return self._put_reserved(from_stage, to_stage, key, payload)
 
+    def reserve(self, from_stage: int | str, to_stage: int | str, key: str, nbytes: int) -> Any:
+        """A pool segment to write a packed payload of ``nbytes`` into (one copy from the
+        sender's data to where the receiver maps it); ``full`` when the held bytes or
+        /dev/shm leave no room now. See :class:`~vllm_kvbridge.connectors.base.Reservation`."""
         self._check_open()
         seg.check_key(key)
         namespace = self.namespace(from_stage, to_stage)
-        start = time.perf_counter()
-        enc = encode(payload)
-        need = enc.packed_size()
-        if (refused := self._refuse_oversize(need)) is not None:
+        if (refused := self._refuse_oversize(nbytes)) is not None:
             return refused
         with self._lock:
             self._check_open()
             self._use_namespace(namespace)
             self._sweep_locked()
-            size = _capacity_for(need)  # what a new segment for it takes in /dev/shm
+            size = _capacity_for(nbytes)  # what a new segment for it takes in /dev/shm
             if size > self.max_held_bytes:  # would never fit: waiting cannot help
                 return self._put_failed(f"a {size}-byte segment exceeds max_held_bytes={self.max_held_bytes}")
             held = self._held_bytes_locked()
@@ -175,57 +194,57 @@ class SharedMemoryConnector(Connector):
                 return self._put_full(
                     f"{held} segment bytes held + {size} exceeds max_held_bytes={self.max_held_bytes}"
                 )
-            segment = self._take_free_locked(namespace, need)
+            segment = self._take_free_locked(namespace, nbytes)
             reserved = segment.capacity if segment is not None else size
             self._reserved += reserved
-        try:
-            return self._publish(namespace, key, enc, need, segment, start)
-        finally:
-            with self._lock:
-                self._reserved -= reserved
+        if segment is None:
+            try:
+                segment = seg.PoolSegment(namespace, _capacity_for(nbytes), self.shm_dir)
+            except OSError as exc:
+                with self._lock:
+                    self._reserved -= reserved
+                if exc.errno in (errno.ENOSPC, errno.ENOMEM):  # room comes back as receivers read
+                    return self._put_full(f"/dev/shm has no room for a {nbytes}-byte segment: {exc}")
+                return self._put_failed(f"cannot create a {nbytes}-byte shared-memory segment: {exc}")
+        segment.begin_write()
+        return LentReservation(
+            self, key, nbytes, segment.payload[:nbytes], _Lent(namespace, segment, reserved)
+        )
 
     def _held_bytes_locked(self) -> int:
-        """Segment bytes out of the pool: published, being read, or being written."""
+        """Segment bytes out of the pool: published, being read, or reserved for writing."""
         out = sum(s.capacity for s in self._published.values()) + sum(s.capacity for s in self._lent)
         return out + self._reserved
 
-    def _publish(
-        self, namespace: str, key: str, enc: Any, need: int, segment: seg.PoolSegment | None, start: float
-    ) -> PutResult:
-        if segment is None:
-            try:
-                segment = seg.PoolSegment(namespace, _capacity_for(need), self.shm_dir)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.ENOMEM):  # room comes back as receivers read
-                    return self._put_full(f"/dev/shm has no room for a {need}-byte segment: {exc}")
-                return self._put_failed(f"cannot create a {need}-byte shared-memory segment: {exc}")
+    def _publish_lent(self, r: LentReservation, start: float) -> PutResult:
+        """Publish the written segment of ``r`` under its key (see :meth:`reserve`)."""
+        lent: _Lent = r.lent
+        namespace, key, segment = lent.namespace, r.key, lent.segment
         try:
-            segment.begin_write()
-            written = enc.pack_into(segment.payload, 0)
-            segment.publish_header(key, written)
+            segment.publish_header(key, r.nbytes)
             os.link(segment.path, seg.key_path(namespace, key, self.shm_dir))
         except FileExistsError:
-            self._return_free(segment)
             return self._put_failed(f"key {key!r} is already published in namespace {namespace!r}")
-        except BaseException:
-            self._return_free(segment)
-            raise
-        finally:
-            del enc
-        segment.key = key
-        segment.published_at = time.monotonic()
         with self._lock:
             if self._closed:  # close() ran meanwhile: do not leave the key behind
                 self._unpublish(namespace, key)
-                segment.destroy()
                 return self._put_failed(f"{self.name} closed during put")
+            self._reserved -= lent.reserved
+            segment.key = key
+            segment.published_at = time.monotonic()
             self._published[(namespace, key)] = segment
             self._start_reaper_locked()
-        self.stats.add(puts=1, put_bytes=written, put_seconds=time.perf_counter() - start)
+        self.stats.add(puts=1, put_bytes=r.nbytes, put_seconds=time.perf_counter() - start)
         name = os.path.basename(seg.key_path(namespace, key, self.shm_dir))
         return PutResult(
-            ok=True, nbytes=written, metadata={"namespace": namespace, "name": name, "lease_s": self.lease_s}
+            ok=True, nbytes=r.nbytes, metadata={"namespace": namespace, "name": name, "lease_s": self.lease_s}
         )
+
+    def _release_lent(self, r: LentReservation) -> None:
+        """An unpublished reservation ends: its segment goes back to the pool."""
+        with self._lock:
+            self._reserved -= r.lent.reserved
+        self._return_free(r.lent.segment)
 
     def _take_free_locked(self, namespace: str, need: int) -> seg.PoolSegment | None:
         best = None

@@ -70,7 +70,14 @@ from typing import Any
 
 import zmq
 
-from vllm_kvbridge.connectors.base import DEFAULT_LEASE_S, Connector, PutResult, number_option, offset_port
+from vllm_kvbridge.connectors.base import (
+    DEFAULT_LEASE_S,
+    Connector,
+    HeapReservation,
+    PutResult,
+    number_option,
+    offset_port,
+)
 from vllm_kvbridge.connectors.zmq_curve import CurveKeys
 from vllm_kvbridge.errors import (
     ConfigError,
@@ -162,8 +169,25 @@ class ZmqConnector(Connector):
 
         self._check_open()
         self._check_key(key)
-        start = time.perf_counter()
-        frames = list(encode(payload).frames())
+        return self._hold(key, list(encode(payload).frames()), time.perf_counter())
+
+    def reserve(self, from_stage: int | str, to_stage: int | str, key: str, nbytes: int) -> Any:
+        """A host buffer of this process to write a packed payload into; publishing serves
+        its frames as views of it (no further copy before the socket). See
+        :class:`~vllm_kvbridge.connectors.base.Reservation`."""
+        self._check_open()
+        self._check_key(key)
+        if (refused := self._refuse_oversize(nbytes)) is not None:
+            return refused
+        return HeapReservation(self, from_stage, to_stage, key, nbytes, publish=self._publish_packed)
+
+    def _publish_packed(self, r: HeapReservation, start: float) -> PutResult:
+        from vllm_kvbridge.wire.codec import packed_frames
+
+        return self._hold(r.key, packed_frames(r.buffer[: r.nbytes], limits=self._limits), start)
+
+    def _hold(self, key: str, frames: list[Any], start: float) -> PutResult:
+        """Keep ``frames`` under ``key`` and serve them until claimed or expired."""
         sizes = [memoryview(f).nbytes for f in frames]
         total = sum(sizes)
         if (refused := self._refuse_oversize(total)) is not None:

@@ -31,9 +31,13 @@ The layout is described by :class:`KVCacheLayout`, built from the backend and th
 cache spec (:func:`layout_for_backend`, :func:`layout_from_vllm`), never guessed from a
 tensor's shape (``num_blocks == 2`` made old shape guessing ambiguous).
 
-Copies: :func:`gather` makes one indexed copy of the request's blocks (``index_select``
-on the block dim, only the requested heads) and one strided copy into the dense
-destination. Both are plain torch ops, so they run on CPU and CUDA tensors alike.
+Copies: :func:`gather` makes **one** copy of the request's tokens: an ``index_select``
+on the block dim of a strided view of the cache (only the requested heads), written
+straight into the dense destination through ``out=``; only the last, partial block
+goes through a one-block temporary. The destination may be any contiguous tensor of the
+right shape, e.g. a view into a connector's shared-memory segment
+(:func:`gather_layers_into`), so the KV bytes are copied once from vLLM's cache to where
+the receiver reads them. All plain torch ops: they run on CPU and CUDA tensors alike.
 """
 
 from __future__ import annotations
@@ -42,7 +46,6 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -55,8 +58,7 @@ __all__ = [
     "cpu_layout",
     "gather",
     "gather_layers",
-    "layout_for_backend",
-    "layout_from_vllm",
+    "gather_layers_into",
     "packed_layout",
     "request_block_index",
     "scatter",
@@ -79,21 +81,6 @@ class KVContent(enum.StrEnum):
 _CPU_VEC_ISAS = frozenset({"vec", "vec16"})
 #: vLLM KVCacheLayout names (physical stride orders of the logical [L, B, H, N, C] view).
 _PHYSICAL_ORDERS = frozenset({"LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"})
-#: Backend names whose K/V sit packed in C (non-MLA, non-quantized attention).
-_PACKED_BACKENDS = frozenset(
-    {
-        "FLASH_ATTN",
-        "FLASHINFER",
-        "TRITON_ATTN",
-        "FLEX_ATTENTION",
-        "ROCM_ATTN",
-        "ROCM_AITER_FA",
-        "ROCM_AITER_UNIFIED_ATTN",
-        "TRITON_FLASH_ATTN",
-        "TRITON_FLASHINFER",
-    }
-)
-_CPU_BACKENDS = frozenset({"CPU_ATTN"})
 
 
 @dataclass(frozen=True)
@@ -229,151 +216,6 @@ def cpu_layout(
     )
 
 
-def _backend_name(backend: Any) -> str:
-    if isinstance(backend, str):
-        return backend.upper()
-    get_name = getattr(backend, "get_name", None)
-    if callable(get_name):
-        return str(get_name()).upper()
-    raise KVLayoutError(f"cannot tell the attention backend from {backend!r}")
-
-
-def layout_for_backend(
-    backend: Any,
-    kv_cache_spec: Any,
-    *,
-    kv_cache_layout: Any = None,
-    cache_dtype: str = "auto",
-    model_dtype: torch.dtype | None = None,
-    kernel_block_size: int | None = None,
-) -> KVCacheLayout:
-    """Build the layout from a vLLM attention backend (class or name) and its KV cache spec.
-
-    ``kv_cache_spec`` is a vLLM ``AttentionSpec`` (``FullAttentionSpec`` ...): its
-    ``num_kv_heads``, ``head_size``, ``head_size_v``, ``block_size`` and ``dtype`` are used.
-    ``kv_cache_layout`` is vLLM's resolved ``KVCacheLayout`` (enum or name). On CPU the
-    kernel ISA is chosen the way the backend chooses it (``cpu_attn._get_attn_isa``),
-    from ``model_dtype`` (the model's dtype, which the backend uses, not the cache's).
-    Refuses quantized caches, MLA and non-attention specs with :class:`KVLayoutError`.
-    """
-    name = _backend_name(backend)
-    if cache_dtype not in ("auto", None) and not str(cache_dtype).startswith(("float", "bfloat", "half")):
-        raise KVLayoutError(f"quantized KV caches ({cache_dtype!r}) are not supported")
-    if getattr(kv_cache_spec, "kv_quant_mode", 0):
-        raise KVLayoutError(f"quantized KV caches ({kv_cache_spec.kv_quant_mode!r}) are not supported")
-    try:
-        num_kv_heads = int(kv_cache_spec.num_kv_heads)
-        head_size = int(kv_cache_spec.head_size)
-        head_size_v = int(getattr(kv_cache_spec, "head_size_v", None) or head_size)
-        block_size = int(kv_cache_spec.block_size)
-        dtype = kv_cache_spec.dtype
-    except AttributeError as exc:
-        kind = type(kv_cache_spec).__name__
-        raise KVLayoutError(f"{kind} is not an attention KV cache spec: {exc}") from exc
-    if getattr(kv_cache_spec, "num_head_slots", None) not in (None, num_kv_heads):
-        raise KVLayoutError("KV cache specs with packed head slots are not supported")
-    if getattr(kv_cache_spec, "state_content_bytes", None) is not None:
-        raise KVLayoutError("KV cache specs with packed state content are not supported")
-    order = "LBHNC"
-    if kv_cache_layout is not None:
-        order = getattr(kv_cache_layout, "name", None) or str(kv_cache_layout)
-    blocks_per_block = 1
-    tensor_block_size = block_size
-    if kernel_block_size is not None and kernel_block_size != block_size:
-        if block_size % kernel_block_size:
-            raise KVLayoutError(f"kernel block size {kernel_block_size} does not divide {block_size}")
-        blocks_per_block = block_size // kernel_block_size
-        tensor_block_size = kernel_block_size
-    if name in _CPU_BACKENDS:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        isa = _get_attn_isa(model_dtype or dtype, tensor_block_size, head_size, cache_dtype or "auto")
-        layout = cpu_layout(num_kv_heads, head_size, tensor_block_size, dtype, isa=isa)
-        if blocks_per_block != 1:
-            raise KVLayoutError("the CPU backend does not split blocks into kernel blocks")
-        return layout
-    if name in _PACKED_BACKENDS:
-        return packed_layout(
-            num_kv_heads,
-            head_size,
-            tensor_block_size,
-            dtype,
-            head_size_v=head_size_v,
-            physical_order=order,
-            backend=name,
-            blocks_per_block=blocks_per_block,
-        )
-    raise KVLayoutError(
-        f"attention backend {name!r} is not supported (CPU: {sorted(_CPU_BACKENDS)}, "
-        f"GPU: {sorted(_PACKED_BACKENDS)})"
-    )
-
-
-def layout_from_vllm(model_runner: Any, kv_cache_group_id: int = 0) -> KVCacheLayout:
-    """The layout of a live vLLM v1 model runner's ``kv_caches`` (after KV cache init).
-
-    Reads ``runner.attn_groups[group][0]`` (backend, spec, kernel block size),
-    ``runner.kv_cache_config.kv_cache_layout`` and ``runner.cache_config.cache_dtype``.
-    """
-    try:
-        attn_group = model_runner.attn_groups[kv_cache_group_id][0]
-    except (AttributeError, IndexError) as exc:
-        raise KVLayoutError(f"model runner has no attention group {kv_cache_group_id} yet: {exc}") from exc
-    kv_cache_config = getattr(model_runner, "kv_cache_config", None)
-    order = getattr(kv_cache_config, "kv_cache_layout", None)
-    cache_dtype = getattr(getattr(model_runner, "cache_config", None), "cache_dtype", "auto")
-    model_dtype = getattr(getattr(model_runner, "model_config", None), "dtype", None)
-    return layout_for_backend(
-        attn_group.backend,
-        attn_group.kv_cache_spec,
-        kv_cache_layout=order,
-        cache_dtype=cache_dtype,
-        model_dtype=model_dtype,
-        kernel_block_size=attn_group.kernel_block_size,
-    )
-
-
-def layout_from_kv_cache_config(
-    vllm_config: Any, kv_cache_config: Any, kv_cache_group_id: int = 0
-) -> KVCacheLayout:
-    """The layout of the caches vLLM registers with a KV connector (``register_kv_caches``).
-
-    What a connector sees, with no model runner: the attention backend of the group's
-    layers (vLLM's ``get_current_attn_backends``, which any runner's layers answer), the
-    group's KV cache spec and the kernel block size vLLM picks for them
-    (``select_common_block_size``, as ``prepare_kernel_block_sizes`` does).
-    """
-    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
-    from vllm.v1.worker.utils import select_common_block_size
-
-    try:
-        group = kv_cache_config.kv_cache_groups[kv_cache_group_id]
-    except (AttributeError, IndexError) as exc:
-        raise KVLayoutError(f"KV cache config has no group {kv_cache_group_id}: {exc}") from exc
-    spec = group.kv_cache_spec
-    specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: all the same type
-    if specs:
-        spec = next(iter(specs.values()))
-    backend = get_current_attn_backends(vllm_config, list(group.layer_names))[0]
-    kernel_block_size = spec.block_size
-    # Block-outermost packing puts other layers' pages between the blocks: never split.
-    outermost = any(
-        getattr(t, "block_stride", 0) > getattr(t, "layer_stride", 0)
-        for t in getattr(kv_cache_config, "kv_cache_tensors", ())
-        if not set(getattr(t, "layers", ())).isdisjoint(group.layer_names)
-    )
-    if getattr(spec, "has_layer_views", False) and not outermost:
-        kernel_block_size = select_common_block_size(spec.block_size, [backend], [spec])
-    return layout_for_backend(
-        backend,
-        spec,
-        kv_cache_layout=getattr(kv_cache_config, "kv_cache_layout", None),
-        cache_dtype=vllm_config.cache_config.cache_dtype,
-        model_dtype=vllm_config.model_config.dtype,
-        kernel_block_size=kernel_block_size,
-    )
-
-
 # -- block ids ----------------------------------------------------------------------------
 
 
@@ -431,16 +273,19 @@ def _head_range(layout: KVCacheLayout, head_start: int, head_end: int | None) ->
 
 
 def _token_views(pages: torch.Tensor, layout: KVCacheLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views ``[nb, N1, N2, heads, D1, D2]`` of K and V into contiguous pages
-    ``[nb, heads, N, C]``: token ``n1*N2 + n2`` of a block, channel ``d1*D2 + d2``.
+    """Views ``[nb, N1, N2, heads, D1, D2]`` of K and V into pages ``[nb, heads, N, C]``
+    (the cache itself or a head slice of it): token ``n1*N2 + n2`` of a block, channel
+    ``d1*D2 + d2``.
 
     Two split dims per axis express every page format as a view (the AMX tiles interleave
-    tokens and channels); the packed and vec formats have singleton ``N1`` and ``D2``."""
+    tokens and channels); the packed and vec formats have singleton ``N1`` and ``D2``.
+    Always views, never copies: ``view`` (not ``reshape``) raises where the strides do not
+    allow one, rather than silently copying a whole cache."""
     if layout.content is KVContent.PACKED:
         tok = pages.permute(0, 2, 1, 3)[:, None, ..., None]
         return tok[..., : layout.head_size, :], tok[..., layout.head_size :, :]
     n, d = layout.block_size, layout.head_size
-    flat = pages.reshape(pages.shape[0], pages.shape[1], 2 * n * d)
+    flat = pages.view(pages.shape[0], pages.shape[1], 2 * n * d)
     if layout.content is KVContent.CPU_VEC:
         k = flat[..., : n * d].unflatten(-1, (d, n)).permute(0, 3, 1, 2)[:, None, ..., None]
         v = flat[..., n * d :].unflatten(-1, (n, d)).permute(0, 2, 1, 3)[:, None, ..., None]
@@ -449,6 +294,28 @@ def _token_views(pages: torch.Tensor, layout: KVCacheLayout) -> tuple[torch.Tens
     k = flat[..., : n * d].unflatten(-1, (n // 16, d // 2, 16, 2)).permute(0, 2, 4, 1, 3, 5)
     v = flat[..., n * d :].unflatten(-1, (d // 16, n // 2, 16, 2)).permute(0, 3, 5, 1, 2, 4)
     return k, v
+
+
+def _gather_blocks(
+    blocks: torch.Tensor, index: torch.Tensor, host_index: torch.Tensor, dense: torch.Tensor, seq_len: int
+) -> None:
+    """Copy the first ``seq_len`` tokens of the blocks ``index`` of ``blocks`` (a
+    ``[num_blocks, N1, N2, h, D1, D2]`` view of a whole cache, see :func:`_token_views`)
+    into the contiguous ``dense`` (``[seq, h, D]``), each byte once: the whole blocks in
+    one indexed copy straight into ``dense``, the tokens of the last partial block from a
+    view of it (its id read from ``host_index``, the same ids on the host: no device sync)."""
+    _, n1, n2, h, d1, d2 = blocks.shape
+    n = n1 * n2
+    full, rem = divmod(seq_len, n)
+    if full:
+        out = dense[: full * n].view(full, n1, n2, h, d1, d2)
+        ptr = out.data_ptr()
+        torch.index_select(blocks, 0, index[:full], out=out)
+        if out.data_ptr() != ptr:  # torch resizes a mismatched `out` instead of writing it
+            raise KVLayoutError("internal error: the gather did not write into its destination")
+    if rem:
+        last = int(host_index[full])
+        _copy_blocks(blocks[last : last + 1], dense[full * n :], rem, into_dense=True)
 
 
 def _copy_blocks(blocks: torch.Tensor, dense: torch.Tensor, seq_len: int, *, into_dense: bool) -> None:
@@ -498,45 +365,22 @@ def gather(
     """Dense ``(k, v)``, each ``[seq_len, heads, head_size(_v)]``, of one layer.
 
     ``block_ids`` may be a list of manager block ids or the tensor returned by
-    :func:`request_block_index` (then it must already be validated for this cache).
+    :func:`request_block_index`.
     ``head_start``/``head_end`` select a head range (TP slicing on the sender, so only
     the needed heads are copied). ``out_k``/``out_v``, if given, must be contiguous
     tensors of exactly that shape, dtype and device; they are filled and returned.
     """
-    num_blocks = layout.check_cache(cache)
-    index = request_block_index(block_ids, seq_len, layout, num_blocks, cache.device)
-    return _gather_indexed(cache, layout, index, seq_len, out_k, out_v, head_start, head_end)
-
-
-def _gather_indexed(
-    cache: torch.Tensor,
-    layout: KVCacheLayout,
-    index: torch.Tensor,
-    seq_len: int,
-    out_k: torch.Tensor | None,
-    out_v: torch.Tensor | None,
-    head_start: int,
-    head_end: int | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    hs, he = _head_range(layout, head_start, head_end)
-    heads = he - hs
-    k_shape = (seq_len, heads, layout.head_size)
-    v_shape = (seq_len, heads, layout.head_size_v)
-    _check_dense(out_k, "out_k", k_shape, cache.dtype, cache.device)
-    _check_dense(out_v, "out_v", v_shape, cache.dtype, cache.device)
-    for t, name in ((out_k, "out_k"), (out_v, "out_v")):
-        if t is not None and not t.is_contiguous():
-            raise KVLayoutError(f"{name} must be contiguous")
-    src = cache if (hs, he) == (0, layout.num_kv_heads) else cache[:, hs:he]
-    pages = src.index_select(0, index)
-    k_blocks, v_blocks = _token_views(pages, layout)
-    if out_k is None:
-        out_k = torch.empty(k_shape, dtype=cache.dtype, device=cache.device)
-    if out_v is None:
-        out_v = torch.empty(v_shape, dtype=cache.dtype, device=cache.device)
-    _copy_blocks(k_blocks, out_k, seq_len, into_dense=True)
-    _copy_blocks(v_blocks, out_v, seq_len, into_dense=True)
-    return out_k, out_v
+    keys, values = gather_layers_into(
+        [cache],
+        layout,
+        block_ids,
+        seq_len,
+        None if out_k is None else [out_k],
+        None if out_v is None else [out_v],
+        head_start=head_start,
+        head_end=head_end,
+    )
+    return keys[0], values[0]
 
 
 def gather_layers(
@@ -548,21 +392,105 @@ def gather_layers(
     head_start: int = 0,
     head_end: int | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """:func:`gather` for every layer, validating the block ids once."""
-    if not kv_caches:
-        raise KVLayoutError("no KV cache layers given")
-    num_blocks = layout.check_cache(kv_caches[0])
-    index = request_block_index(block_ids, seq_len, layout, num_blocks, kv_caches[0].device)
-    keys: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
-    for cache in kv_caches:
-        if cache.shape[0] != kv_caches[0].shape[0] or cache.device != kv_caches[0].device:
-            raise KVLayoutError("all layers must have the same number of blocks and device")
-        layout.check_cache(cache)
-        k, v = _gather_indexed(cache, layout, index, seq_len, None, None, head_start, head_end)
-        keys.append(k)
-        values.append(v)
-    return keys, values
+    """:func:`gather` for every layer into new tensors, validating the block ids once."""
+    return gather_layers_into(
+        kv_caches, layout, block_ids, seq_len, None, None, head_start=head_start, head_end=head_end
+    )
+
+
+def gather_layers_into(
+    kv_caches: Sequence[torch.Tensor],
+    layout: KVCacheLayout,
+    block_ids: Sequence[int] | torch.Tensor,
+    seq_len: int,
+    out_keys: Sequence[torch.Tensor] | None,
+    out_values: Sequence[torch.Tensor] | None,
+    *,
+    head_start: int = 0,
+    head_end: int | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`gather` for every layer, validating the block ids once.
+
+    ``out_keys``/``out_values`` (one contiguous ``[seq_len, heads, D]`` tensor per layer,
+    e.g. views into a connector's destination buffer) receive the KV with one copy from
+    the cache; ``None`` allocates them. Returns the filled tensors.
+    """
+    request = RequestGather(kv_caches, layout, block_ids, seq_len, head_start=head_start, head_end=head_end)
+    outs = []
+    for kind, given in ((KEY, out_keys), (VALUE, out_values)):
+        if given is not None and len(given) != len(kv_caches):
+            raise KVLayoutError(f"{len(given)} destination tensors for {len(kv_caches)} layers")
+        outs.append(
+            [
+                request.write(layer, kind, given[layer] if given is not None else request.empty(kind))
+                for layer in range(len(kv_caches))
+            ]
+        )
+    return outs[0], outs[1]
+
+
+KEY, VALUE = 0, 1
+
+
+class RequestGather:
+    """One request's blocks in every layer's cache, validated once; :meth:`write` copies one
+    layer's K or V (``kind``: :data:`KEY` / :data:`VALUE`) into a destination, one copy.
+
+    The sender's one-copy path builds one per request and route, and writes each tensor
+    straight into the connector's destination buffer (``wire.TensorFill``)."""
+
+    def __init__(
+        self,
+        kv_caches: Sequence[torch.Tensor],
+        layout: KVCacheLayout,
+        block_ids: Sequence[int] | torch.Tensor,
+        seq_len: int,
+        *,
+        head_start: int = 0,
+        head_end: int | None = None,
+    ) -> None:
+        if not kv_caches:
+            raise KVLayoutError("no KV cache layers given")
+        first = kv_caches[0]
+        num_blocks = layout.check_cache(first)
+        for cache in kv_caches:
+            if cache.shape[0] != first.shape[0] or cache.device != first.device:
+                raise KVLayoutError("all layers must have the same number of blocks and device")
+            layout.check_cache(cache)
+        self.kv_caches, self.layout, self.seq_len = list(kv_caches), layout, seq_len
+        self.host_index = request_block_index(block_ids, seq_len, layout, num_blocks)
+        self.index = self.host_index.to(first.device)
+        self.head_start, self.head_end = _head_range(layout, head_start, head_end)
+        heads = self.head_end - self.head_start
+        #: destination shape per kind: ``[seq_len, heads, head_size(_v)]``
+        self.shapes = ((seq_len, heads, layout.head_size), (seq_len, heads, layout.head_size_v))
+        self.dtype, self.device = first.dtype, first.device
+
+    def empty(self, kind: int) -> torch.Tensor:
+        """A new destination for one layer's ``kind``."""
+        return torch.empty(self.shapes[kind], dtype=self.dtype, device=self.device)
+
+    def write(self, layer: int, kind: int, out: torch.Tensor) -> torch.Tensor:
+        """Copy layer ``layer``'s ``kind`` tokens into ``out`` (contiguous, that shape); returns it."""
+        name = ("out_k", "out_v")[kind]
+        _check_dense(out, name, self.shapes[kind], self.dtype, self.device)
+        if not out.is_contiguous():
+            raise KVLayoutError(f"{name} must be contiguous")
+        cache = self.kv_caches[layer]
+        whole = (self.head_start, self.head_end) == (0, self.layout.num_kv_heads)
+        src = cache if whole else cache[:, self.head_start : self.head_end]
+        index, host_index = self.index, self.host_index
+        try:
+            views = _token_views(src, self.layout)
+        except RuntimeError:
+            # A cache whose pages cannot be viewed in place (a strided layout vLLM does not
+            # use today): copy the request's pages out first (a second copy, still exact).
+            src = src.index_select(0, index)
+            host_index = torch.arange(index.numel())
+            index = host_index.to(index.device)
+            views = _token_views(src, self.layout)
+        _gather_blocks(views[kind], index, host_index, out, self.seq_len)
+        return out
 
 
 def scatter(

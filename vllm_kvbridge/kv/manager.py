@@ -276,12 +276,12 @@ class KVTransferManager:
         total_heads = self.num_kv_heads or (local_heads if self.config.from_tp == 1 else None)
         topo = self.topology(total_heads)
         routes = topo.routes_from(self.tp_rank)
-        stage, to_stage = self.config.stage_id, self.config.to_stage
+        edge = (self.config.stage_id, self.config.to_stage, self._get_connector)
         submitted: list[str] = []
         for engine_id, info in finished_reqs.items():
             try:
                 rid = request_id_resolver(engine_id) if request_id_resolver else engine_id
-                job = gather_job(engine_id, rid, info, kv_caches, layout, topo, routes, stage, to_stage)
+                job = gather_job(engine_id, rid, info, kv_caches, layout, topo, routes, *edge)
             except Exception as exc:  # one bad request must not stop the others
                 logger.error("KV gather for request %s failed: %s", engine_id, exc)
                 self._sends.fail(engine_id, f"gather failed: {exc}")

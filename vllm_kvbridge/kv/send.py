@@ -1,9 +1,16 @@
-"""The send side: gather a finished request's KV on the model thread, put it on an I/O thread.
+"""The send side: gather a finished request's KV on the model thread, publish it on an I/O thread.
 
-:func:`layout_for` tells the page layout of vLLM's caches, :func:`gather_job` copies one
-request's blocks (only the heads each receiver rank needs) into dense per-route
-:class:`KVCacheTransferData`, and :class:`KVSendQueue` puts them from one I/O thread with
-``send_retries`` retries and exponential backoff. The gather runs on the caller's thread
+:func:`layout_for` tells the page layout of vLLM's caches. :func:`gather_job` copies one
+request's blocks (only the heads each receiver rank needs) **once**, straight into a
+destination the connector lends (:meth:`Connector.reserve
+<vllm_kvbridge.connectors.base.Connector.reserve>`: a shared-memory segment, a registered
+slab, the buffer ZMQ serves from), at the offsets of the packed payload of a
+:class:`KVCacheTransferData` (its tensors are :class:`~vllm_kvbridge.wire.fill.TensorFill`
+s that gather when packed). :class:`KVSendQueue` publishes the filled destinations from
+one I/O thread with ``send_retries`` retries and exponential backoff. Where the
+connector's memory is full at the gather, the KV goes to a host buffer whose put waits for
+room (:class:`~vllm_kvbridge.connectors.base.HeapReservation`: a second copy, only then).
+The gather runs on the caller's thread
 because the caller frees the blocks afterwards; nothing else does. A request is reported
 ``done`` only when every put of it succeeded, otherwise ``failed`` (never both, never
 silently dropped); the put metadata of a done request goes to the
@@ -19,19 +26,22 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
-from vllm_kvbridge.connectors.base import Connector
+from vllm_kvbridge.connectors.base import Connector, HeapReservation, PutResult, Reservation
 from vllm_kvbridge.connectors.keys import KV
 from vllm_kvbridge.connectors.put_retry import put_with_retry
-from vllm_kvbridge.errors import ConfigError
+from vllm_kvbridge.errors import ConfigError, TransferRefused
 from vllm_kvbridge.kv.config import KVTransferConfig, StageId
-from vllm_kvbridge.kv.layout import KVCacheLayout, cpu_layout, gather_layers, packed_layout
+from vllm_kvbridge.kv.layout import KEY, VALUE, KVCacheLayout, RequestGather, cpu_layout, packed_layout
 from vllm_kvbridge.kv.metrics import KVTransferMetrics
 from vllm_kvbridge.kv.sender_info import SentInfoTable
 from vllm_kvbridge.kv.topology import Route, TPTopology
+from vllm_kvbridge.wire import encode
+from vllm_kvbridge.wire.fill import TensorFill
 from vllm_kvbridge.wire.kv_format import KVCacheTransferData
 
 logger = logging.getLogger(__name__)
@@ -44,18 +54,23 @@ _MAX_REASONS = 1024
 
 @dataclass
 class SendJob:
-    """One request's gathered KV, ready to put: one part per route from this rank."""
+    """One request's gathered KV, ready to publish: one filled destination per route."""
 
     engine_id: str
     request_id: str
     to_stage: StageId
-    parts: list[tuple[str, int, KVCacheTransferData]]  # (key, from_rank, data)
+    parts: list[tuple[str, int, Reservation]]  # (key, from_rank, filled destination)
     num_kv_heads: int = 0
 
     @property
     def nbytes(self) -> int:
         """Bytes the gathered KV holds until its puts complete."""
-        return sum(data.nbytes for _, _, data in self.parts)
+        return sum(r.nbytes for _, _, r in self.parts)
+
+    def release(self) -> None:
+        """Give back every destination not published (a no-op for published ones)."""
+        for _, _, reservation in self.parts:
+            reservation.release()
 
 
 def layout_for(kv_caches: Sequence[torch.Tensor], block_size: int, cache_dtype: Any) -> KVCacheLayout:
@@ -98,8 +113,10 @@ def gather_job(
     routes: Sequence[Route],
     from_stage: StageId,
     to_stage: StageId,
+    connector: Callable[[], Connector],
 ) -> SendJob:
-    """Copy one finished request's KV out of the paged caches, one part per route.
+    """Copy one finished request's KV out of the paged caches into destinations reserved
+    from ``connector()``, one part per route (see the module docstring).
 
     ``info`` is ``{"block_ids": ..., "seq_len": int}`` plus optional ``"purpose"`` (default
     ``"kv"``) and ``"metadata"``; ``block_ids`` is a list or a tuple of per-KV-cache-group
@@ -120,32 +137,65 @@ def gather_job(
         raise ConfigError(f"request {rid!r}: a companion of {key_rid!r} needs its own purpose, not {KV!r}")
     metadata = dict(info.get("metadata") or {})
     metadata.setdefault("purpose", purpose)
-    parts = []
-    for route in routes:
-        keys, values = gather_layers(
-            kv_caches,
-            layout,
-            block_ids,
-            seq_len,
-            head_start=route.src_heads.start,
-            head_end=route.src_heads.end,
-        )
-        data = KVCacheTransferData(
-            request_id=key_rid,
-            layer_blocks={"key_cache": keys, "value_cache": values},
-            block_ids=[int(b) for b in list(block_ids)[: -(-seq_len // layout.tokens_per_block)]],
-            metadata=metadata,
-            seq_len=seq_len,
-            block_size=layout.tokens_per_block,
-            tp_rank=route.from_rank,
-            tp_size=topo.sender_tp,
-            head_start=route.global_heads.start,
-            head_end=route.global_heads.end,
-            num_kv_heads_total=topo.num_kv_heads,
-        )
-        key = route.key(key_rid, from_stage, to_stage, purpose=purpose)
-        parts.append((key, route.from_rank, data))
+    parts: list[tuple[str, int, Reservation]] = []
+    try:
+        for route in routes:
+            request = RequestGather(
+                kv_caches,
+                layout,
+                block_ids,
+                seq_len,
+                head_start=route.src_heads.start,
+                head_end=route.src_heads.end,
+            )
+            data = KVCacheTransferData(
+                request_id=key_rid,
+                layer_blocks={"key_cache": _fills(request, KEY), "value_cache": _fills(request, VALUE)},
+                block_ids=[int(b) for b in list(block_ids)[: -(-seq_len // layout.tokens_per_block)]],
+                metadata=metadata,
+                seq_len=seq_len,
+                block_size=layout.tokens_per_block,
+                tp_rank=route.from_rank,
+                tp_size=topo.sender_tp,
+                head_start=route.global_heads.start,
+                head_end=route.global_heads.end,
+                num_kv_heads_total=topo.num_kv_heads,
+            )
+            key = route.key(key_rid, from_stage, to_stage, purpose=purpose)
+            enc = encode(data)
+            reservation = _reserve(connector, from_stage, to_stage, key, enc.packed_size())
+            parts.append((key, route.from_rank, reservation))
+            enc.pack_into(reservation.buffer)  # the gather: one copy, cache -> destination
+    except BaseException:
+        for _, _, reservation in parts:
+            reservation.release()
+        raise
     return SendJob(engine_id, rid, to_stage, parts, topo.num_kv_heads)
+
+
+def _fills(request: RequestGather, kind: int) -> list[torch.Tensor | TensorFill | None]:
+    """One fill per layer: written by ``request`` into wherever the payload is packed."""
+    return [
+        TensorFill(request.shapes[kind], request.dtype, partial(request.write, layer, kind), request.device)
+        for layer in range(len(request.kv_caches))
+    ]
+
+
+def _reserve(
+    connector: Callable[[], Connector], from_stage: StageId, to_stage: StageId, key: str, nbytes: int
+) -> Reservation:
+    """The connector's destination for ``nbytes``, or a host buffer where it has no room now
+    (or cannot be reached yet): that one's put, on the I/O thread, waits and retries."""
+    try:
+        got: Reservation | PutResult = connector().reserve(from_stage, to_stage, key, nbytes)
+    except Exception as exc:  # e.g. the transport is not up yet: the I/O thread retries it
+        logger.warning("KV %s: reserving %d bytes failed (%s); gathering to a host buffer", key, nbytes, exc)
+        return HeapReservation(connector, from_stage, to_stage, key, nbytes)
+    if isinstance(got, Reservation):
+        return got
+    if got.full:
+        return HeapReservation(connector, from_stage, to_stage, key, nbytes)
+    raise TransferRefused(f"{key}: the connector refused {nbytes} bytes: {got.error}")
 
 
 class KVSendQueue:
@@ -228,6 +278,7 @@ class KVSendQueue:
                 error = self._send(job) if not self._stop.is_set() else "manager shut down"
             except Exception as exc:  # never let the I/O thread die
                 error = f"unexpected: {exc!r}"
+            job.release()  # what was not published (a failed or cancelled send)
             with self._lock:
                 self._pending.discard(job.engine_id)
                 self._queued_bytes -= job.nbytes
@@ -247,10 +298,10 @@ class KVSendQueue:
         cfg = self._config
         infos: dict[str, Any] = {"ranks": {}, "keys": {}}
         put_keys: list[str] = []
-        for key, rank, data in job.parts:
+        for key, rank, reservation in job.parts:
             start = time.perf_counter()
             outcome = put_with_retry(
-                lambda key=key, data=data: self._connector().put(cfg.stage_id, job.to_stage, key, data),
+                reservation.publish,
                 retries=cfg.send_retries,
                 backoff=cfg.backoff,
                 send_timeout_s=cfg.send_timeout,
@@ -297,6 +348,7 @@ class KVSendQueue:
             except queue.Empty:
                 break
             if job is not None:
+                job.release()
                 with self._lock:
                     self._pending.discard(job.engine_id)
                     self._queued_bytes -= job.nbytes

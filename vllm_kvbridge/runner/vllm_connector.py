@@ -212,7 +212,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         sender now, so a broken transport fails the engine's start, not a request."""
         if self.role != KVConnectorRole.WORKER or not self.settings.sends_kv or not kv_caches:
             return
-        from vllm_kvbridge.kv.layout import layout_from_kv_cache_config
+        from vllm_kvbridge.kv.layout_vllm import layout_from_kv_cache_config
         from vllm_kvbridge.runner.kv_sender import WorkerKVSender, kv_caches_in_layer_order
 
         tp_rank, tp_size, tp_group = tp_position()

@@ -80,6 +80,7 @@ from vllm_kvbridge.wire._buffers import (
     writable_byte_view,
 )
 from vllm_kvbridge.wire.dtypes import TORCH_DTYPE_NAMES
+from vllm_kvbridge.wire.fill import TensorFill
 from vllm_kvbridge.wire.kv_format import KVCacheTransferData
 from vllm_kvbridge.wire.limits import DEFAULT_LIMITS, Limits
 
@@ -136,7 +137,9 @@ class Encoded:
     sent changes what is sent.
 
     Internally the buffers are kept as their *sources*: a dense CPU tensor itself (copied
-    by :meth:`pack_into` straight from its ``data_ptr``) or a memoryview. The memoryviews
+    by :meth:`pack_into` straight from its ``data_ptr``), a memoryview, or a
+    :class:`~vllm_kvbridge.wire.fill.TensorFill` (written by :meth:`pack_into` straight
+    into the destination: the sender's one-copy path; materialized for ``buffers``). The memoryviews
     of ``buffers`` are built on first access, because building them costs more than the
     copy for small tensors and :meth:`pack_into` does not need them.
     """
@@ -165,7 +168,7 @@ class Encoded:
     def buffers(self) -> list[memoryview]:
         """One flat ``'B'`` memoryview per tensor/array, in buffer-index order."""
         if self._buffers is None:
-            self._buffers = [s if type(s) is memoryview else tensor_bytes(s.detach()) for s in self._sources]
+            self._buffers = [_source_bytes(s) for s in self._sources]
         return self._buffers
 
     @property
@@ -224,7 +227,9 @@ class Encoded:
             if start > pos:
                 region[pos:start] = _ZEROS[: start - pos]
             pos = start + size
-            if type(src) is memoryview:
+            if type(src) is TensorFill:
+                src.fill_bytes(region, start)
+            elif type(src) is memoryview:
                 if size < GIL_FREE_COPY:
                     region[start:pos] = src
                 else:
@@ -251,6 +256,15 @@ class Encoded:
             pieces.append(b)
             pos = start + size
         return b"".join(pieces)
+
+
+def _source_bytes(source: Any) -> memoryview:
+    """A buffer source (see :class:`Encoded`) as flat bytes."""
+    if type(source) is memoryview:
+        return source
+    if type(source) is TensorFill:
+        return tensor_bytes(prepare_tensor(source.materialize(), "tensor")[0])
+    return tensor_bytes(source.detach())
 
 
 class _EncodeWalk:
@@ -556,6 +570,20 @@ def decode_packed(buffer: Any, *, limits: Limits | None = None, copy: bool = Fal
     ``len(buffer)`` and ``limits`` before use.
     """
     limits = limits or DEFAULT_LIMITS
+    mv, skeleton, starts, sizes = _parse_packed(buffer, limits)
+    return _decode(skeleton, OutOfBand.from_packed(mv, starts, sizes), limits, copy)
+
+
+def packed_frames(buffer: Any, *, limits: Limits | None = None) -> list[memoryview]:
+    """The frames (skeleton, then every buffer) of a packed payload as views of ``buffer``,
+    no copy: what :func:`decode_frames` reads, e.g. to send a packed payload as ZMQ frames.
+    The table is checked as :func:`decode_packed` checks it."""
+    mv, skeleton, starts, sizes = _parse_packed(buffer, limits or DEFAULT_LIMITS)
+    return [skeleton, *(mv[start : start + size] for start, size in zip(starts, sizes))]
+
+
+def _parse_packed(buffer: Any, limits: Limits) -> tuple[memoryview, memoryview, list[int], list[int]]:
+    """``(bytes, skeleton, buffer starts, buffer sizes)`` of a packed payload, checked."""
     mv = byte_view(buffer, "packed payload")
     length = len(mv)
     if length < PREFIX_SIZE:
@@ -583,8 +611,7 @@ def decode_packed(buffer: Any, *, limits: Limits | None = None, copy: bool = Fal
     sizes: list[int] = table[1::2].tolist()
     if not _table_ok(starts, sizes, pos, total, limits):
         _check_table(starts, sizes, pos, total, limits)  # raises, naming the first bad entry
-    buffers = OutOfBand.from_packed(mv, starts, sizes)
-    return _decode(mv[table_end : table_end + skeleton_len], buffers, limits, copy)
+    return mv, mv[table_end:pos], starts, sizes
 
 
 def _table_ok(starts: list[int], sizes: list[int], pos: int, total: int, limits: Limits) -> bool:

@@ -75,6 +75,7 @@ from vllm_kvbridge.wire._buffers import (
     writable_byte_view,
 )
 from vllm_kvbridge.wire.dtypes import ITEMSIZE, TORCH_DTYPE_NAMES
+from vllm_kvbridge.wire.fill import TensorFill
 from vllm_kvbridge.wire.limits import DEFAULT_LIMITS, Limits
 
 MAGIC = b"KVBC"
@@ -378,7 +379,10 @@ class KVCacheTransferData:
     ``layer_blocks`` is ``{"key_cache": [Tensor | None per layer], "value_cache": [...]}``
     (a missing key means "no tensors of that kind"); ``None`` marks a layer this sender
     does not carry. K and V of one layer must have the same shape. Tensors may live on any
-    device and need not be contiguous; they are copied once when packed.
+    device and need not be contiguous; they are copied once when packed. An entry may also
+    be a :class:`~vllm_kvbridge.wire.fill.TensorFill`: its values are written straight
+    into the destination when packed (the sender's one-copy path) and materialized where
+    a tensor is needed.
 
     TP slice info: this data is rank ``tp_rank`` of ``tp_size`` on the sender and holds KV
     heads ``[head_start, head_end)`` of ``num_kv_heads_total`` (``None``: not sliced /
@@ -420,7 +424,7 @@ class KVCacheTransferData:
     @property
     def nbytes(self) -> int:
         """Bytes of tensor data (excluding header and padding; see :meth:`packed_size`)."""
-        return sum(t.numel() * t.element_size() for _, _, t in self._entries())
+        return sum(t.nbytes for _, _, t in self._entries())
 
     def __repr__(self) -> str:
         present = sum(1 for _ in self._entries())
@@ -455,7 +459,9 @@ class KVCacheTransferData:
             for layer in range(self.num_layers):
                 a = mine[layer] if layer < len(mine) else None
                 b = theirs[layer] if layer < len(theirs) else None
-                if (a is None) != (b is None) or (a is not None and not tensors_bitwise_equal(a, b)):
+                if (a is None) != (b is None) or (
+                    a is not None and not tensors_bitwise_equal(_tensor(a), _tensor(b))
+                ):
                     return False
         return True
 
@@ -475,7 +481,7 @@ class KVCacheTransferData:
             for layer, t in enumerate(seq):
                 if t is None:
                     continue
-                if not isinstance(t, torch.Tensor):
+                if not isinstance(t, torch.Tensor | TensorFill):
                     raise PayloadError(
                         f"{name}[{layer}] must be a torch.Tensor or None, got {type(t).__name__}"
                     )
@@ -496,7 +502,7 @@ class KVCacheTransferData:
             name = TORCH_DTYPE_NAMES.get(t.dtype)
             if name is None:
                 raise PayloadError(f"{KINDS[kind]}[{layer}]: dtype {t.dtype} is not in the wire allow-list")
-            if t.layout != torch.strided or t.is_meta:
+            if type(t) is not TensorFill and (t.layout != torch.strided or t.is_meta):
                 raise PayloadError(f"{KINDS[kind]}[{layer}]: only dense tensors with data are supported")
             shape = list(t.shape)
             if len(shape) > limits.max_ndim:
@@ -587,7 +593,7 @@ class KVCacheTransferData:
         end = 0
         for d, t in zip(header.tensors, tensors):
             pieces.append(_ZEROS[: d.offset - end])
-            cpu, _ = prepare_tensor(t, f"{KINDS[d.kind]}[{d.layer}]")
+            cpu, _ = prepare_tensor(_tensor(t), f"{KINDS[d.kind]}[{d.layer}]")
             pieces.append(tensor_bytes(cpu))
             end = d.offset + d.nbytes
         return b"".join(pieces)
@@ -615,7 +621,11 @@ class KVCacheTransferData:
             if d.offset > end:
                 out[data_offset + end : start].zero_()
             if d.nbytes:
-                out[start : start + d.nbytes].view(t.dtype).view(t.shape).copy_(t.detach())
+                view = out[start : start + d.nbytes].view(t.dtype).view(t.shape)
+                if type(t) is TensorFill:
+                    t.fill_into(view)
+                else:
+                    view.copy_(t.detach())
             end = d.offset + d.nbytes
         return out
 
@@ -731,21 +741,29 @@ class KVCacheTransferData:
         sources: list[Any] = []
         for i, (d, t) in enumerate(zip(header.tensors, tensors)):
             d.offset = first_index + i
-            if dense_cpu(t):
+            if dense_cpu(t) or type(t) is TensorFill:  # copied (or written) once, when packed
                 sources.append(t)
             else:
-                cpu, _ = prepare_tensor(t, f"{KINDS[d.kind]}[{d.layer}]")
+                cpu, _ = prepare_tensor(_tensor(t), f"{KINDS[d.kind]}[{d.layer}]")
                 sources.append(tensor_bytes(cpu))
         return _header_encoder.encode(header), sources
 
 
-def _copy_tensor_into(region: memoryview, base: int, start: int, t: torch.Tensor) -> None:
+def _tensor(t: torch.Tensor | TensorFill) -> torch.Tensor:
+    """``t`` itself, or a fill's values as a new tensor."""
+    return t.materialize() if type(t) is TensorFill else t
+
+
+def _copy_tensor_into(region: memoryview, base: int, start: int, t: torch.Tensor | TensorFill) -> None:
     """Copy ``t``'s bytes to ``region[start:]`` (``base``: address of ``region[0]``).
 
     Dense CPU tensors: one ``memmove`` (bounds were checked by the caller; copies of 1 MiB
     and more release the GIL). Anything else (strided, conj/neg views, other devices):
     one torch ``copy_`` straight into the destination.
     """
+    if type(t) is TensorFill:
+        t.fill_bytes(region, start)
+        return
     nbytes = t.nbytes
     if nbytes == 0:
         return
