@@ -1,7 +1,7 @@
 """The sender's one-copy KV path: gather straight into the connector's destination.
 
-Every connector that lends its own memory (shared memory, the Mooncake store, ZMQ's
-served buffer) receives the KV bit-exact for every page format, for lengths that are not
+Every connector lends its own memory (a shared-memory segment, a registered slab of the
+Mooncake store, transfer engine or NIXL, the buffer ZMQ serves from) and receives the KV bit-exact for every page format, for lengths that are not
 a multiple of the block size and for TP-sliced sends; and the sender moves the KV bytes
 exactly once (counted at the torch dispatcher and at the codec's memmove), where the old
 path copied them three times (pages, dense tensors, segment).
@@ -107,7 +107,15 @@ def _send_all(sender: KVTransferManager, caches: list[torch.Tensor], layout: KVC
         done |= d
 
 
-@pytest.fixture(params=["SharedMemoryConnector", "ZmqConnector", "MooncakeStoreConnector"])
+@pytest.fixture(
+    params=[
+        "SharedMemoryConnector",
+        "ZmqConnector",
+        "MooncakeStoreConnector",
+        "MooncakeTransferEngineConnector",
+        "NixlConnector",
+    ]
+)
 def connector_name(request: pytest.FixtureRequest) -> str:
     for fixture in SPECS_BY_NAME[request.param].fixtures:
         request.getfixturevalue(fixture)

@@ -65,7 +65,14 @@ import numpy as np
 import zmq
 
 from vllm_kvbridge.connectors import te_control as ctl
-from vllm_kvbridge.connectors.base import DEFAULT_LEASE_S, Connector, PutResult, number_option, offset_port
+from vllm_kvbridge.connectors.base import (
+    DEFAULT_LEASE_S,
+    Connector,
+    LentReservation,
+    PutResult,
+    number_option,
+    offset_port,
+)
 from vllm_kvbridge.connectors.registered_pool import RegisteredBufferPool
 from vllm_kvbridge.errors import (
     ConfigError,
@@ -194,59 +201,66 @@ class MooncakeTransferEngineConnector(Connector):
         Refusals (too big, over ``max_held_bytes``, key already held) return ``ok=False``;
         over ``max_held_bytes`` it is ``full`` (room comes back as receivers read).
         """
-        from vllm_kvbridge.wire import encode
-
         self._check_open()
         self._check_key(key)
-        start = time.perf_counter()
-        enc = encode(payload)
-        need = enc.packed_size()
-        if (refused := self._refuse_oversize(need)) is not None:
+        return self._put_reserved(from_stage, to_stage, key, payload)
+
+    def reserve(self, from_stage: int | str, to_stage: int | str, key: str, nbytes: int) -> Any:
+        """A registered slab to write a packed payload of ``nbytes`` into; publishing holds
+        it for receivers to read one-sided (no further copy). Counts against
+        ``max_held_bytes`` from now. See :class:`~vllm_kvbridge.connectors.base.Reservation`."""
+        self._check_open()
+        self._check_key(key)
+        if (refused := self._refuse_oversize(nbytes)) is not None:
             return refused
         endpoint = self._ensure_server()
         with self._lock:
             self._check_open()
             if key in self._held:
                 return self._put_failed(f"key {key!r} is already held for sending")
-            if need > self.max_held_bytes:  # would never fit: waiting cannot help
+            if nbytes > self.max_held_bytes:  # would never fit: waiting cannot help
                 return self._put_failed(
-                    f"payload of {need} bytes exceeds max_held_bytes={self.max_held_bytes}"
+                    f"payload of {nbytes} bytes exceeds max_held_bytes={self.max_held_bytes}"
                 )
-            if self._held_bytes + need > self.max_held_bytes:
+            if self._held_bytes + nbytes > self.max_held_bytes:
                 return self._put_full(
-                    f"{self._held_bytes} bytes held + {need} exceeds max_held_bytes={self.max_held_bytes}"
+                    f"{self._held_bytes} bytes held + {nbytes} exceeds max_held_bytes={self.max_held_bytes}"
                 )
-            self._held_bytes += need  # reserved before the copy, so concurrent puts respect the bound
+            self._held_bytes += nbytes  # reserved before the copy, so concurrent puts respect the bound
         try:
-            slab, _ = self._pool.acquire(need)
+            slab, _ = self._pool.acquire(nbytes)
         except TransferError as exc:
             with self._lock:
-                self._held_bytes -= need
+                self._held_bytes -= nbytes
             return self._put_failed(str(exc))
-        try:
-            enc.pack_into(slab)
-        except BaseException:
-            self._pool.release(slab)
-            with self._lock:
-                self._held_bytes -= need
-            raise
-        del enc
+        return LentReservation(self, key, nbytes, memoryview(slab)[:nbytes], (slab, endpoint))
+
+    def _publish_lent(self, r: LentReservation, start: float) -> PutResult:
+        """Hold the written slab of ``r`` under its key for receivers (see :meth:`reserve`)."""
+        slab, endpoint = r.lent
         with self._lock:
-            duplicate = key in self._held or self._closed
-            if not duplicate:
-                self._held[key] = _Held(slab, need, time.monotonic() + self.ttl_s)
-            else:
-                self._held_bytes -= need
-        if duplicate:
-            self._pool.release(slab)
-            self._check_open()
-            return self._put_failed(f"key {key!r} is already held for sending")
-        self.stats.add(puts=1, put_bytes=need, put_seconds=time.perf_counter() - start)
+            if self._closed:
+                return self._put_failed(f"{self.name} closed during put")
+            if r.key in self._held:
+                return self._put_failed(f"key {r.key!r} is already held for sending")
+            self._held[r.key] = _Held(slab, r.nbytes, time.monotonic() + self.ttl_s)
+        self.stats.add(puts=1, put_bytes=r.nbytes, put_seconds=time.perf_counter() - start)
         return PutResult(
             ok=True,
-            nbytes=need,
-            metadata={"endpoint": endpoint, "segment": self.segment, "nbytes": need, "lease_s": self.lease_s},
+            nbytes=r.nbytes,
+            metadata={
+                "endpoint": endpoint,
+                "segment": self.segment,
+                "nbytes": r.nbytes,
+                "lease_s": self.lease_s,
+            },
         )
+
+    def _release_lent(self, r: LentReservation) -> None:
+        """An unpublished reservation ends: its slab and its held bytes go back."""
+        self._pool.release(r.lent[0])
+        with self._lock:
+            self._held_bytes -= r.nbytes
 
     def _ensure_server(self) -> str:
         with self._lock:

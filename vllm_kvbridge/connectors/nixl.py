@@ -86,6 +86,7 @@ import zmq
 from vllm_kvbridge.connectors.base import (
     DEFAULT_LEASE_S,
     Connector,
+    LentReservation,
     PutResult,
     number_option,
     offset_port,
@@ -234,56 +235,57 @@ class NixlConnector(Connector):
         The payload is copied once: the caller may reuse its tensors when this returns.
         Refusals (too big, key already published, no registered memory) return ``ok=False``.
         """
-        from vllm_kvbridge.wire import encode
-
         self._check_open()
         self._check_key(key)
-        start = time.perf_counter()
-        enc = encode(payload)
-        need = enc.packed_size()
-        if (refused := self._refuse_oversize(need)) is not None:
+        return self._put_reserved(from_stage, to_stage, key, payload)
+
+    def reserve(self, from_stage: int | str, to_stage: int | str, key: str, nbytes: int) -> Any:
+        """A registered slab to write a packed payload of ``nbytes`` into; publishing holds
+        it for receivers to READ (no further copy). Counts against ``max_held_bytes`` from
+        now. See :class:`~vllm_kvbridge.connectors.base.Reservation`."""
+        self._check_open()
+        self._check_key(key)
+        if (refused := self._refuse_oversize(nbytes)) is not None:
             return refused
         endpoint = self._ensure_server()
         with self._lock:
             if key in self._published:
                 return self._put_failed(f"key {key!r} is already published by this connector")
-            if need > self.max_held_bytes:  # would never fit: waiting cannot help
+            if nbytes > self.max_held_bytes:  # would never fit: waiting cannot help
                 return self._put_failed(
-                    f"payload of {need} bytes exceeds max_held_bytes={self.max_held_bytes}"
+                    f"payload of {nbytes} bytes exceeds max_held_bytes={self.max_held_bytes}"
                 )
             held = self._held_bytes_locked()
-            if held + need > self.max_held_bytes:
+            if held + nbytes > self.max_held_bytes:
                 limit = self.max_held_bytes
-                return self._put_full(f"{held} bytes held + {need} exceeds max_held_bytes={limit}")
-            self._reserved += need  # before the copy: concurrent puts respect the bound
+                return self._put_full(f"{held} bytes held + {nbytes} exceeds max_held_bytes={limit}")
+            self._reserved += nbytes  # before the copy: concurrent puts respect the bound
         try:
-            slab, _ = self._pool.acquire(need)
+            slab, _ = self._pool.acquire(nbytes)
         except TransferError as exc:
-            self._unreserve(need)
-            return self._put_failed(f"no registered memory for {need} bytes: {exc}")
-        try:
-            enc.pack_into(slab)
-        except PayloadError as exc:
-            self._pool.release(slab)
-            self._unreserve(need)
-            return self._put_failed(f"cannot pack {key!r}: {exc}")
-        except BaseException:
-            self._pool.release(slab)
-            self._unreserve(need)
-            raise
-        del enc
+            self._unreserve(nbytes)
+            return self._put_failed(f"no registered memory for {nbytes} bytes: {exc}")
+        return LentReservation(self, key, nbytes, memoryview(slab)[:nbytes], (slab, endpoint))
+
+    def _publish_lent(self, r: LentReservation, start: float) -> PutResult:
+        """Publish the written slab of ``r`` under its key (see :meth:`reserve`)."""
+        slab, endpoint = r.lent
         with self._lock:
-            refused = self._closed or key in self._published
+            refused = self._closed or r.key in self._published
             if not refused:
-                self._published[key] = _Held(key, slab, need, time.monotonic() + self.ttl_s)
-            self._reserved -= need
+                self._published[r.key] = _Held(r.key, slab, r.nbytes, time.monotonic() + self.ttl_s)
+                self._reserved -= r.nbytes
         if refused:
-            self._pool.release(slab)
-            why = f"{self.name} closed during put" if self._closed else f"key {key!r} is already published"
+            why = f"{self.name} closed during put" if self._closed else f"key {r.key!r} is already published"
             return self._put_failed(why)
-        self.stats.add(puts=1, put_bytes=need, put_seconds=time.perf_counter() - start)
+        self.stats.add(puts=1, put_bytes=r.nbytes, put_seconds=time.perf_counter() - start)
         metadata = {"endpoint": endpoint, "agent": self._agent.name, "lease_s": self.lease_s}
-        return PutResult(ok=True, nbytes=need, metadata=metadata)
+        return PutResult(ok=True, nbytes=r.nbytes, metadata=metadata)
+
+    def _release_lent(self, r: LentReservation) -> None:
+        """An unpublished reservation ends: its slab and its reserved bytes go back."""
+        self._pool.release(r.lent[0])
+        self._unreserve(r.nbytes)
 
     def _unreserve(self, need: int) -> None:
         with self._lock:
@@ -314,7 +316,7 @@ class NixlConnector(Connector):
             metadata, gen, dgen = self._agent.metadata()
             return [_MD, self._agent.name.encode(), metadata, _U64.pack(gen), _U64.pack(dgen)]
         if verb == _NACK and len(request) == 2:
-            self._release_lent(request[1])
+            self._release_read(request[1])
             return [_OK]
         if verb == RENEW and len(request) == 2:
             return [self._answer_renew(request[1].decode("ascii", "replace"))]
@@ -369,9 +371,10 @@ class NixlConnector(Connector):
     def _take_notifications(self) -> None:
         for message in self._agent.notifications():
             if message.startswith(_TOKEN_PREFIX):
-                self._release_lent(message)
+                self._release_read(message)
 
-    def _release_lent(self, token: bytes) -> None:
+    def _release_read(self, token: bytes) -> None:
+        """A reader is done with (or gave up) the slab it claimed with ``token``."""
         with self._lock:
             held = self._lent.pop(token, None)
             if held is not None:
