@@ -1,11 +1,11 @@
 """The sender's one-copy KV path: gather straight into the connector's destination.
 
 Every connector lends its own memory (a shared-memory segment, a registered slab of the
-Mooncake store, transfer engine or NIXL, the buffer ZMQ serves from) and receives the KV bit-exact for every page format, for lengths that are not
-a multiple of the block size and for TP-sliced sends; and the sender moves the KV bytes
-exactly once (counted at the torch dispatcher and at the codec's memmove), where the old
-path copied them three times (pages, dense tensors, segment).
-"""
+Mooncake store, transfer engine or NIXL, the buffer ZMQ serves from) and receives the KV
+bit-exact for every page format, for lengths that are not a multiple of the block size and
+for TP-sliced sends; and the sender moves the KV bytes exactly once (counted at the torch
+dispatcher and at the codec's memmove), where the old path copied them three times (pages,
+dense tensors, segment)."""
 
 from __future__ import annotations
 
@@ -107,6 +107,15 @@ def _send_all(sender: KVTransferManager, caches: list[torch.Tensor], layout: KVC
         done |= d
 
 
+def _assert_all_received(
+    receiver: KVTransferManager, caches: list[torch.Tensor], layout: KVCacheLayout
+) -> None:
+    for rid, plan in PLANS.items():
+        data, _ = receiver.receive_kv_cache_for_request(rid)
+        for layer, (k, v) in enumerate(_reference(caches, layout, plan, range(HEADS))):
+            assert torch.equal(data.key_cache[layer], k) and torch.equal(data.value_cache[layer], v)
+
+
 @pytest.fixture(
     params=[
         "SharedMemoryConnector",
@@ -198,10 +207,7 @@ def test_the_sender_copies_the_kv_bytes_once(token: str, monkeypatch: pytest.Mon
         assert memmoved == [], "the KV went through a second, byte copy"
         assert all(isinstance(r, LentReservation) for r in reserved) and len(reserved) == len(PLANS)
         _send_all(sender, caches, layout)  # (the second round is published too)
-        for rid, plan in PLANS.items():
-            data, _ = receivers[0].receive_kv_cache_for_request(rid)
-            for layer, (k, v) in enumerate(_reference(caches, layout, plan, range(HEADS))):
-                assert torch.equal(data.key_cache[layer], k) and torch.equal(data.value_cache[layer], v)
+        _assert_all_received(receivers[0], caches, layout)
     finally:
         receivers[0].shutdown()
         sender.shutdown()
@@ -233,10 +239,7 @@ def test_a_full_connector_falls_back_to_a_host_buffer_and_waits_for_room(
     try:
         _send_all(sender, caches, layout)
         assert heap_publishes == fallbacks
-        for rid, plan in PLANS.items():
-            data, _ = receivers[0].receive_kv_cache_for_request(rid)
-            for layer, (k, v) in enumerate(_reference(caches, layout, plan, range(HEADS))):
-                assert torch.equal(data.key_cache[layer], k) and torch.equal(data.value_cache[layer], v)
+        _assert_all_received(receivers[0], caches, layout)
     finally:
         receivers[0].shutdown()
         sender.shutdown()
