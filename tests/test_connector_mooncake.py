@@ -346,6 +346,39 @@ def test_corrupt_object_raises_and_is_removed(mooncake_master: MooncakeMaster):
         assert mooncake_master.keys() == []
 
 
+def test_an_object_not_ready_yet_is_a_timeout_until_master_retry_s(mooncake_master: MooncakeMaster):
+    """``REPLICA_IS_NOT_READY`` (a put still writing the object) at a get's deadline is "not
+    there yet" (TransferTimeout, which the KV manager's sliced receive asks again for), not a
+    failure; only after ``master_retry_s`` of it is the get a TransferError."""
+    from vllm_kvbridge.connectors.mooncake_setup import REPLICA_IS_NOT_READY
+
+    class NotReady:  # the real store, whose get_size answers "not ready" while `writing` is set
+        def __init__(self, store):
+            self.store, self.writing = store, threading.Event()
+
+        def get_size(self, store_key):
+            return REPLICA_IS_NOT_READY if self.writing.is_set() else self.store.get_size(store_key)
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+
+    config = mooncake_master.connector_config(namespace=NS, master_retry_s=1.0)
+    with create_connector("mooncake", config) as sender, MooncakeStoreConnector(config) as receiver:
+        result = sender.put(0, 1, key(), payload(7))
+        store = NotReady(receiver._store)
+        receiver._store = store
+        store.writing.set()
+        with pytest.raises(TransferTimeout, match="REPLICA_IS_NOT_READY"):
+            receiver.get(0, 1, key(), result.metadata, deadline=soon(0.2))
+        store.writing.clear()
+        assert same(receiver.get(0, 1, key(), result.metadata, deadline=soon(5)), payload(7))
+        assert sender.put(0, 1, key(2), payload(8)).ok
+        store.writing.set()
+        with pytest.raises(TransferError, match="transient errors") as failed:
+            receiver.get(0, 1, key(2), result.metadata, deadline=soon(5))
+        assert not isinstance(failed.value, TransferTimeout)
+
+
 def test_get_deadline_and_bad_metadata(mooncake_master: MooncakeMaster):
     with MooncakeStoreConnector(mooncake_master.connector_config(namespace=NS)) as conn:
         start = time.monotonic()

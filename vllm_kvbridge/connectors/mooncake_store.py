@@ -456,6 +456,14 @@ class MooncakeStoreConnector(Connector):
                 if unreachable_since is None:
                     unreachable_since = now
                 waited = now - unreachable_since
+                if waited < self.master_retry_s and deadline is not None and now >= deadline:
+                    # e.g. REPLICA_IS_NOT_READY: a put of it is under way. Within
+                    # master_retry_s that is "not there yet", which a caller polling in
+                    # short slices (the KV manager) asks again for.
+                    raise TransferTimeout(
+                        f"{store_key!r} was not readable before the deadline ({error_name(code)}); "
+                        f"master {self.master_server_address}"
+                    )
                 if waited >= self.master_retry_s or (deadline is not None and now >= deadline):
                     why = "the master is unreachable" if self._master_down() else "transient errors"
                     raise TransferError(
