@@ -57,9 +57,15 @@ def test_sizes_and_arguments_are_validated():
     assert abs(payload_bytes(kv_payload(64 << 20)) - (64 << 20)) < (64 << 20) // 50
 
 
-@pytest.mark.parametrize("connector", ["mooncake-te", "nixl"])
-def test_bench_row_has_an_interleaved_raw_engine_ceiling(connector, tmp_path, capsys):
-    """mooncake-te against a raw transfer-engine read, nixl against NIXL's own agent READ."""
+@pytest.mark.parametrize("connector", ["mooncake", "mooncake-te", "nixl"])
+def test_bench_row_has_an_interleaved_raw_engine_ceiling(connector, tmp_path, capsys, request, monkeypatch):
+    """The Mooncake store against its own put + get, mooncake-te against a raw
+    transfer-engine read, nixl against NIXL's own agent READ: each sampled between the
+    connector's transfers, with its spread."""
+    if connector == "mooncake":  # the bench finds this test's master through the environment
+        master = request.getfixturevalue("mooncake_master")
+        for name, value in master.env().items():
+            monkeypatch.setenv(name, value)
     out = tmp_path / "rows.json"
     args = ["bench", "connectors", "--connectors", connector, "--sizes", "256KB", "--repeat", "3"]
     assert main([*args, "--json", str(out)]) == 0

@@ -24,7 +24,8 @@ Ceilings, measured in the same run on the same bytes:
 * ``ceiling_gbps``, the transport's own: for ZMQ a bare pyzmq send/recv of one frame
   between two processes over TCP loopback; for shared memory one write into and one
   read out of an already-mapped segment, in two processes. Connectors listed in
-  :data:`CEILING_PROBES` (one-sided engines) get a raw-engine probe that is sampled right
+  :data:`CEILING_PROBES` (the Mooncake store, one-sided engines) get a raw probe (the
+  store's own put + get, the engine's own read) that is sampled right
   before every transfer, interleaved like the memcpy (``ceiling_min_gbps`` /
   ``ceiling_max_gbps`` give its spread; ``gbps_min`` / ``gbps_max`` the connector's).
 """
@@ -111,6 +112,7 @@ class Row:
 #: Raw-engine ceilings sampled between transfers: ``"module:Class"``, the class taking the
 #: byte count and offering ``sample() -> seconds``, ``samples``, ``gbps()`` and ``close()``.
 CEILING_PROBES: dict[str, str] = {
+    "MooncakeStoreConnector": "vllm_kvbridge.bench.mooncake:StoreProbe",
     "MooncakeTransferEngineConnector": "vllm_kvbridge.bench.mooncake_te:TeReadProbe",
     "NixlConnector": "vllm_kvbridge.bench.nixl:NixlReadProbe",
 }
@@ -367,10 +369,6 @@ def run_connector_bench(connectors: Sequence[str], sizes: Sequence[int], repeat:
                 ceiling = measure_shm_ceiling(nbytes, repeat)
             elif name == "ZmqConnector":
                 ceiling = measure_zmq_ceiling(nbytes, repeat)
-            elif name == "MooncakeStoreConnector":
-                from vllm_kvbridge.bench.mooncake import measure_mooncake_ceiling
-
-                ceiling = measure_mooncake_ceiling(nbytes, repeat)
             else:
                 ceiling = float("nan")
             raw = _ceiling_probe(name, nbytes)

@@ -3,9 +3,10 @@
 * :func:`connector_config`: the MooncakeStoreConnector config of the benchmark, from
   ``KVB_MOONCAKE_MASTER`` / ``KVB_MOONCAKE_METADATA`` (a running master), else a master
   this process starts on free loopback ports (:func:`local_master`, stopped at exit).
-* :func:`measure_mooncake_ceiling`: Mooncake's own Python API moving the same bytes
-  between two processes (``MooncakeDistributedStore.put`` here, ``get`` + ``remove`` in a
-  receiver process), the ceiling our connector is compared with in the same run.
+* :class:`StoreProbe`: Mooncake's own Python API moving
+  the same bytes between two processes (``MooncakeDistributedStore.put`` here, ``get`` +
+  ``remove`` in a receiver process), the ceiling our connector is compared with, sampled
+  between the connector's transfers.
 """
 
 from __future__ import annotations
@@ -83,44 +84,56 @@ def _raw_receiver(config: dict[str, Any], local_buffer: int, pipe: Any) -> None:
         store.close()
 
 
-def measure_mooncake_ceiling(nbytes: int, repeat: int, config: dict[str, Any] | None = None) -> float:
-    """GB/s of Mooncake's own ``put`` (this process) + ``get`` (another process) of ``nbytes``.
+class StoreProbe:
+    """Mooncake's own ``put`` (this process) + ``get`` (a receiver process) of ``nbytes``,
+    one transfer per :meth:`sample`: the connector bench samples it right before every
+    connector transfer (a ceiling measured under the same load, with its spread), instead
+    of in a separate run where a shared machine's load can differ (the row read 0.58x to
+    1.48x of a ceiling measured apart). Same master, same placement as the connector (the
+    putting client's own segment holds the object, hard-pinned)."""
 
-    Same master, same segment placement as the connector bench (the putting client's own
-    segment holds the object). Median over ``repeat`` transfers after one warm-up.
-    """
-    from mooncake.store import ReplicateConfig
+    def __init__(self, nbytes: int, config: dict[str, Any] | None = None) -> None:
+        from mooncake.store import ReplicateConfig
 
-    config = config or connector_config()
-    local_buffer = max(16 << 20, 1 << (nbytes + (1 << 20)).bit_length())  # put/get copy through it
-    store = _raw_store(config, local_buffer)
-    rc_config = ReplicateConfig()
-    rc_config.preferred_segment = store.get_hostname()
-    rc_config.with_hard_pin = True
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_raw_receiver, args=(config, local_buffer, child), daemon=True)
-    proc.start()
-    data = os.urandom(1 << 20) * (nbytes >> 20) + os.urandom(nbytes & ((1 << 20) - 1))
-    times = []
-    try:
-        for i in range(repeat + 1):
-            key = f"{config['namespace']}/raw{i}"
-            start = time.perf_counter()
-            rc = store.put(key, data, rc_config)
-            if rc != 0:
-                raise RuntimeError(f"Mooncake raw put of {nbytes} bytes failed: {rc}")
-            parent.send(key)
-            _, done, got = parent.recv()
-            if got != nbytes:
-                raise RuntimeError(f"Mooncake raw get returned {got} bytes, put {nbytes}")
-            if i:
-                times.append(done - start)
-        parent.send(None)
-        proc.join(60)
-    finally:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        store.close()
-    return nbytes / statistics.median(times) / 1e9
+        self.nbytes = nbytes
+        self._config = config or connector_config()
+        local_buffer = max(16 << 20, 1 << (nbytes + (1 << 20)).bit_length())  # put/get copy through it
+        self._store = _raw_store(self._config, local_buffer)
+        self._rc = ReplicateConfig()
+        self._rc.preferred_segment = self._store.get_hostname()
+        self._rc.with_hard_pin = True
+        ctx = mp.get_context("spawn")
+        self._pipe, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_raw_receiver, args=(self._config, local_buffer, child), daemon=True)
+        self._proc.start()
+        self._data = os.urandom(1 << 20) * (nbytes >> 20) + os.urandom(nbytes & ((1 << 20) - 1))
+        self.samples: list[float] = []
+
+    def sample(self) -> float:
+        """Seconds of one raw put + get of ``nbytes``, appended to ``samples``."""
+        key = f"{self._config['namespace']}/raw{len(self.samples)}"
+        start = time.perf_counter()
+        rc = self._store.put(key, self._data, self._rc)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake raw put of {self.nbytes} bytes failed: {rc}")
+        self._pipe.send(key)
+        _, done, got = self._pipe.recv()
+        if got != self.nbytes:
+            raise RuntimeError(f"Mooncake raw get returned {got} bytes, put {self.nbytes}")
+        self.samples.append(done - start)
+        return done - start
+
+    def gbps(self) -> float:
+        """Median GB/s of the samples so far."""
+        return self.nbytes / statistics.median(self.samples) / 1e9
+
+    def close(self) -> None:
+        try:
+            self._pipe.send(None)
+            self._proc.join(60)
+        except (OSError, EOFError):
+            pass
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        self._store.close()

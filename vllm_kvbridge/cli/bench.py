@@ -1,4 +1,7 @@
-"""``vllm-kvbridge bench``: measurements. Sub-commands: ``connectors``, ``ar-overhead``, ``soak``."""
+"""``vllm-kvbridge bench``: measurements.
+
+Sub-commands: ``connectors``, ``ar-overhead``, ``kv-path``, ``soak``.
+"""
 
 from __future__ import annotations
 
@@ -38,13 +41,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     a = bench_sub.add_parser(
         "ar-overhead",
         help="AR decode throughput with kvbridge KV sending on vs off",
-        description="Run the same batch on a plain vLLM engine and on the kvbridge worker sending every "
-        "request's KV on finish; print tokens/s of both and the ratio.",
+        description="Alternate timed batches between a plain vLLM engine and a kvbridge stage sending every "
+        "request's KV on finish (KV-heavy model); print min/median tokens/s of both, the per-pair ratio "
+        "and the noise floor of plain-vs-plain repeats.",
     )
     from vllm_kvbridge.bench.ar_overhead import add_arguments
 
     add_arguments(a)
     a.set_defaults(func=_run_ar_overhead)
+    k = bench_sub.add_parser(
+        "kv-path",
+        help="a finished request's KV: vLLM engine to the receiver's tensors, per connector",
+        description="Time from a vLLM engine's output for a request to a receiver holding its KV "
+        "(KV-heavy model, prompts of --tokens tokens), per connector; print latency, GB/s and the ratio "
+        "to a memcpy of the same bytes measured in the same run.",
+    )
+    from vllm_kvbridge.bench.kv_path import add_arguments as add_kv_path_arguments
+
+    add_kv_path_arguments(k)
+    k.set_defaults(func=_run_kv_path)
     s = bench_sub.add_parser(
         "soak",
         help="load, client aborts and stage kills against a real server",
@@ -75,10 +90,33 @@ def _run_connectors(args: argparse.Namespace) -> int:
 
 
 def _run_ar_overhead(args: argparse.Namespace) -> int:
-    from vllm_kvbridge.bench.ar_overhead import format_result, run
+    from vllm_kvbridge.bench.ar_overhead import format_result, run, write_json
 
-    print(format_result(run(args)))
+    try:
+        result = run(args)
+    except ValueError as exc:
+        raise SystemExit(f"vllm-kvbridge bench ar-overhead: {exc}") from None
+    print(format_result(result))
+    if args.json:
+        write_json(result, args.json)
     return 0
+
+
+def _run_kv_path(args: argparse.Namespace) -> int:
+    from vllm_kvbridge.bench.kv_path import format_result, parse_connectors, parse_tokens, run, write_json
+
+    try:
+        parse_tokens(args.tokens)
+        parse_connectors(args.connectors)
+        if args.repeat < 1:
+            raise ValueError("--repeat must be >= 1")
+    except ValueError as exc:
+        raise SystemExit(f"vllm-kvbridge bench kv-path: {exc}") from None
+    result = run(args)
+    print(format_result(result))
+    if args.json:
+        write_json(result, args.json)
+    return 1 if result["failed"] else 0
 
 
 def _run_soak(args: argparse.Namespace) -> int:
