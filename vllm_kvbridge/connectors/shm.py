@@ -122,6 +122,8 @@ class SharedMemoryConnector(Connector):
         self.max_payload_bytes = number_option(cfg, "max_payload_bytes", 64 << 30, int)
         self.max_held_bytes = number_option(cfg, "max_held_bytes", 8 << 30, int)
         self._reserved = 0  # segment bytes of puts under way (counted against max_held_bytes)
+        #: segments lent to reservations not published or released yet (named until then)
+        self._writing: set[seg.PoolSegment] = set()
         self.reap_interval_s = number_option(cfg, "reap_interval_s", min(self.ttl_s / 4, 1.0)) or 0.05
         self.claim_grace_s = number_option(cfg, "claim_grace_s", seg.CLAIM_NAME_GRACE_S)
         self.map_cache_bytes = number_option(cfg, "map_cache_bytes", 4 << 30, int)
@@ -207,6 +209,8 @@ class SharedMemoryConnector(Connector):
                     return self._put_full(f"/dev/shm has no room for a {nbytes}-byte segment: {exc}")
                 return self._put_failed(f"cannot create a {nbytes}-byte shared-memory segment: {exc}")
         segment.begin_write()
+        with self._lock:
+            self._writing.add(segment)
         return LentReservation(
             self, key, nbytes, segment.payload[:nbytes], _Lent(namespace, segment, reserved)
         )
@@ -230,6 +234,7 @@ class SharedMemoryConnector(Connector):
                 self._unpublish(namespace, key)
                 return self._put_failed(f"{self.name} closed during put")
             self._reserved -= lent.reserved
+            self._writing.discard(segment)
             segment.key = key
             segment.published_at = time.monotonic()
             self._published[(namespace, key)] = segment
@@ -244,6 +249,7 @@ class SharedMemoryConnector(Connector):
         """An unpublished reservation ends: its segment goes back to the pool."""
         with self._lock:
             self._reserved -= r.lent.reserved
+            self._writing.discard(r.lent.segment)
         self._return_free(r.lent.segment)
 
     def _take_free_locked(self, namespace: str, need: int) -> seg.PoolSegment | None:
@@ -578,6 +584,14 @@ class SharedMemoryConnector(Connector):
             self._free.clear()
             for segment in segments:
                 segment.destroy()
+            # A reservation still out (a send the shutdown did not wait for): its name goes
+            # now, its memory when it is released (then destroyed) or with the process.
+            for segment in self._writing:
+                try:
+                    os.unlink(segment.path)
+                except FileNotFoundError:
+                    pass
+            self._writing.clear()
             for namespace in self._namespaces:
                 seg.reap_stale(namespace, shm_dir=self.shm_dir)
             # Payloads still viewed keep their mapping until released (then unmapped).
