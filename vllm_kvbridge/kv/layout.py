@@ -28,13 +28,13 @@ between backends is how K and V sit inside ``C``:
   :class:`KVLayoutError` rather than read wrongly.
 
 The layout is described by :class:`KVCacheLayout`, built from the backend and the KV
-cache spec (:func:`layout_for_backend`, :func:`layout_from_vllm`), never guessed from a
+cache spec (:mod:`vllm_kvbridge.kv.layout_vllm`), never guessed from a
 tensor's shape (``num_blocks == 2`` made old shape guessing ambiguous).
 
 Copies: :func:`gather` makes **one** copy of the request's tokens: an ``index_select``
 on the block dim of a strided view of the cache (only the requested heads), written
-straight into the dense destination through ``out=``; only the last, partial block
-goes through a one-block temporary. The destination may be any contiguous tensor of the
+straight into the dense destination through ``out=``, and the tokens of the last,
+partial block copied from a view of it. The destination may be any contiguous tensor of the
 right shape, e.g. a view into a connector's shared-memory segment
 (:func:`gather_layers_into`), so the KV bytes are copied once from vLLM's cache to where
 the receiver reads them. All plain torch ops: they run on CPU and CUDA tensors alike.
@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvbridge.errors import KVBridgeError
+from vllm_kvbridge.wire.kv_format import KEY, VALUE  # the descriptor kinds: one numbering
 
 __all__ = [
     "KVCacheLayout",
@@ -427,9 +428,6 @@ def gather_layers_into(
             ]
         )
     return outs[0], outs[1]
-
-
-KEY, VALUE = 0, 1
 
 
 class RequestGather:
