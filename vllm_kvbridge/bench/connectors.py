@@ -40,7 +40,7 @@ import os
 import statistics
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -227,6 +227,13 @@ class MemcpyProbe:
 
 
 def measure_zmq_ceiling(nbytes: int, repeat: int) -> float:
+    return _median_gbps(nbytes, zmq_ceiling_times(nbytes, repeat))
+
+
+def zmq_ceiling_times(nbytes: int, repeat: int, idle_s: Callable[[], float] | None = None) -> list[float]:
+    """Seconds of ``repeat`` bare pyzmq sends of ``nbytes`` (one frame) over TCP loopback to
+    a receiver blocked in ``recv`` in another process, after one warm-up; ``idle_s()``: how
+    long to sleep before each send (a receiver that has waited a while)."""
     import zmq
 
     ctx = mp.get_context("spawn")
@@ -240,6 +247,8 @@ def measure_zmq_ceiling(nbytes: int, repeat: int) -> float:
         buf = np.ones(nbytes, dtype=np.uint8)
         times = []
         for _ in range(repeat + 1):
+            if idle_s is not None:
+                time.sleep(idle_s())
             start = time.perf_counter()
             sock.send(buf, copy=False)
             times.append(parent.recv() - start)
@@ -251,10 +260,17 @@ def measure_zmq_ceiling(nbytes: int, repeat: int) -> float:
         if proc.is_alive():
             proc.kill()
             proc.join()
-    return _median_gbps(nbytes, times[1:])
+    return times[1:]
 
 
 def measure_shm_ceiling(nbytes: int, repeat: int) -> float:
+    return _median_gbps(nbytes, shm_ceiling_times(nbytes, repeat))
+
+
+def shm_ceiling_times(nbytes: int, repeat: int, idle_s: Callable[[], float] | None = None) -> list[float]:
+    """Seconds of ``repeat`` rounds of one write of ``nbytes`` into an already-mapped
+    segment, a pipe message to a reader blocked on it in another process and its read out
+    of the segment, after one warm-up; ``idle_s()`` as in :func:`zmq_ceiling_times`."""
     path = f"/dev/shm/kvbridge.bench{os.getpid()}.ceiling"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     proc = None
@@ -271,6 +287,8 @@ def measure_shm_ceiling(nbytes: int, repeat: int) -> float:
         assert parent.recv() == "ready"
         times = []
         for _ in range(repeat + 1):
+            if idle_s is not None:
+                time.sleep(idle_s())
             start = time.perf_counter()
             np.copyto(dst, src)
             parent.send(True)
@@ -284,7 +302,7 @@ def measure_shm_ceiling(nbytes: int, repeat: int) -> float:
         if proc is not None and proc.is_alive():
             proc.kill()
             proc.join()
-    return _median_gbps(nbytes, times[1:])
+    return times[1:]
 
 
 def _connector_config(name: str) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """``vllm-kvbridge bench``: measurements.
 
-Sub-commands: ``connectors``, ``ar-overhead``, ``kv-path``, ``soak``.
+Sub-commands: ``connectors``, ``ar-overhead``, ``kv-path``, ``handoff``, ``soak``.
 """
 
 from __future__ import annotations
@@ -60,6 +60,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     add_kv_path_arguments(k)
     k.set_defaults(func=_run_kv_path)
+    h = bench_sub.add_parser(
+        "handoff",
+        help="latency from a put to a usable object on the receiver, per connector and size",
+        description="Hand stage payloads (1KB/64KB/1MB by default) from a sender process to a receiver "
+        "process that is already waiting, through each connector (Connector.get with a deadline, and the "
+        "stages' PayloadSender -> PayloadReceiver); print p50/p99 ms and the ratio to the bare transport's "
+        "one-way latency measured in the same run. --pipeline CONFIG adds a real pipeline's handoff.",
+    )
+    from vllm_kvbridge.bench.handoff import add_arguments as add_handoff_arguments
+
+    add_handoff_arguments(h)
+    h.set_defaults(func=_run_handoff)
     s = bench_sub.add_parser(
         "soak",
         help="load, client aborts and stage kills against a real server",
@@ -117,6 +129,19 @@ def _run_kv_path(args: argparse.Namespace) -> int:
     if args.json:
         write_json(result, args.json)
     return 1 if result["failed"] else 0
+
+
+def _run_handoff(args: argparse.Namespace) -> int:
+    from vllm_kvbridge.bench.handoff import format_table, run, write_json
+
+    try:
+        rows = run(args)
+    except ValueError as exc:
+        raise SystemExit(f"vllm-kvbridge bench handoff: {exc}") from None
+    print(format_table(rows))
+    if args.json:
+        write_json(rows, args.json)
+    return 0
 
 
 def _run_soak(args: argparse.Namespace) -> int:

@@ -4,7 +4,8 @@
                       [--start-mooncake-master]
 
 Prints one progress line per stage event and a final table (per stage wall time; per
-edge bytes moved, transfer seconds and GB/s), and writes into the output dir: one PNG per
+edge bytes moved, transfer seconds, GB/s, the receiver's whole wait and the handoff from the
+producer's last token to the payload in the consumer), and writes into the output dir: one PNG per
 request for pipelines ending in a diffusion stage, one ``.txt`` per request for those
 ending in an LLM stage, the stage logs, and ``result.json``. Exit status: 0 when every
 request succeeded, 1 when a request failed, 2 for a bad config, 3 when a stage failed
@@ -62,27 +63,46 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+EDGE_NOTE = (
+    "transfer s: the receiver's gets (KV: its wait); waited s: from the receiver expecting it to "
+    "the last piece, a stream's producer generating included; handoff ms: from the producer's "
+    "last token to the payload complete in the consumer (mean)"
+)
+
+
 def summary_table(results: list[Any], plan: Any) -> str:
-    """Per stage wall time (mean over requests) and per edge bytes/seconds/GB/s (totals)."""
+    """Per stage wall time (mean over requests) and per edge bytes, transfer and wait seconds
+    and GB/s (totals), and the stage-to-stage handoff (mean)."""
     lines = [f"{'stage':<24}{'requests':>9}{'mean wall s':>13}"]
     for s in plan.stages:
         walls = [rec.wall_s for r in results for rec in r.stages if rec.stage_id == s.stage_id and rec.done]
         mean = sum(walls) / len(walls) if walls else 0.0
         lines.append(f"{f'{s.stage_id} ({s.kind})':<24}{len(walls):>9}{mean:>13.3f}")
     edges: dict[tuple[int, int, str, str], list[float]] = {}
+    handoffs: dict[tuple[int, int], list[float]] = {}
     for r in results:
-        for key, (nbytes, secs) in r.edge_totals().items():
-            acc = edges.setdefault(key, [0.0, 0.0])
-            acc[0] += nbytes
-            acc[1] += secs
+        for key, t in r.edge_stats().items():
+            acc = edges.setdefault(key, [0.0, 0.0, 0.0])
+            acc[0] += t.nbytes
+            acc[1] += t.seconds
+            acc[2] += t.waited_s
+            handoff = r.handoff_s(key[0], key[1])
+            if handoff is not None and key[3] == "kv":
+                handoffs.setdefault(key[:2], []).append(handoff)
     lines.append("")
-    lines.append(f"{'edge':<24}{'bytes':>12}{'transfer s':>12}{'GB/s':>9}")
+    lines.append(f"{'edge':<24}{'bytes':>12}{'transfer s':>12}{'GB/s':>9}{'waited s':>10}{'handoff ms':>12}")
     if not edges:
         lines.append("(no transfer reported)")
-    for (a, b, what, purpose), (nbytes, secs) in sorted(edges.items()):
+    for (a, b, what, purpose), (nbytes, secs, waited) in sorted(edges.items()):
         rate = f"{nbytes / secs / 1e9:.3f}" if secs > 0 else "-"
         label = what if purpose == "kv" else f"{what} {purpose}"  # a CFG companion's KV
-        lines.append(f"{f'{a} -> {b} {label}':<24}{_fmt_bytes(nbytes):>12}{secs:>12.4f}{rate:>9}")
+        waits = f"{waited:.4f}" if waited > 0 else "-"
+        got = handoffs.get((a, b)) if purpose == "kv" else None
+        handoff = f"{sum(got) / len(got) * 1e3:.1f}" if got else "-"
+        name = f"{a} -> {b} {label}"
+        lines.append(f"{name:<24}{_fmt_bytes(nbytes):>12}{secs:>12.4f}{rate:>9}{waits:>10}{handoff:>12}")
+    if edges:
+        lines.append(f"({EDGE_NOTE})")
     return "\n".join(lines)
 
 
@@ -134,16 +154,20 @@ def write_outputs(results: list[Any], plan: Any, out_dir: Path, started: float) 
                     for s in r.stages
                 ],
                 # every transfer of the request, CFG companions' KV included (their purpose)
+                # seconds: the transfer (the receiver's gets; KV: its wait); waited_s: the
+                # receiver's whole wait; ready_at: time.time() when it held the payload
                 "transfers": [
                     {
                         "from_stage": a,
                         "to_stage": b,
                         "what": what,
                         "purpose": purpose,
-                        "bytes": nbytes,
-                        "seconds": round(secs, 6),
+                        "bytes": t.nbytes,
+                        "seconds": round(t.seconds, 6),
+                        "waited_s": round(t.waited_s, 6),
+                        "ready_at": t.ready_at or None,
                     }
-                    for (a, b, what, purpose), (nbytes, secs) in sorted(r.edge_totals().items())
+                    for (a, b, what, purpose), t in sorted(r.edge_stats().items())
                 ],
             }
         )

@@ -7,6 +7,11 @@ requests submitted with ``stream`` by engines that can report partial output), `
 ``step`` has work (the loop then polls its socket without sleeping), ``abort`` drops
 requests, ``close`` releases everything. ``step`` must not block for long: slow work
 (KV receives, denoising) runs on the engine's own worker thread.
+
+An engine whose background work completes while ``busy`` says no (a payload received on a
+thread) offers a :class:`Waker` (``waker()``): the loop sleeps on it together with its
+socket, so that work is picked up when it completes, neither up to a poll interval later
+nor by spinning on ``busy`` meanwhile.
 """
 
 from __future__ import annotations
@@ -24,12 +29,52 @@ from vllm_kvbridge.errors import RequestCancelled
 from vllm_kvbridge.pipeline import messages as m
 
 
+class Waker:
+    """A descriptor that background threads make readable (:meth:`ring`, thread-safe) to wake
+    the serve loop polling it; the loop calls :meth:`clear` when it woke."""
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        self._closed = False
+
+    def fileno(self) -> int:
+        return self._r
+
+    def ring(self) -> None:
+        if self._closed:
+            return  # the descriptors may name another file by now
+        try:
+            os.write(self._w, b"\0")
+        except OSError:
+            pass  # full (a wake is pending) or closed
+
+    def clear(self) -> None:
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            os.close(self._r)
+            os.close(self._w)
+
+
 class StageEngine(ABC):
     def __init__(self, stage: ResolvedStage) -> None:
         self.stage = stage
 
     def info(self) -> dict[str, Any]:
         return {"kind": self.stage.kind}
+
+    def waker(self) -> Waker | None:
+        """What wakes the serve loop when background work completes (see the module
+        docstring); None: ``busy`` reports all the work there is."""
+        return None
 
     @abstractmethod
     def submit(self, msg: m.Submit) -> None: ...

@@ -44,12 +44,14 @@ from vllm_kvbridge.errors import RequestRejected
 from vllm_kvbridge.models.builtin import builtin_model
 from vllm_kvbridge.pipeline import messages as m
 from vllm_kvbridge.pipeline.cfg import CompanionGroups
-from vllm_kvbridge.pipeline.engines import ExpiringIds, StageEngine, producer_lost_failure
+from vllm_kvbridge.pipeline.engines import ExpiringIds, StageEngine, Waker, producer_lost_failure
 from vllm_kvbridge.runner.conditioning import CONDITION_OPTION
 from vllm_kvbridge.runner.conditioning_scheduler import ERROR_KEY
+from vllm_kvbridge.runner.doorbell import BELL_KEY, BellListener
 from vllm_kvbridge.runner.settings import RunnerSettings
 
-#: Seconds between two transfer-status RPCs while requests wait for their sends.
+#: Seconds between two transfer-status RPCs while requests wait for their sends (a payload
+#: put of this stage landing ends the wait at once: its sender's doorbell).
 STATUS_POLL_S = 0.005
 #: How long a finished request whose KV send vLLM reported owed may wait for a worker to
 #: start it (it starts in the next engine step) before the request fails.
@@ -134,11 +136,16 @@ class LLMStageEngine(StageEngine):
                 stall_timeout_s=float(stage.payload.get("stall_timeout", 30.0)),
                 close_connector=True,
             )
+        #: rung when a payload wait completes: the serve loop sleeps until then (not spinning)
+        self._waker: Waker | None = None
         if self._receivers:
             self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvbridge-payload-wait")
+            self._waker = Waker()
         #: request id -> time.time() of its first token (popped when it is reported)
         self._first_token: dict[str, float] = {}
-        self._inputs: dict[str, tuple[Future, Any, float]] = {}
+        self._inputs: dict[str, tuple[Future, Any]] = {}  # rid -> (payload wait, sampling params)
+        #: request id -> (payload bytes, ReceiveTiming) of its received payload, until reported
+        self._recv_stats: dict[str, tuple[int, Any]] = {}
         self._input_of: dict[str, tuple[int, str]] = {}  # rid -> (producer, transfer id)
         self._started: dict[str, float] = {}
         self._awaiting: dict[str, Any] = {}  # finished in vLLM, sends still in flight
@@ -150,6 +157,20 @@ class LLMStageEngine(StageEngine):
         #: whether this stage sends KV (aborted and failed requests' KV is withdrawn)
         kv_transfer = self.settings.get("kv_transfer") or {}
         self._sends_kv = bool(self.moves_data and self.stage.outputs and kv_transfer.get("need_send_cache"))
+        #: the doorbells of this stage's own payload senders: a finished request's last put
+        #: rings one, so its StageDone (for a full payload, the consumer's start) waits for
+        #: no status poll interval
+        self._sent_bells: BellListener | None = None
+        if any(e.payload_mode != "none" for e in stage.outputs):
+            bells = [
+                v.get(BELL_KEY)
+                for v in _payload_meta(self.llm.collective_rpc("kvbridge_sender_info")).values()
+            ]
+            if any(isinstance(b, str) for b in bells):
+                self._sent_bells = BellListener()
+                for bell in bells:
+                    if isinstance(bell, str):
+                        self._sent_bells.subscribe(bell)
 
     def info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"kind": self.stage.kind, "model": self.stage.model, "pid_engine": None}
@@ -230,9 +251,10 @@ class LLMStageEngine(StageEngine):
             receiver = self._receivers[up.from_stage]
             meta = (up.sender_info.get("payload") or {}).get(str(self.stage.stage_id)) or None
             receiver.expect(up.transfer_request_id, metadata=meta)
-            assert self._pool is not None
-            fut = self._pool.submit(receiver.result, up.transfer_request_id)
-            self._inputs[msg.request_id] = (fut, params, time.perf_counter())
+            assert self._pool is not None and self._waker is not None
+            fut = self._pool.submit(receiver.result_timed, up.transfer_request_id)
+            fut.add_done_callback(lambda _: self._waker.ring())
+            self._inputs[msg.request_id] = (fut, params)
             self._input_of[msg.request_id] = (up.from_stage, up.transfer_request_id)
             return
         if msg.prompt is None:
@@ -269,6 +291,7 @@ class LLMStageEngine(StageEngine):
             self._awaiting.pop(rid, None)
             self._streamed.pop(rid, None)
             self._first_token.pop(rid, None)
+            self._recv_stats.pop(rid, None)
         self.engine.abort_request(list(request_ids))
         # Nobody downstream will consume their KV, whether it is out already (sent, maybe
         # reported in a StageDone this Abort crossed), being sent, or owed by a request
@@ -307,27 +330,33 @@ class LLMStageEngine(StageEngine):
                 total[name] = total.get(name, 0.0) + value
         return total
 
+    def waker(self) -> Waker | None:
+        return self._waker
+
     def busy(self) -> bool:
-        return bool(self._inputs or self._awaiting) or self.engine.has_unfinished_requests()
+        # A payload still on its way is no work: counting it made the serve loop spin (a
+        # core taken from the producer for as long as it generated; its arrival rings the
+        # waker instead).
+        return (
+            bool(self._awaiting)
+            or any(fut.done() for fut, _ in self._inputs.values())
+            or self.engine.has_unfinished_requests()
+        )
 
     # -- progress --------------------------------------------------------------------------
     def _start_from_payload(self, out: list[m.StageDone | m.StageProgress | m.RequestFailed]) -> None:
-        for rid, (fut, params, t0) in list(self._inputs.items()):
+        for rid, (fut, params) in list(self._inputs.items()):
             if not fut.done():
                 continue
             del self._inputs[rid]
             self._input_of.pop(rid, None)
             try:
-                payload = fut.result()
+                payload, timing = fut.result()
                 embeds = payload["hidden_states"]
                 if self.dump_dir is not None:
                     self._dump(rid, payload)
                 self.engine.add_request(rid, {"prompt_embeds": embeds}, params)
-                self._recv_stats = getattr(self, "_recv_stats", {})
-                self._recv_stats[rid] = (
-                    int(embeds.numel() * embeds.element_size()),
-                    time.perf_counter() - t0,
-                )
+                self._recv_stats[rid] = (int(embeds.numel() * embeds.element_size()), timing)
             except Exception as exc:
                 self._streamed.pop(rid, None)
                 out.append(m.RequestFailed(rid, self.stage.stage_id, f"{type(exc).__name__}: {exc}"))
@@ -378,7 +407,7 @@ class LLMStageEngine(StageEngine):
         return out
 
     def _forget(self, rid: str) -> None:
-        for table in (self._started, self._streamed, self._first_token):
+        for table in (self._started, self._streamed, self._first_token, self._recv_stats):
             table.pop(rid, None)
 
     def _progress(self, o: Any, out: list[m.StageDone | m.StageProgress | m.RequestFailed]) -> None:
@@ -438,7 +467,10 @@ class LLMStageEngine(StageEngine):
                 ):
                     ready.append(rid)
             if not ready:
-                time.sleep(STATUS_POLL_S)
+                if self._sent_bells is not None:
+                    self._sent_bells.wait(STATUS_POLL_S)
+                else:
+                    time.sleep(STATUS_POLL_S)
                 return
             infos = self.llm.collective_rpc("kvbridge_sender_info", args=(ready,))
         else:
@@ -460,11 +492,21 @@ class LLMStageEngine(StageEngine):
                 if payload_meta:
                     sender_info["payload"] = payload_meta
             transfers = []
-            stats = getattr(self, "_recv_stats", {}).pop(rid, None)
+            stats = self._recv_stats.pop(rid, None)
             if stats is not None:
                 up = next(e.from_stage for e in self.stage.inputs if e.payload_mode != "none")
+                nbytes, timing = stats
                 transfers.append(
-                    m.TransferStat(up, self.stage.stage_id, "payload", stats[0], stats[1], "receiver")
+                    m.TransferStat(
+                        up,
+                        self.stage.stage_id,
+                        "payload",
+                        nbytes,
+                        timing.get_s,
+                        "receiver",
+                        waited_s=timing.waited_s,
+                        ready_at=timing.ready_at,
+                    )
                 )
             done = m.StageDone(
                 rid,
@@ -533,6 +575,10 @@ class LLMStageEngine(StageEngine):
             receiver.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._waker is not None:
+            self._waker.close()
+        if self._sent_bells is not None:
+            self._sent_bells.close()
         try:
             self.engine.engine_core.shutdown()
         except Exception:

@@ -90,7 +90,13 @@ class ProducerLost(_Msg, tag="producer_lost"):
 
 
 class TransferStat(msgspec.Struct, forbid_unknown_fields=True):
-    """Bytes and seconds of one transfer as one end of the edge measured it."""
+    """Bytes and seconds of one transfer as one end of the edge measured it.
+
+    For payloads (``payload``, ``chunks``) ``seconds`` is the transfer itself: the
+    receiver's connector gets that returned data (reading and decoding every piece), and
+    ``waited_s`` the whole wait, from the receiver starting to expect the payload to its
+    last piece, which for a stream includes the producer generating it. For KV (``kv``)
+    ``seconds`` is the receiver's wait for it (``waited_s`` is not set)."""
 
     from_stage: int
     to_stage: int
@@ -100,6 +106,9 @@ class TransferStat(msgspec.Struct, forbid_unknown_fields=True):
     side: str  # "sender" | "receiver"
     #: Which KV of the request: ``"kv"`` (the primary) or a CFG companion's purpose.
     purpose: str = "kv"
+    waited_s: float = 0.0
+    #: time.time() when the receiver held the whole payload (0: not measured)
+    ready_at: float = 0.0
 
 
 class Tensor(msgspec.Struct, forbid_unknown_fields=True):

@@ -82,12 +82,29 @@ class RequestResult:
     #: The stage whose loss (crash, stall) failed it, when that is why it failed.
     lost_stage: int | None = None
 
-    def edge_totals(self) -> dict[tuple[int, int, str, str], tuple[int, float]]:
-        """(from, to, what, purpose) -> (bytes, seconds), measured on the receiving side when
-        it reported; ``purpose`` is ``"kv"`` for the primary KV, else the CFG companion's."""
-        out: dict[tuple[int, int, str, str], tuple[int, float]] = {}
+    def edge_stats(self) -> dict[tuple[int, int, str, str], m.TransferStat]:
+        """(from, to, what, purpose) -> the transfer, as the receiving side measured it when it
+        reported; ``purpose`` is ``"kv"`` for the primary KV, else the CFG companion's."""
+        out: dict[tuple[int, int, str, str], m.TransferStat] = {}
         for side in ("sender", "receiver"):
             for t in self.transfers:
                 if t.side == side:
-                    out[(t.from_stage, t.to_stage, t.what, t.purpose)] = (t.nbytes, t.seconds)
+                    out[(t.from_stage, t.to_stage, t.what, t.purpose)] = t
         return out
+
+    def edge_totals(self) -> dict[tuple[int, int, str, str], tuple[int, float]]:
+        """(from, to, what, purpose) -> (bytes, seconds) of :meth:`edge_stats`."""
+        return {key: (t.nbytes, t.seconds) for key, t in self.edge_stats().items()}
+
+    def handoff_s(self, from_stage: int, to_stage: int) -> float | None:
+        """Seconds from ``from_stage``'s last token to ``to_stage`` holding its whole payload
+        (the stage-to-stage handoff; one clock for the stages of a host); None when unknown."""
+        producer = next((s for s in self.stages if s.stage_id == from_stage), None)
+        ready = [
+            t.ready_at
+            for t in self.transfers
+            if (t.from_stage, t.to_stage) == (from_stage, to_stage) and t.ready_at > 0
+        ]
+        if producer is None or not producer.last_token_at or not ready:
+            return None
+        return max(ready) - producer.last_token_at

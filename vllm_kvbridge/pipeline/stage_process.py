@@ -36,7 +36,8 @@ from vllm_kvbridge.errors import RequestRejected
 from vllm_kvbridge.pipeline import messages as m
 from vllm_kvbridge.pipeline.engines import StageEngine, build_engine
 
-#: How long the serve loop sleeps in poll when the engine has nothing to do (seconds).
+#: How long the serve loop sleeps in poll when the engine has nothing to do (seconds); an
+#: engine's waker (``StageEngine.waker``) or a message ends the sleep at once.
 IDLE_POLL_S = 0.02
 #: How often a stage looks at its connectors' counters (and reports them when they changed).
 STATS_S = 2.0
@@ -116,6 +117,11 @@ def serve(stage: ResolvedStage, address: str, heartbeat_s: float = 1.0) -> int:
             )
             return 1
         sock.send(m.encode(m.Ready(stage.stage_id, os.getpid(), engine.info())))
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        waker = engine.waker()
+        if waker is not None:
+            poller.register(waker.fileno(), zmq.POLLIN)
         counters: dict[str, float] = {}
         next_stats = time.monotonic() + STATS_S
         while True:
@@ -126,7 +132,10 @@ def serve(stage: ResolvedStage, address: str, heartbeat_s: float = 1.0) -> int:
                     counters = now
                     sock.send(m.encode(m.StageStats(stage.stage_id, os.getpid(), counters)))
             busy = engine.busy()
-            if sock.poll(0 if busy else int(IDLE_POLL_S * 1000)):
+            events = dict(poller.poll(0 if busy else int(IDLE_POLL_S * 1000)))
+            if waker is not None and waker.fileno() in events:
+                waker.clear()  # background work completed: busy() says so now
+            if sock in events:
                 msg = m.decode_to_stage(sock.recv())
                 if isinstance(msg, m.Shutdown):
                     return 0

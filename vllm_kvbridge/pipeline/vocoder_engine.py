@@ -136,13 +136,17 @@ class VocoderStageEngine(StageEngine):
 
         audio = torch.cat(stream.pieces) if stream.pieces else torch.zeros(0)
         finished = time.time()
+        receive = stream.receive
+        # seconds: the gets themselves; the wait for the producer's stream goes to waited_s
         transfer = m.TransferStat(
             stream.from_stage,
             self.stage.stage_id,
             "chunks",
             stream.nbytes,
-            finished - stream.started,
+            receive.get_s if receive is not None else finished - stream.started,
             "receiver",
+            waited_s=receive.waited_s if receive is not None else 0.0,
+            ready_at=receive.ready_at if receive is not None else 0.0,
         )
         return m.StageDone(
             msg.request_id,

@@ -3,10 +3,17 @@
 The wire form (envelopes), the merge rule and the ordering contract it keeps are those of
 :mod:`vllm_kvbridge.runner.payload_stream`; the sender is
 :class:`~vllm_kvbridge.runner.payload_stream.PayloadSender`.
+
+Waking: the thread tries each stream's next key and, when nothing came, sleeps (1 ms,
+doubling up to ``max_poll_interval_s``). A stream whose metadata names the sender's
+doorbell (``metadata["bell"]``, :mod:`vllm_kvbridge.runner.doorbell`) also ends that sleep
+the moment a put of its lands, so a payload is seen on arrival, not up to one poll interval
+later; the timer stays as the fallback (a lost ring, a sender on another host).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -17,6 +24,7 @@ from typing import Any
 from vllm_kvbridge.connectors.base import Connector
 from vllm_kvbridge.connectors.keys import payload_key
 from vllm_kvbridge.errors import ConfigError, KVBridgeError, TransferCorrupt, TransferError, TransferTimeout
+from vllm_kvbridge.runner.doorbell import BELL_KEY, BellListener
 from vllm_kvbridge.runner.payload_stream import ABORT, CHUNK, PayloadAborted, merge_payloads, open_envelope
 
 logger = logging.getLogger(__name__)
@@ -33,6 +41,27 @@ class _Stream:
     state: str = "receiving"  # receiving | done | failed | cancelled
     error: BaseException | None = None
     on_chunk: Callable[[str, int, dict[str, Any]], None] | None = None
+    timing: ReceiveTiming = field(default_factory=lambda: ReceiveTiming(time.perf_counter()))
+
+
+@dataclass
+class ReceiveTiming:
+    """Where a request's receive time went (``time.perf_counter`` seconds).
+
+    ``get_s`` is the transfer itself: the time spent in the connector's gets that returned
+    data (reading and decoding every piece). ``waited_s`` is from :meth:`PayloadReceiver.expect`
+    to the last piece: for a stream it includes the producer generating it. ``ready_at``
+    is ``time.time()`` when the payload was complete (one clock for the processes of a host).
+    """
+
+    expected: float
+    get_s: float = 0.0
+    done: float = 0.0
+    ready_at: float = 0.0
+
+    @property
+    def waited_s(self) -> float:
+        return max(0.0, self.done - self.expected) if self.done else 0.0
 
 
 class PayloadReceiver:
@@ -80,7 +109,7 @@ class PayloadReceiver:
         self._streams: dict[str, _Stream] = {}
         self._sender_info: dict[str, Any] | None = None
         self._closed = False
-        self._wake = threading.Event()
+        self._bells = BellListener()
         self._thread = threading.Thread(
             target=self._loop, name=f"kvbridge-payload-recv-{from_stage}", daemon=True
         )
@@ -121,7 +150,7 @@ class PayloadReceiver:
                 time.monotonic() + self.recv_timeout_s,
                 on_chunk=on_chunk,
             )
-        self._wake.set()
+        self._bells.wake()
 
     def pending(self) -> set[str]:
         with self._lock:
@@ -134,6 +163,12 @@ class PayloadReceiver:
         with self._lock:
             stream = self._streams.get(request_id)
             return None if stream is None else (stream.state, stream.error)
+
+    def timing(self, request_id: str) -> ReceiveTiming | None:
+        """The :class:`ReceiveTiming` of an expected request so far (a copy); None when not expected."""
+        with self._lock:
+            stream = self._streams.get(request_id)
+            return None if stream is None else dataclasses.replace(stream.timing)
 
     def _finish(self, stream: _Stream, state: str, error: BaseException | None = None) -> None:
         # Called with the lock held.
@@ -180,10 +215,16 @@ class PayloadReceiver:
 
     def result(self, request_id: str, timeout: float | None = None) -> dict[str, Any]:
         """Wait for the request; return its payload (chunks merged) or raise its error. Forgets it."""
+        return self.result_timed(request_id, timeout)[0]
+
+    def result_timed(
+        self, request_id: str, timeout: float | None = None
+    ) -> tuple[dict[str, Any], ReceiveTiming]:
+        """:meth:`result` with the request's :class:`ReceiveTiming`."""
         stream = self._take(request_id, timeout)
         if stream.error is not None:
             raise stream.error
-        return merge_payloads(stream.chunks, self.replace_keys)
+        return merge_payloads(stream.chunks, self.replace_keys), stream.timing
 
     def iter_chunks(self, request_id: str, timeout: float | None = None) -> Iterator[dict[str, Any]]:
         """Yield the request's chunks in order as they arrive; raises its error; forgets it at the end."""
@@ -211,7 +252,10 @@ class PayloadReceiver:
         chunk = stream.next_chunk if stream.chunked else None
         key = self.key(stream.request_id, chunk)
         try:
+            start = time.perf_counter()
             got = self.connector.get(self.from_stage, self.to_stage, key, stream.metadata)
+            if got is not None:
+                stream.timing.get_s += time.perf_counter() - start
             if got is None:
                 if now > stream.deadline:
                     what = f"chunk {chunk}" if stream.chunked else "payload"
@@ -252,32 +296,65 @@ class PayloadReceiver:
             stream.next_chunk += 1
             stream.deadline = time.monotonic() + self.stall_timeout_s
             if final or not stream.chunked:
+                stream.timing.done, stream.timing.ready_at = time.perf_counter(), time.time()
                 self._finish(stream, "done")
             else:
                 self._cond.notify_all()
         return True
 
+    def _drain(self, stream: _Stream, now: float) -> bool:
+        """Get what is there for ``stream``, up to 64 pieces (so one request cannot starve
+        the others); True when something arrived."""
+        progressed = False
+        for _ in range(64):
+            if not self._poll_one(stream, now) or stream.state != "receiving":
+                break
+            progressed = True
+        return progressed
+
     def _loop(self) -> None:
+        try:
+            self._run_loop()
+        finally:
+            self._bells.close()
+
+    def _run_loop(self) -> None:
         interval = self.poll_interval_s
+        next_full = 0.0  # when every stream is tried again (the timer: the fallback)
+        rung: list[str] = []
         while True:
             with self._lock:
                 if self._closed:
                     return
                 active = [s for s in self._streams.values() if s.state == "receiving"]
-            progressed = False
-            now = time.monotonic()
             for stream in active:
-                # Drain a stream while chunks are there, so one request cannot starve.
-                for _ in range(64):
-                    if not self._poll_one(stream, now) or stream.state != "receiving":
-                        break
-                    progressed = True
-            if progressed:
-                interval = self.poll_interval_s
+                bell = (stream.metadata or {}).get(BELL_KEY)
+                if isinstance(bell, str):
+                    self._bells.subscribe(bell)
+            now = time.monotonic()
+            full = now >= next_full
+            if full:
+                targets = active
+            else:
+                # A bell rang: try only the streams whose next key it named (with a remote
+                # connector every try is a round trip to the sender).
+                keys = set(rung)
+                targets = [
+                    s for s in active if self.key(s.request_id, s.next_chunk if s.chunked else None) in keys
+                ]
+            progressed = False
+            for stream in targets:
+                progressed = self._drain(stream, now) or progressed
+            if progressed:  # more may be there: try every stream again at once
+                interval, next_full, rung = self.poll_interval_s, 0.0, []
                 continue
-            self._wake.wait(interval if active else 0.1)
-            self._wake.clear()
-            interval = min(interval * 2, self.max_poll_interval_s)
+            if full:
+                next_full = now + interval
+                interval = min(interval * 2, self.max_poll_interval_s)
+            timeout = max(0.0, next_full - time.monotonic()) if active else 0.1
+            kicked, rung = self._bells.wait(timeout)
+            if kicked:  # a stream was added (its payload may be there already) or closing
+                next_full = 0.0
 
     def threads_alive(self) -> int:
         return int(self._thread.is_alive())
@@ -293,7 +370,7 @@ class PayloadReceiver:
                     stream, "cancelled", TransferError(f"request {stream.request_id!r}: receiver closed")
                 )
             self._streams.clear()
-        self._wake.set()
+        self._bells.wake()
         self._thread.join(timeout)
         if self._close_connector:
             self.connector.close()

@@ -56,6 +56,7 @@ from vllm_kvbridge.errors import (
     TransferCorrupt,
     TransferError,
 )
+from vllm_kvbridge.runner.doorbell import BELL_KEY, Bell
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +180,10 @@ class PayloadSender:
 
     ``status(request_id)`` is ``"pending"`` while puts are queued or running, then ``"done"``
     once the final put landed, or ``"failed: <reason>"``; :meth:`forget` drops it.
+
+    Every put that landed rings the sender's doorbell (:mod:`vllm_kvbridge.runner.doorbell`,
+    ``bell=False``: none), so receivers that know it (:meth:`receiver_info`, the sender info
+    a pipeline forwards) wake on the arrival instead of their next poll.
     """
 
     def __init__(
@@ -194,6 +199,7 @@ class PayloadSender:
         max_backoff_s: float = 1.0,
         send_timeout_s: float = 60.0,
         workers: int = SEND_WORKERS,
+        bell: bool = True,
     ) -> None:
         if workers < 1:
             raise ConfigError(f"payload sender needs at least one worker, got {workers}")
@@ -213,6 +219,7 @@ class PayloadSender:
         self._next_chunk: dict[str, int] = {}
         self._closed = False
         self.last_metadata: dict[str, Any] = {}
+        self._bell = Bell() if bell else None
         self._threads = [
             threading.Thread(target=self._loop, name=f"kvbridge-payload-send-{to_stage}-{i}", daemon=True)
             for i in range(workers)
@@ -229,6 +236,15 @@ class PayloadSender:
             from_rank=self.from_rank,
             to_rank=self.to_rank,
         )
+
+    def receiver_info(self) -> dict[str, Any]:
+        """What a receiver needs from this sender: the connector's metadata (of the last put,
+        else what it says up front: a ZMQ endpoint) and the doorbell's endpoint."""
+        info = dict(self.last_metadata or self.connector.receiver_metadata())
+        endpoint = self._bell.endpoint() if self._bell is not None else None
+        if endpoint is not None:
+            info[BELL_KEY] = endpoint
+        return info
 
     def _enqueue(self, job: _PutJob, final: bool) -> None:
         with self._lock:
@@ -366,6 +382,10 @@ class PayloadSender:
                 self._status[job.request_id] = f"failed: {job.envelope[ENVELOPE_KEY]['error']}"
             elif final and not self._status[job.request_id].startswith("failed"):
                 self._status[job.request_id] = "done"
+        if error is None and self._bell is not None:
+            # After the status: whoever the ring wakes (a receiver, or this stage asking
+            # whether its sends are done) finds the put landed and recorded.
+            self._bell.ring(job.key)
         if abort_after:
             # Best effort: tell the receiver now instead of letting it stall.
             chunk = job.envelope[ENVELOPE_KEY]["chunk"]
@@ -392,6 +412,8 @@ class PayloadSender:
         alive = sum(t.is_alive() for t in self._threads)
         if alive:
             logger.warning("%d payload sender threads did not stop within %.1f s", alive, timeout)
+        if self._bell is not None:
+            self._bell.close()  # a put still running rings nothing (ring never raises)
 
 
 # -- TP fan-out --------------------------------------------------------------------------------

@@ -260,10 +260,9 @@ class _PayloadTransportMixin(_ConnectorRuntimeMixin):
         with self._kvb.lock:
             senders = dict(self._kvb_payload.senders)
         # Before a sender's first put, what its connector can say up front (a ZMQ endpoint):
-        # async-chunk consumers start receiving before the producer put anything.
-        info["payload"] = {
-            peer: dict(s.last_metadata or s.connector.receiver_metadata()) for peer, s in senders.items()
-        }
+        # async-chunk consumers start receiving before the producer put anything. With it,
+        # the sender's doorbell, which wakes them when a payload lands.
+        info["payload"] = {peer: s.receiver_info() for peer, s in senders.items()}
         return info
 
     # -- receiver side -----------------------------------------------------------------------

@@ -32,6 +32,7 @@ import torch
 from vllm_kvbridge.errors import TransferCorrupt
 from vllm_kvbridge.runner.diffusion_runner import build_module
 from vllm_kvbridge.runner.mixin import KVBridgeModelRunnerMixin
+from vllm_kvbridge.runner.payload_receiver import ReceiveTiming
 
 #: What the stage needs of its module (see models/tiny_vocoder.py).
 MODULE_CONTRACT = ("sample_rate", "hop_length", "init_state", "forward_chunk")
@@ -54,6 +55,8 @@ class VocoderStream:
     nbytes: int = 0  # payload bytes received
     first_at: float = 0.0  # time.time() of the first and last samples made
     last_at: float = 0.0
+    #: the receiver's timing of the stream (set by :meth:`VocoderRunner.forget`)
+    receive: ReceiveTiming | None = None
 
 
 @dataclass
@@ -179,6 +182,8 @@ class VocoderRunner(KVBridgeModelRunnerMixin):
         """``request_id`` ended (done, failed, aborted): stop its receive, drop its state."""
         with self._lock:
             stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.receive = self._receiver.timing(request_id)
         self._receiver.cancel(request_id)
         return stream
 
