@@ -308,3 +308,83 @@ def test_a_run_binding_zmq_beyond_loopback_gets_curve_and_refuses_peers_without_
     monkeypatch.delenv(var)
     with pytest.raises(ConfigError, match=f"{var} is not set"):
         create_connector("zmq", edge_config)
+
+
+# -- long-poll: a get with a deadline is answered when the put lands ----------------------------
+def _count_requests(receiver, monkeypatch) -> list[float]:
+    """Record each GET the receiver sends (its ``hold``)."""
+    sent: list[float] = []
+    request = receiver._request
+
+    def counting(sock, k, wait_until, hold=0.0):
+        sent.append(hold)
+        return request(sock, k, wait_until, hold)
+
+    monkeypatch.setattr(receiver, "_request", counting)
+    return sent
+
+
+def _until(pred, what: str, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, f"{what} not within {timeout} s"
+        time.sleep(0.005)
+
+
+def test_a_waiting_get_is_held_by_the_server_and_answered_by_the_put(monkeypatch):
+    import threading
+
+    from vllm_kvbridge.connectors import zmq_server
+
+    monkeypatch.setattr(zmq_server, "LONG_POLL_S", 600.0)  # no hold may run out in this test
+    with zmq_conn() as sender, zmq_conn() as receiver:
+        sent = _count_requests(receiver, monkeypatch)
+        got: list = []
+        t = threading.Thread(
+            target=lambda: got.append(
+                receiver.get(0, 1, key(), sender.receiver_metadata(), deadline=deadline(60))
+            )
+        )
+        t.start()
+        _until(lambda: sender.health()["held_gets"] == 1, "the server holding the get")
+        assert sender.put(0, 1, key(), make_payload(3)).ok
+        t.join(60)
+        assert not t.is_alive() and same(got[0], make_payload(3))
+        # One request: the server answered it when the put landed (no retry found it).
+        assert len(sent) == 1 and sent[0] > 1.0
+        assert sender.health()["held_gets"] == 0 and sender.health()["held_payloads"] == 0
+
+
+def test_a_held_get_ends_missing_before_its_deadline_and_keeps_its_socket(monkeypatch):
+    with zmq_conn() as sender, zmq_conn() as receiver:
+        sent = _count_requests(receiver, monkeypatch)
+        with pytest.raises(TransferTimeout, match="not available"):
+            receiver.get(0, 1, key(), sender.receiver_metadata(), deadline=deadline(0.5))
+        # Held, answered "missing" just before the deadline (then at most a few quick
+        # tries in the last 10 ms; retrying alone makes ~30 in 0.5 s), and the socket went
+        # back to the pool (a get that heard no answer closes its socket).
+        assert sent[0] > 0.4 and len(sent) <= 6
+        assert sum(len(s) for s in receiver._idle.values()) == 1
+        assert sender.health()["held_gets"] == 0
+
+
+def test_a_server_holding_too_many_gets_answers_at_once_and_the_get_retries(monkeypatch):
+    from vllm_kvbridge.connectors import zmq_server
+
+    monkeypatch.setattr(zmq_server, "MAX_WAITERS", 0)
+    with zmq_conn() as sender, zmq_conn() as receiver:
+        sent = _count_requests(receiver, monkeypatch)
+        import threading
+
+        got: list = []
+        t = threading.Thread(
+            target=lambda: got.append(
+                receiver.get(0, 1, key(), sender.receiver_metadata(), deadline=deadline(60))
+            )
+        )
+        t.start()
+        _until(lambda: len(sent) >= 3, "the receiver retrying")  # answered at once: it backs off
+        assert sender.health()["held_gets"] == 0
+        assert sender.put(0, 1, key(), make_payload(4)).ok
+        t.join(60)
+        assert not t.is_alive() and same(got[0], make_payload(4))

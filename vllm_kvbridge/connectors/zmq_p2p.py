@@ -3,7 +3,8 @@
 Sender: :meth:`ZmqConnector.put` encodes the payload (:func:`vllm_kvbridge.wire.encode`;
 tensors are referenced, not copied) and keeps the frames in memory under ``key``. A
 background thread owns a ROUTER socket bound to ``host``/``port`` (port 0: ephemeral) and
-answers requests; the address is in ``PutResult.metadata["endpoint"]``. Frames are sent
+answers requests (that half: :mod:`~vllm_kvbridge.connectors.zmq_server`); the address
+is in ``PutResult.metadata["endpoint"]``. Frames are sent
 with ``copy=False``. Unclaimed payloads are dropped after ``ttl_s``, or ``lease_s`` after a
 receiver's last ``RENEW``; the bytes held at once are bounded by ``max_inflight_bytes``
 (a put over it is refused with ``PutResult.full``: the sender waits for room).
@@ -11,8 +12,13 @@ receiver's last ``RENEW``; the bytes held at once are bounded by ``max_inflight_
 Receiver: :meth:`ZmqConnector.get` sends ``GET`` over a DEALER socket connected to the
 endpoint (sockets are pooled per endpoint; a socket is used by one thread at a time),
 receives the reply with ``copy=False`` and decodes it in place
-(:func:`vllm_kvbridge.wire.decode_frames`). "Not there yet" is a cheap immediate
-``MISSING`` answer; the receiver retries with backoff until its deadline.
+(:func:`vllm_kvbridge.wire.decode_frames`). A get without a deadline asks once: "not there
+yet" is an immediate ``MISSING``. A get with a deadline *long-polls*: its GET asks the server
+to hold it up to the time left (at most ``LONG_POLL_S`` per request), and the server answers
+it the moment a put of that key lands, so the payload is seen on arrival rather than at the
+next retry (the old 1-20 ms backoff made a 1 KB handoff take ~8 ms p50 where the transport
+takes ~0.2 ms). A server holding ``MAX_WAITERS`` requests answers ``MISSING`` at once and
+that receiver falls back to retrying with backoff.
 
 Delivery: a get's deadline bounds *availability*, never a transfer in progress. The server
 answers a GET for a held key with a small ``OK`` header first and the data in a second
@@ -26,7 +32,7 @@ pooled, so no stale reply can be mistaken for the answer to a later request.
 
 Wire protocol (multipart messages; ``nonce`` pairs a reply with its request)::
 
-    request  [b"GET", nonce(8), key, max_bytes(u64 le)]
+    request  [b"GET", nonce(8), key, max_bytes(u64 le)(, hold_ms(u64 le))]
     replies  [nonce, b"OK", sizes(u64 le * n)] then [nonce, b"DATA", frame_1 .. frame_n]
              [nonce, b"MISSING"] | [nonce, b"TOOBIG", size(u64 le)] | [nonce, b"BAD"]
     confirm  [b"ACK", nonce(8), key]  ->  [nonce, b"ACKED"]
@@ -61,15 +67,14 @@ unconfirmed payload is held), ``lease_s`` (``DEFAULT_LEASE_S``: how long one ren
 from __future__ import annotations
 
 import socket as pysocket
-import struct
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
+from vllm_kvbridge.connectors import zmq_server
 from vllm_kvbridge.connectors.base import (
     DEFAULT_LEASE_S,
     Connector,
@@ -79,6 +84,18 @@ from vllm_kvbridge.connectors.base import (
     offset_port,
 )
 from vllm_kvbridge.connectors.zmq_curve import CurveKeys
+from vllm_kvbridge.connectors.zmq_server import (
+    ACK,
+    DATA,
+    GET,
+    MISSING,
+    OK,
+    RENEW,
+    TOOBIG,
+    U64,
+    PayloadStore,
+    ZmqServer,
+)
 from vllm_kvbridge.errors import (
     ConfigError,
     ConnectorClosed,
@@ -89,18 +106,10 @@ from vllm_kvbridge.errors import (
     TransferTimeout,
 )
 
-_U64 = struct.Struct("<Q")
-_GET, _OK, _DATA, _MISSING, _TOOBIG, _BAD = b"GET", b"OK", b"DATA", b"MISSING", b"TOOBIG", b"BAD"
-_ACK, _ACKED, _RENEW = b"ACK", b"ACKED", b"RENEW"
 _MAX_IDLE_SOCKETS = 8
-
-
-@dataclass
-class _Entry:
-    frames: list[Any]
-    sizes: bytes
-    nbytes: int
-    expires: float
+#: How much earlier than the receiver's deadline the server gives up a held GET, so its
+#: MISSING arrives before the receiver stops listening (a late answer closes the socket).
+_HOLD_MARGIN_S = 0.01
 
 
 class ZmqConnector(Connector):
@@ -131,16 +140,12 @@ class ZmqConnector(Connector):
         self._curve = CurveKeys.from_config(self.config)
 
         self._ctx = zmq.Context()
-        self._lock = threading.Lock()  # store, in-flight bytes, socket pool
-        self._store: dict[str, _Entry] = {}
-        self._inflight = 0
-        self._expired = 0  # payloads dropped unread (TTL or lease)
+        self._lock = threading.Lock()  # the server's start, the socket pool, nonces
+        self._store = PayloadStore(self.ttl_s, self.lease_s, self.max_inflight_bytes)
+        self._server = ZmqServer(self._ctx, self._store, sweep_every=max(0.01, min(self.ttl_s / 4, 1.0)))
         self._idle: dict[tuple[str, bytes | None], list[zmq.Socket]] = {}
         self._busy: set[zmq.Socket] = set()
         self._nonce = 0
-        self._server: threading.Thread | None = None
-        self._router: zmq.Socket | None = None
-        self._wake_send: zmq.Socket | None = None
         self._auth: Any = None
         self.endpoint: str | None = None
 
@@ -193,22 +198,14 @@ class ZmqConnector(Connector):
         if (refused := self._refuse_oversize(total)) is not None:
             return refused
         endpoint = self._ensure_server()
-        with self._lock:
-            self._check_open()
-            if key in self._store:
-                return self._put_failed(f"key {key!r} is already held for sending")
-            if total > self.max_inflight_bytes:  # would never fit: waiting cannot help
-                return self._put_failed(
-                    f"payload of {total} bytes exceeds max_inflight_bytes={self.max_inflight_bytes}"
-                )
-            if self._inflight + total > self.max_inflight_bytes:
-                return self._put_full(
-                    f"{self._inflight} bytes in flight + {total} exceeds "
-                    f"max_inflight_bytes={self.max_inflight_bytes}"
-                )
-            sizes_raw = b"".join(_U64.pack(n) for n in sizes)
-            self._store[key] = _Entry(frames, sizes_raw, total, time.monotonic() + self.ttl_s)
-            self._inflight += total
+        self._check_open()
+        refusal, why, awaited = self._store.add(key, frames, sizes)
+        if refusal == "full":
+            return self._put_full(why)
+        if refusal is not None:
+            return self._put_failed(why)
+        if awaited:
+            self._server.key_put()  # the server answers the GETs it holds for this key
         self.stats.add(puts=1, put_bytes=total, put_seconds=time.perf_counter() - start)
         metadata: dict[str, Any] = {"endpoint": endpoint, "lease_s": self.lease_s}
         if self._curve.public is not None:
@@ -233,93 +230,9 @@ class ZmqConnector(Connector):
             except zmq.ZMQError as exc:
                 router.close()
                 raise TransferRefused(f"cannot bind tcp://{self.host}:{self.port}: {exc}") from exc
-            wake_addr = f"inproc://kvbridge-wake-{id(self)}"
-            wake_recv = self._ctx.socket(zmq.PAIR)
-            wake_recv.bind(wake_addr)
-            self._wake_send = self._ctx.socket(zmq.PAIR)
-            self._wake_send.connect(wake_addr)
-            self._router = router
             self.endpoint = f"tcp://{self.advertise_host}:{port}"
-            self._server = threading.Thread(
-                target=self._serve, args=(router, wake_recv), name="kvbridge-zmq-server", daemon=True
-            )
-            self._server.start()
+            self._server.start(router)
             return self.endpoint
-
-    def _serve(self, router: zmq.Socket, wake: zmq.Socket) -> None:
-        """Server loop: owns ``router`` and ``wake`` until close()."""
-        poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
-        poller.register(wake, zmq.POLLIN)
-        sweep_every = max(0.01, min(self.ttl_s / 4, 1.0))
-        next_sweep = time.monotonic() + sweep_every
-        try:
-            while True:
-                timeout_ms = max(0, int((next_sweep - time.monotonic()) * 1000))
-                events = dict(poller.poll(timeout_ms))
-                if wake in events:
-                    return
-                if router in events:
-                    # Drain what is queued: one poll per burst of requests.
-                    while True:
-                        try:
-                            request = router.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._answer(router, request)
-                if time.monotonic() >= next_sweep:
-                    self._expire()
-                    next_sweep = time.monotonic() + sweep_every
-        except zmq.ContextTerminated:
-            pass
-        finally:
-            wake.close(linger=0)
-
-    def _answer(self, router: zmq.Socket, request: list[bytes]) -> None:
-        if len(request) == 4 and request[1] in (_ACK, _RENEW) and len(request[2]) == 8:
-            key = request[3].decode("ascii", "replace")
-            if request[1] == _ACK:
-                self._confirm(key)
-                router.send_multipart([request[0], request[2], _ACKED])
-                return
-            with self._lock:
-                entry = self._store.get(key)
-                if entry is not None:
-                    entry.expires = time.monotonic() + self.lease_s
-            router.send_multipart([request[0], request[2], _MISSING if entry is None else _OK])
-            return
-        if len(request) != 5 or request[1] != _GET or len(request[2]) != 8 or len(request[4]) != 8:
-            if len(request) >= 3:
-                router.send_multipart([request[0], request[2][:8], _BAD])
-            return
-        identity, _, nonce, key_raw, max_raw = request
-        limit = _U64.unpack(max_raw)[0]
-        key = key_raw.decode("ascii", "replace")
-        with self._lock:
-            entry = self._store.get(key)
-        if entry is None:
-            router.send_multipart([identity, nonce, _MISSING])
-        elif entry.nbytes > limit:
-            router.send_multipart([identity, nonce, _TOOBIG, _U64.pack(entry.nbytes)])
-        else:
-            # The entry stays until the receiver confirms (or its TTL): a receiver that
-            # gives up mid-transfer can ask again. copy=False: libzmq reads the tensors'
-            # memory directly and pyzmq keeps it alive even if the entry goes meanwhile.
-            router.send_multipart([identity, nonce, _OK, entry.sizes])
-            router.send_multipart([identity, nonce, _DATA, *entry.frames], copy=False)
-
-    def _confirm(self, key: str) -> None:
-        with self._lock:
-            entry = self._store.pop(key, None)
-            if entry is not None:
-                self._inflight -= entry.nbytes
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            for key in [k for k, e in self._store.items() if e.expires <= now]:
-                self._inflight -= self._store.pop(key).nbytes
-                self._expired += 1
 
     # -- receiver -----------------------------------------------------------------------
     def get(
@@ -333,8 +246,11 @@ class ZmqConnector(Connector):
     ) -> Any | None:
         """Pull ``key`` from the endpoint in ``metadata`` (or config ``endpoint``).
 
-        With a deadline, retries "missing" answers (1 ms backoff up to 20 ms) until it passes,
-        then raises :class:`TransferTimeout` (also when the peer never answers). Without a
+        With a deadline, long-polls: the sender's server holds the request until the key is
+        put (answering at once) or ``LONG_POLL_S`` passes, and the get asks again until the
+        deadline passes, then raises :class:`TransferTimeout` (also when the peer never
+        answers; a server holding too many requests answers at once and the get retries with
+        1-20 ms backoff). Without a
         deadline, one request: ``None`` if missing, :class:`TransferTimeout` if no answer
         within ``request_timeout_s``. :class:`TransferRefused` when the payload exceeds
         ``max_payload_bytes``; :class:`TransferCorrupt` when it does not decode.
@@ -386,7 +302,7 @@ class ZmqConnector(Connector):
             nonce = self._next_nonce()
             wait_until = time.monotonic() + self.request_timeout_s
             if self._poll(sock, zmq.POLLOUT, wait_until):
-                sock.send_multipart([_RENEW, nonce, key.encode("ascii")], zmq.NOBLOCK)
+                sock.send_multipart([RENEW, nonce, key.encode("ascii")], zmq.NOBLOCK)
                 answer = self._recv_reply(sock, nonce, wait_until)
         except zmq.ContextTerminated:
             raise ConnectorClosed(f"{self.name} closed during renew") from None
@@ -394,7 +310,7 @@ class ZmqConnector(Connector):
             self._checkin(endpoint, server_key, sock, answer is not None)
         if answer is None:
             raise TransferError(f"no answer from {endpoint} to the renewal of {key!r}")
-        return answer[1].bytes == _OK
+        return answer[1].bytes == OK
 
     def _pull(
         self, endpoint: str, server_key: bytes | None, key: str, deadline: float | None
@@ -404,21 +320,28 @@ class ZmqConnector(Connector):
         try:
             delay = 0.001
             while True:
-                wait_until = deadline if deadline is not None else time.monotonic() + self.request_timeout_s
-                status, frames = self._request(sock, key, wait_until)
-                if status == _OK:
+                asked = time.monotonic()
+                if deadline is None:
+                    hold, wait_until = 0.0, asked + self.request_timeout_s
+                else:
+                    hold, wait_until = (
+                        min(max(0.0, deadline - asked - _HOLD_MARGIN_S), zmq_server.LONG_POLL_S),
+                        deadline,
+                    )
+                status, frames = self._request(sock, key, wait_until, hold)
+                if status == OK:
                     healthy = True
                     return frames
                 if status is None:
                     raise TransferTimeout(f"no answer from {endpoint} for {key!r} before the deadline")
-                if status == _TOOBIG:
+                if status == TOOBIG:
                     healthy = True
-                    size = _U64.unpack(frames[0].bytes)[0] if frames and len(frames[0]) == 8 else -1
+                    size = U64.unpack(frames[0].bytes)[0] if frames and len(frames[0]) == 8 else -1
                     raise TransferRefused(
                         f"{key!r} at {endpoint} is {size} bytes, over "
                         f"max_payload_bytes={self.max_payload_bytes}"
                     )
-                if status != _MISSING:
+                if status != MISSING:
                     raise TransferError(f"{endpoint} answered {status!r} for {key!r}")
                 healthy = True
                 if deadline is None:
@@ -426,8 +349,11 @@ class ZmqConnector(Connector):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TransferTimeout(f"{key!r} was not available at {endpoint} before the deadline")
-                time.sleep(min(delay, left))
-                delay = min(delay * 2, 0.02)
+                if time.monotonic() - asked < hold / 2 or hold == 0:
+                    # Answered at once: not held (the server is at MAX_WAITERS), or the last
+                    # moments before the deadline (no time left to hold): back off.
+                    time.sleep(min(delay, left))
+                    delay = min(delay * 2, 0.02)
                 self._check_open()
                 healthy = False
         except zmq.ContextTerminated:
@@ -439,36 +365,41 @@ class ZmqConnector(Connector):
     def _next_nonce(self) -> bytes:
         with self._lock:
             self._nonce += 1
-            return _U64.pack(self._nonce)
+            return U64.pack(self._nonce)
 
-    def _request(self, sock: zmq.Socket, key: str, wait_until: float) -> tuple[bytes | None, list[zmq.Frame]]:
-        """One GET; ``(None, [])`` when no (complete) answer came in time.
+    def _request(
+        self, sock: zmq.Socket, key: str, wait_until: float, hold: float = 0.0
+    ) -> tuple[bytes | None, list[zmq.Frame]]:
+        """One GET, which the server may hold up to ``hold`` seconds for the key to be put;
+        ``(None, [])`` when no (complete) answer came in time.
 
         ``wait_until`` bounds the wait for the answer header. Once an ``OK`` header is in,
         the data is waited for up to the transfer budget of its size, past ``wait_until``.
         """
         nonce = self._next_nonce()
-        request = [_GET, nonce, key.encode("ascii"), _U64.pack(self.max_payload_bytes)]
+        request = [GET, nonce, key.encode("ascii"), U64.pack(self.max_payload_bytes)]
+        if hold > 0:
+            request.append(U64.pack(int(hold * 1000)))
         if not self._poll(sock, zmq.POLLOUT, wait_until):
             return None, []
         sock.send_multipart(request, zmq.NOBLOCK)
         reply = self._recv_reply(sock, nonce, wait_until)
         if reply is None:
             return None, []
-        if reply[1].bytes != _OK:
+        if reply[1].bytes != OK:
             return reply[1].bytes, reply[2:]
         if len(reply) != 3 or len(reply[2]) % 8:
             raise TransferCorrupt(f"malformed OK header for {key!r}")
         sizes = reply[2]
-        nbytes = sum(n for (n,) in _U64.iter_unpack(sizes.bytes))
+        nbytes = sum(n for (n,) in U64.iter_unpack(sizes.bytes))
         budget = self.request_timeout_s + nbytes / self.min_transfer_bytes_per_s
         data = self._recv_reply(sock, nonce, max(wait_until, time.monotonic() + budget))
         if data is None:
             return None, []
-        if data[1].bytes != _DATA:
+        if data[1].bytes != DATA:
             raise TransferCorrupt(f"expected the data of {key!r}, got {data[1].bytes[:16]!r}")
         self._confirm_remote(sock, nonce, key)
-        return _OK, [sizes, *data[2:]]
+        return OK, [sizes, *data[2:]]
 
     def _confirm_remote(self, sock: zmq.Socket, nonce: bytes, key: str) -> None:
         """Tell the sender it may drop ``key``; wait briefly for the ack so the release is
@@ -476,7 +407,7 @@ class ZmqConnector(Connector):
         wait_until = time.monotonic() + self.request_timeout_s
         if not self._poll(sock, zmq.POLLOUT, wait_until):
             return
-        sock.send_multipart([_ACK, nonce, key.encode("ascii")], zmq.NOBLOCK)
+        sock.send_multipart([ACK, nonce, key.encode("ascii")], zmq.NOBLOCK)
         self._recv_reply(sock, nonce, wait_until)
 
     def _recv_reply(self, sock: zmq.Socket, nonce: bytes, wait_until: float) -> list[zmq.Frame] | None:
@@ -509,7 +440,7 @@ class ZmqConnector(Connector):
             raise TransferCorrupt(
                 f"reply for {key!r} advertises {len(sizes_raw) // 8} frames, carries {len(body)}"
             )
-        sizes = [_U64.unpack_from(sizes_raw, 8 * i)[0] for i in range(len(body))]
+        sizes = [U64.unpack_from(sizes_raw, 8 * i)[0] for i in range(len(body))]
         total = sum(sizes)
         if total > self.max_payload_bytes:
             raise TransferRefused(f"reply for {key!r} is {total} bytes, over max_payload_bytes")
@@ -553,37 +484,20 @@ class ZmqConnector(Connector):
     def cleanup(self, key: str) -> None:
         """Drop ``key`` from the send store. Idempotent."""
         self._check_key(key)
-        with self._lock:
-            entry = self._store.pop(key, None)
-            if entry is not None:
-                self._inflight -= entry.nbytes
-                self.stats.add(cleanups=1)
+        if self._store.drop(key):
+            self.stats.add(cleanups=1)
 
     def health(self) -> dict[str, Any]:
-        with self._lock:
-            extra = {
-                "endpoint": self.endpoint,
-                "held_payloads": len(self._store),
-                "inflight_bytes": self._inflight,
-                "expired": self._expired,
-            }
-        return {**super().health(), **extra}
+        return {**super().health(), "endpoint": self.endpoint, **self._store.counts()}
 
     def _close(self) -> None:
-        if self._wake_send is not None:
-            self._wake_send.send(b"")
-        if self._server is not None:
-            self._server.join(timeout=10)
+        self._server.close()
+        self._store.clear()
         with self._lock:
-            self._store.clear()
-            self._inflight = 0
             idle = [s for socks in self._idle.values() for s in socks]
             self._idle.clear()
         for sock in idle:
             sock.close(linger=0)
-        for sock in (self._router, self._wake_send):
-            if sock is not None:
-                sock.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
         # term() waits until sockets busy in other threads' gets are closed: their polls
