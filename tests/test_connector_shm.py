@@ -259,6 +259,52 @@ def test_get_sees_a_payload_published_while_it_polls(token):
         assert same(got, make_payload(5))
 
 
+def _get_in_thread(receiver) -> tuple[threading.Thread, list]:
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(receiver.get(0, 1, key(), deadline=deadline(60))))
+    t.start()
+    return t, got
+
+
+def test_a_waiting_get_is_woken_by_the_publish_not_a_timer(token, monkeypatch):
+    """The get sleeps on an inotify watch of /dev/shm (it calls the watch's wait, not a
+    timer): with the watch's retry set beyond the test's guards, only the link of the key
+    can wake it."""
+    from vllm_kvbridge.connectors import dir_watch
+
+    monkeypatch.setattr(dir_watch, "RETRY_S", 600.0)
+    waits = threading.Semaphore(0)
+    real_wait = dir_watch.DirWatch.wait
+
+    def counted_wait(self, name, timeout):
+        waits.release()
+        return real_wait(self, name, timeout)
+
+    monkeypatch.setattr(dir_watch.DirWatch, "wait", counted_wait)
+    with SHM.make(token) as sender, SHM.make(token) as receiver:
+        t, got = _get_in_thread(receiver)
+        assert waits.acquire(timeout=30), "the get never slept on its watch"
+        # Another name in the directory wakes the watch but not the get: it sleeps again.
+        assert sender.put(0, 1, key(99), make_payload(9)).ok
+        assert waits.acquire(timeout=30) and t.is_alive()
+        assert sender.put(0, 1, key(), make_payload(5)).ok
+        t.join(30)
+        assert not t.is_alive() and same(got[0], make_payload(5))
+        sender.cleanup(key(99))
+
+
+def test_without_inotify_a_waiting_get_polls(token, monkeypatch):
+    from vllm_kvbridge.connectors import dir_watch
+
+    monkeypatch.setattr(dir_watch.DirWatch, "open", classmethod(lambda cls, d: None))
+    with SHM.make(token) as sender, SHM.make(token) as receiver:
+        t, got = _get_in_thread(receiver)
+        time.sleep(0.05)  # (either order must deliver: before or during the get's polling)
+        assert sender.put(0, 1, key(), make_payload(6)).ok
+        t.join(30)
+        assert not t.is_alive() and same(got[0], make_payload(6))
+
+
 def test_a_zombie_owners_segments_are_reaped(token) -> None:
     """Containers whose PID 1 does not reap orphans keep a killed worker as a zombie; its
     segments must still count as dead (its files, and so its owner locks, are closed)."""

@@ -64,6 +64,7 @@ from vllm_kvbridge.connectors.base import (
     PutResult,
     number_option,
 )
+from vllm_kvbridge.connectors.dir_watch import ArrivalWait, WatchPool
 from vllm_kvbridge.connectors.keys import edge_name
 from vllm_kvbridge.errors import PayloadError, TransferCorrupt, TransferTimeout
 
@@ -128,6 +129,7 @@ class SharedMemoryConnector(Connector):
         self.claim_grace_s = number_option(cfg, "claim_grace_s", seg.CLAIM_NAME_GRACE_S)
         self.map_cache_bytes = number_option(cfg, "map_cache_bytes", 4 << 30, int)
         self.shm_dir = str(cfg.get("shm_dir", seg.SHM_DIR))
+        self._watches = WatchPool(self.shm_dir)  # waiting gets sleep on these
         self._limits = cfg.get("limits")
         self._lock = threading.Lock()
         self._free: list[seg.PoolSegment] = []  # mapped, state FREE, ready for reuse
@@ -372,9 +374,11 @@ class SharedMemoryConnector(Connector):
     ) -> Any | None:
         """Claim and decode the segment published as ``key``.
 
-        Polls (every 50 us at first, backing off to 1 ms, so a payload published while
-        waiting is seen at most ~1 ms late) until ``deadline``, then raises
-        :class:`TransferTimeout`; without a deadline one attempt, ``None`` if absent.
+        Waits until ``deadline``, then raises :class:`TransferTimeout`; without a deadline
+        one attempt, ``None`` if absent. The wait sleeps on an inotify watch of the segment
+        directory (:class:`~vllm_kvbridge.connectors.dir_watch.ArrivalWait`), woken when
+        the key's name is linked; where inotify is not available it polls (every 50 us at
+        first, backing off to 1 ms).
         A malformed segment raises :class:`TransferCorrupt` (and is removed).
         Destructive gets return tensors that are views of the segment: it goes back to
         the sender's pool when the last of them is freed.
@@ -383,29 +387,31 @@ class SharedMemoryConnector(Connector):
         seg.check_key(key)
         namespace = self._namespace_of(from_stage, to_stage, metadata)
         start = time.perf_counter()
-        delay = 0.00005
-        while True:
-            try:
-                result = self._try_get(namespace, key)
-            except TransferCorrupt:
-                self.stats.add(get_failures=1)
-                raise
-            if result is not _MISSING:
-                payload, nbytes = result
-                self.stats.add(gets=1, get_bytes=nbytes, get_seconds=time.perf_counter() - start)
-                return payload
-            left = self.remaining(deadline)
-            if left is None:
-                self.stats.add(get_misses=1)
-                return None
-            if left <= 0:
-                self.stats.add(timeouts=1)
-                raise TransferTimeout(
-                    f"{key!r} did not arrive in shared-memory namespace {namespace!r} before the deadline"
-                )
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, 0.001)
-            self._check_open()
+        arrival = ArrivalWait(self._watches, os.path.basename(seg.key_path(namespace, key, self.shm_dir)))
+        try:
+            while True:
+                try:
+                    result = self._try_get(namespace, key)
+                except TransferCorrupt:
+                    self.stats.add(get_failures=1)
+                    raise
+                if result is not _MISSING:
+                    payload, nbytes = result
+                    self.stats.add(gets=1, get_bytes=nbytes, get_seconds=time.perf_counter() - start)
+                    return payload
+                left = self.remaining(deadline)
+                if left is None:
+                    self.stats.add(get_misses=1)
+                    return None
+                if left <= 0:
+                    self.stats.add(timeouts=1)
+                    raise TransferTimeout(
+                        f"{key!r} did not arrive in shared-memory namespace {namespace!r} before the deadline"
+                    )
+                arrival.sleep(left)
+                self._check_open()
+        finally:
+            arrival.close()
 
     def _try_get(self, namespace: str, key: str) -> Any:
         if self.destructive:
@@ -573,6 +579,7 @@ class SharedMemoryConnector(Connector):
 
     def _close(self) -> None:
         self._stop.set()
+        self._watches.close()
         if self._reaper is not None and self._reaper is not threading.current_thread():
             self._reaper.join(timeout=5)
         with self._lock:
