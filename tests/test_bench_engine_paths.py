@@ -75,6 +75,9 @@ def test_kv_path_rows_are_per_connector_and_token_count(kv_path) -> None:
         # ratio is to the memcpy of the same run and the same bytes
         assert math.isclose(row["ratio"], row["gbps"] / row["memcpy_gbps"], rel_tol=1e-9)
         assert all(math.isfinite(row[k]) and row[k] > 0 for k in ("seconds", "gbps", "ratio", "memcpy_gbps"))
+        # and to the layout's own gather of the same KV, sampled with it
+        assert math.isclose(row["gather_ratio"], row["gbps"] / row["gather_gbps"], rel_tol=1e-9)
+        assert math.isfinite(row["gather_gbps"]) and row["gather_gbps"] > 0
         # the sender's own put time comes from its connector's counters (worker RPC)
         assert math.isfinite(row["put_s"]) and row["put_s"] >= 0, row
 
@@ -87,6 +90,7 @@ def test_kv_path_prints_a_table(kv_path) -> None:
     title = max(i for i, line in enumerate(lines) if line.startswith("kv-path:"))
     header = lines[title + 1]
     assert header.split()[:2] == ["connector", "tokens"] and "memcpy" in header and "ratio" in header
+    assert "x gather" in header
     body = lines[title + 3 :]
     assert [(line.split()[0], int(line.split()[1])) for line in body] == [
         (r["connector"], r["tokens"]) for r in rows

@@ -20,7 +20,10 @@ The ceiling, measured in the same run on the same bytes: one single-threaded mem
 (``np.copyto``) of a same-size buffer in this process (pre-faulted; the best of ``max(3, repeat + 2)`` copies
 taken after each point's transfers and ``--settle-s`` idle seconds, because vLLM's worker
 keeps spinning for 1 s after its last step and would take a core from the copy):
-``ratio = GB/s / memcpy GB/s``.
+``ratio = GB/s / memcpy GB/s``. A second ceiling, sampled at the same time: the layout's
+own copy of the same KV (:mod:`vllm_kvbridge.bench.gather_probe`: the strided pass out of a
+cache of the engine's layout, one thread), which on vLLM's CPU layout (K pages stored
+transposed) is far below a memcpy; ``x gather = GB/s / gather GB/s``.
 
 Per token count the first request is an untimed warm-up (it computes the prefill and
 warms the connector's pools); the ``--repeat`` timed ones reuse the same prompt, so
@@ -73,6 +76,8 @@ class Row:
     gbps_max: float
     put_s: float  # mean of the sender's connector put time per timed transfer (nan if unknown)
     repeats: int
+    gather_gbps: float = float("nan")  # best of the run's gathers of the same KV (gather_probe)
+    gather_ratio: float = float("nan")  # gbps / gather_gbps
 
 
 def parse_tokens(text: str) -> list[int]:
@@ -173,6 +178,7 @@ def _measure(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from vllm_kvbridge.bench.gather_probe import GatherProbe, engine_layout
     from vllm_kvbridge.bench.kv_model import kv_bytes
     from vllm_kvbridge.kv.config import KVTransferConfig
     from vllm_kvbridge.kv.manager import KVTransferManager
@@ -247,10 +253,14 @@ def _measure(
             put_s = (put_seconds - counted[1]) / (puts - counted[0]) if puts > counted[0] else math.nan
             time.sleep(args.settle_s)
             memcpy = _Memcpy(expected)
-            for _ in range(max(3, args.repeat + 2)):
+            probe = GatherProbe(
+                engine_layout(getattr(torch, args.dtype), args.block_size, device), layers, tokens, device
+            )
+            for _ in range(max(3, args.repeat + 2)):  # interleaved: the same conditions for both
                 memcpy.sample()
-            ceiling = memcpy.gbps()
-            del memcpy
+                probe.sample()
+            ceiling, gather_gbps = memcpy.gbps(), probe.gbps()
+            del memcpy, probe
             median = statistics.median(seconds)
             gbps = expected / median / 1e9
             rows.append(
@@ -268,6 +278,8 @@ def _measure(
                     gbps_max=expected / min(seconds) / 1e9,
                     put_s=put_s,
                     repeats=len(seconds),
+                    gather_gbps=gather_gbps,
+                    gather_ratio=gbps / gather_gbps,
                 )
             )
     finally:
@@ -362,7 +374,7 @@ def format_result(r: dict[str, Any]) -> str:
     ]
     header = (
         f"{'connector':<9} {'tokens':>6} {'bytes':>11} {'p50 ms':>9} {'min ms':>9} {'max ms':>9} "
-        f"{'GB/s':>6} {'min-max':>11} {'memcpy':>7} {'ratio':>6} {'put ms':>8}"
+        f"{'GB/s':>6} {'min-max':>11} {'memcpy':>7} {'ratio':>6} {'gather':>7} {'x gather':>8} {'put ms':>8}"
     )
     lines += [header, "-" * len(header)]
     for row in r["rows"]:
@@ -370,7 +382,8 @@ def format_result(r: dict[str, Any]) -> str:
         lines.append(
             f"{row['connector']:<9} {row['tokens']:>6} {row['bytes']:>11} {row['seconds'] * 1e3:>9.1f} "
             f"{row['seconds_min'] * 1e3:>9.1f} {row['seconds_max'] * 1e3:>9.1f} {row['gbps']:>6.2f} "
-            f"{spread:>11} {row['memcpy_gbps']:>7.2f} {row['ratio']:>6.3f} {row['put_s'] * 1e3:>8.1f}"
+            f"{spread:>11} {row['memcpy_gbps']:>7.2f} {row['ratio']:>6.3f} {row['gather_gbps']:>7.2f} "
+            f"{row['gather_ratio']:>8.3f} {row['put_s'] * 1e3:>8.1f}"
         )
     for name, reason in r["skipped"].items():
         lines.append(f"{name}: skipped: {reason}")
