@@ -324,6 +324,17 @@ def _count_requests(receiver, monkeypatch) -> list[float]:
     return sent
 
 
+def _get_in_thread(receiver, metadata) -> tuple:
+    import threading
+
+    got: list = []
+    t = threading.Thread(
+        target=lambda: got.append(receiver.get(0, 1, key(), metadata, deadline=deadline(60)))
+    )
+    t.start()
+    return t, got
+
+
 def _until(pred, what: str, timeout: float = 30.0) -> None:
     end = time.monotonic() + timeout
     while not pred():
@@ -332,20 +343,12 @@ def _until(pred, what: str, timeout: float = 30.0) -> None:
 
 
 def test_a_waiting_get_is_held_by_the_server_and_answered_by_the_put(monkeypatch):
-    import threading
-
     from vllm_kvbridge.connectors import zmq_server
 
     monkeypatch.setattr(zmq_server, "LONG_POLL_S", 600.0)  # no hold may run out in this test
     with zmq_conn() as sender, zmq_conn() as receiver:
         sent = _count_requests(receiver, monkeypatch)
-        got: list = []
-        t = threading.Thread(
-            target=lambda: got.append(
-                receiver.get(0, 1, key(), sender.receiver_metadata(), deadline=deadline(60))
-            )
-        )
-        t.start()
+        t, got = _get_in_thread(receiver, sender.receiver_metadata())
         _until(lambda: sender.health()["held_gets"] == 1, "the server holding the get")
         assert sender.put(0, 1, key(), make_payload(3)).ok
         t.join(60)
@@ -374,15 +377,7 @@ def test_a_server_holding_too_many_gets_answers_at_once_and_the_get_retries(monk
     monkeypatch.setattr(zmq_server, "MAX_WAITERS", 0)
     with zmq_conn() as sender, zmq_conn() as receiver:
         sent = _count_requests(receiver, monkeypatch)
-        import threading
-
-        got: list = []
-        t = threading.Thread(
-            target=lambda: got.append(
-                receiver.get(0, 1, key(), sender.receiver_metadata(), deadline=deadline(60))
-            )
-        )
-        t.start()
+        t, got = _get_in_thread(receiver, sender.receiver_metadata())
         _until(lambda: len(sent) >= 3, "the receiver retrying")  # answered at once: it backs off
         assert sender.health()["held_gets"] == 0
         assert sender.put(0, 1, key(), make_payload(4)).ok

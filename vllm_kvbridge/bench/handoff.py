@@ -35,14 +35,13 @@ ceiling_p50_ms``: how many times the bare transport's latency a handoff takes.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import multiprocessing as mp
 import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -291,9 +290,9 @@ def format_table(rows: Sequence[Row]) -> str:
 
 
 def write_json(rows: Sequence[Row], path: str) -> None:
-    with open(path, "w") as f:
-        json.dump([asdict(r) for r in rows], f, indent=2)
-        f.write("\n")
+    from vllm_kvbridge.bench.connectors import write_json as write_rows
+
+    write_rows(rows, path)
 
 
 # -- command line ---------------------------------------------------------------------

@@ -6,6 +6,7 @@ Sub-commands: ``connectors``, ``ar-overhead``, ``kv-path``, ``handoff``, ``soak`
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -101,46 +102,43 @@ def _run_connectors(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_ar_overhead(args: argparse.Namespace) -> int:
-    from vllm_kvbridge.bench.ar_overhead import format_result, run, write_json
-
+def _report(name: str, args: argparse.Namespace, run: Any, fmt: Any, write: Any) -> Any:
+    """Run a bench (a ValueError is a usage error), print its table, write its JSON."""
     try:
         result = run(args)
     except ValueError as exc:
-        raise SystemExit(f"vllm-kvbridge bench ar-overhead: {exc}") from None
-    print(format_result(result))
+        raise SystemExit(f"vllm-kvbridge bench {name}: {exc}") from None
+    print(fmt(result))
     if args.json:
-        write_json(result, args.json)
+        write(result, args.json)
+    return result
+
+
+def _run_ar_overhead(args: argparse.Namespace) -> int:
+    from vllm_kvbridge.bench.ar_overhead import format_result, run, write_json
+
+    _report("ar-overhead", args, run, format_result, write_json)
     return 0
 
 
 def _run_kv_path(args: argparse.Namespace) -> int:
     from vllm_kvbridge.bench.kv_path import format_result, parse_connectors, parse_tokens, run, write_json
 
-    try:
+    def checked_run(args: argparse.Namespace) -> dict[str, Any]:
         parse_tokens(args.tokens)
         parse_connectors(args.connectors)
         if args.repeat < 1:
             raise ValueError("--repeat must be >= 1")
-    except ValueError as exc:
-        raise SystemExit(f"vllm-kvbridge bench kv-path: {exc}") from None
-    result = run(args)
-    print(format_result(result))
-    if args.json:
-        write_json(result, args.json)
+        return run(args)
+
+    result = _report("kv-path", args, checked_run, format_result, write_json)
     return 1 if result["failed"] else 0
 
 
 def _run_handoff(args: argparse.Namespace) -> int:
     from vllm_kvbridge.bench.handoff import format_table, run, write_json
 
-    try:
-        rows = run(args)
-    except ValueError as exc:
-        raise SystemExit(f"vllm-kvbridge bench handoff: {exc}") from None
-    print(format_table(rows))
-    if args.json:
-        write_json(rows, args.json)
+    _report("handoff", args, run, format_table, write_json)
     return 0
 
 
