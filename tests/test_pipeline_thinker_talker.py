@@ -94,7 +94,15 @@ def test_thinker_talker_full_payload() -> None:
         assert got["hidden_states"].shape == hidden.shape
         assert (got["hidden_states"] - hidden).abs().max().item() <= 1e-4
         assert got["token_ids"].tolist() == list(thinker["token_ids"])
-        assert any(t.what == "payload" and t.nbytes > 0 for t in r.transfers)
+        [payload] = [t for t in r.transfers if t.what == "payload"]
+        assert payload.nbytes > 0
+        # The receiver's timing: its gets within its whole wait, and the payload complete
+        # (ready_at) before the talker's first token, which needs it (causality, not speed).
+        # (Not after the thinker's last token: vLLM's engine core runs the step that sends
+        # the payload while the stage process may still be reading the step before.)
+        assert 0 < payload.seconds <= payload.waited_s
+        assert r.handoff_s(0, 1) is not None
+        assert 0 < payload.ready_at <= r.stages[1].first_token_at
     assert processes_using(dump) == []
     assert shm_segments(f"kvbridge.{run_id}") == []
 
