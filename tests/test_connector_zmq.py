@@ -383,3 +383,48 @@ def test_a_server_holding_too_many_gets_answers_at_once_and_the_get_retries(monk
         assert sender.put(0, 1, key(), make_payload(4)).ok
         t.join(60)
         assert not t.is_alive() and same(got[0], make_payload(4))
+
+
+# -- pooled send buffers: a reserved buffer is reused once its payload was confirmed ------------
+def _reserve_packed(sender, k: str, payload):
+    from vllm_kvbridge.wire import encode
+
+    enc = encode(payload)
+    r = sender.reserve(0, 1, k, enc.packed_size())
+    enc.pack_into(r.buffer)
+    return r
+
+
+def test_a_reserved_send_buffer_returns_to_the_pool_only_after_the_receiver_confirmed():
+    with zmq_conn() as sender, zmq_conn() as receiver:
+        first = _reserve_packed(sender, key(1), make_payload(1, 3 << 20))
+        assert first.publish().ok
+        # Held for the receiver: not reusable, so the next reservation is another buffer.
+        second = _reserve_packed(sender, key(2), make_payload(2, 3 << 20))
+        assert sender._buffers.lent == 2
+        assert second.publish().ok
+        metadata = sender.receiver_metadata()
+        for i in (1, 2):
+            got = receiver.get(0, 1, key(i), metadata, deadline=deadline(10))
+            assert same(got, make_payload(i, 3 << 20))
+            del got
+        # Confirmed and sent: libzmq drops its references on its own thread, then both
+        # buffers are back in the pool (pages faulted in, kept within pool_keep_bytes).
+        _until(lambda: sender._buffers.lent == 0, "the buffers' return")
+        assert sender._buffers.pooled_bytes >= 2 * (3 << 20)
+        free = {slab.ctypes.data for slab in sender._buffers._free}
+        third = _reserve_packed(sender, key(3), make_payload(3, 3 << 20))
+        assert sender._buffers.lent == 1 and third.buffer.obj.ctypes.data in free  # reused
+        third.release()
+        _until(lambda: sender._buffers.lent == 0, "a released reservation's buffer")
+
+
+def test_pool_keep_bytes_zero_keeps_no_send_buffer():
+    with zmq_conn(pool_keep_bytes=0) as sender, zmq_conn() as receiver:
+        r = _reserve_packed(sender, key(), make_payload(1, 1 << 20))
+        assert r.publish().ok
+        got = receiver.get(0, 1, key(), sender.receiver_metadata(), deadline=deadline(10))
+        assert same(got, make_payload(1, 1 << 20))
+        del got
+        _until(lambda: sender._buffers.lent == 0, "the buffer's release")
+        assert sender._buffers.pooled_bytes == 0

@@ -99,7 +99,9 @@ class HeapReservation(Reservation):
     Any connector's, by default: published by a :meth:`put <Connector.put>` of the decoded
     payload (views of the buffer, no copy of its own), so the put's copy, if the connector
     makes one, is a second copy. A connector that serves from this process's memory (ZMQ)
-    passes ``publish(reservation, since)`` to serve the buffer itself. ``connector`` may be
+    passes ``publish(reservation, since)`` to serve the buffer itself, and may pass the
+    ``storage`` (a writable uint8 buffer of at least ``nbytes``, e.g. a pooled one that goes
+    back to its pool when the last view of it dies; default: a new one). ``connector`` may be
     a function returning it (called at each publish: a sender whose transport is not up
     yet retries creating it). Senders also fall
     back to the default where a connector's own memory is full now (the put then waits for
@@ -114,11 +116,14 @@ class HeapReservation(Reservation):
         nbytes: int,
         *,
         publish: Callable[[HeapReservation, float], PutResult] | None = None,
+        storage: Any = None,
     ) -> None:
-        import torch
+        if storage is None:
+            import torch
 
-        self._storage: Any = torch.empty(nbytes, dtype=torch.uint8)  # uninitialised: no page touched
-        super().__init__(key, nbytes, memoryview(self._storage.numpy()))
+            storage = torch.empty(nbytes, dtype=torch.uint8).numpy()  # uninitialised: no page touched
+        self._storage: Any = storage
+        super().__init__(key, nbytes, memoryview(storage))
         self._connector, self._stages = connector, (from_stage, to_stage)
         self._publish = publish or self._put_decoded
         self._created = time.perf_counter()

@@ -7,7 +7,8 @@ unregistered and freed on release.
 
 The pool only knows two callables, ``register(ptr, nbytes) -> rc`` and
 ``unregister(ptr) -> rc`` (0 is success), so the Mooncake store (``register_buffer``) and the
-transfer engine (``register_memory``) share it.
+transfer engine (``register_memory``) share it; the ZMQ connector pools its send buffers
+with both no-ops (plain memory, kept so that reuse finds its pages already faulted in).
 
 A slab may be *lent* for a long time: a receiver decodes in place, so the payload's tensors
 view the slab, and :meth:`RegisteredBufferPool.lend_view` returns it to the pool only when

@@ -60,7 +60,8 @@ put in the metadata; default ``host``, or this host's name when binding 0.0.0.0/
 ``endpoint`` (default peer endpoint when a get has no metadata), ``request_timeout_s``
 (5: how long a get without deadline waits for an answer, and the base of the data wait),
 ``min_transfer_bytes_per_s`` (10 MB/s: below this the data wait gives up),
-``max_payload_bytes`` (64 GiB), ``max_inflight_bytes`` (8 GiB), ``ttl_s`` (300: how long an
+``max_payload_bytes`` (64 GiB), ``max_inflight_bytes`` (8 GiB), ``pool_keep_bytes`` (2 GiB:
+reserved send buffers kept for reuse), ``ttl_s`` (300: how long an
 unconfirmed payload is held), ``lease_s`` (``DEFAULT_LEASE_S``: how long one renewal holds it).
 """
 
@@ -83,6 +84,7 @@ from vllm_kvbridge.connectors.base import (
     number_option,
     offset_port,
 )
+from vllm_kvbridge.connectors.registered_pool import RegisteredBufferPool
 from vllm_kvbridge.connectors.zmq_curve import CurveKeys
 from vllm_kvbridge.connectors.zmq_server import (
     ACK,
@@ -107,6 +109,16 @@ from vllm_kvbridge.errors import (
 )
 
 _MAX_IDLE_SOCKETS = 8
+
+
+def _no_registration(ptr: int, nbytes: int) -> int:
+    return 0  # plain host memory: the pool only keeps it for reuse
+
+
+def _no_unregistration(ptr: int) -> int:
+    return 0
+
+
 #: How much earlier than the receiver's deadline the server gives up a held GET, so its
 #: MISSING arrives before the receiver stops listening (a late answer closes the socket).
 _HOLD_MARGIN_S = 0.01
@@ -142,6 +154,10 @@ class ZmqConnector(Connector):
         self._ctx = zmq.Context()
         self._lock = threading.Lock()  # the server's start, the socket pool, nonces
         self._store = PayloadStore(self.ttl_s, self.lease_s, self.max_inflight_bytes)
+        self.pool_keep_bytes = number_option(cfg, "pool_keep_bytes", 2 << 30, int)
+        self._buffers = RegisteredBufferPool(
+            _no_registration, _no_unregistration, self.pool_keep_bytes, "ZMQ"
+        )
         self._server = ZmqServer(self._ctx, self._store, sweep_every=max(0.01, min(self.ttl_s / 4, 1.0)))
         self._idle: dict[tuple[str, bytes | None], list[zmq.Socket]] = {}
         self._busy: set[zmq.Socket] = set()
@@ -178,13 +194,20 @@ class ZmqConnector(Connector):
 
     def reserve(self, from_stage: int | str, to_stage: int | str, key: str, nbytes: int) -> Any:
         """A host buffer of this process to write a packed payload into; publishing serves
-        its frames as views of it (no further copy before the socket). See
+        its frames as views of it (no further copy before the socket). Buffers are pooled
+        (``pool_keep_bytes``): one returns when the receiver confirmed its payload (or it
+        expired) and libzmq has sent it, so a sender's next KV reuses pages already faulted
+        in rather than a fresh allocation (~1.3 GB/s of page faults). See
         :class:`~vllm_kvbridge.connectors.base.Reservation`."""
         self._check_open()
         self._check_key(key)
         if (refused := self._refuse_oversize(nbytes)) is not None:
             return refused
-        return HeapReservation(self, from_stage, to_stage, key, nbytes, publish=self._publish_packed)
+        slab, _ = self._buffers.acquire(nbytes)
+        storage = self._buffers.lend_view(slab, nbytes)  # back to the pool once sent and confirmed
+        return HeapReservation(
+            self, from_stage, to_stage, key, nbytes, publish=self._publish_packed, storage=storage
+        )
 
     def _publish_packed(self, r: HeapReservation, start: float) -> PutResult:
         from vllm_kvbridge.wire.codec import packed_frames
@@ -500,6 +523,7 @@ class ZmqConnector(Connector):
             sock.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
+        self._buffers.close()  # buffers still viewed stay valid for their views
         # term() waits until sockets busy in other threads' gets are closed: their polls
         # raise ContextTerminated, they close their socket and raise ConnectorClosed.
         self._ctx.term()
