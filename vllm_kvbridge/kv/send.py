@@ -137,7 +137,7 @@ def gather_job(
         raise ConfigError(f"request {rid!r}: a companion of {key_rid!r} needs its own purpose, not {KV!r}")
     metadata = dict(info.get("metadata") or {})
     metadata.setdefault("purpose", purpose)
-    parts: list[tuple[str, int, Reservation]] = []
+    job = SendJob(engine_id, rid, to_stage, [], topo.num_kv_heads)
     try:
         for route in routes:
             request = RequestGather(
@@ -164,13 +164,12 @@ def gather_job(
             key = route.key(key_rid, from_stage, to_stage, purpose=purpose)
             enc = encode(data)
             reservation = _reserve(connector, from_stage, to_stage, key, enc.packed_size())
-            parts.append((key, route.from_rank, reservation))
+            job.parts.append((key, route.from_rank, reservation))
             enc.pack_into(reservation.buffer)  # the gather: one copy, cache -> destination
     except BaseException:
-        for _, _, reservation in parts:
-            reservation.release()
+        job.release()  # the destinations reserved so far
         raise
-    return SendJob(engine_id, rid, to_stage, parts, topo.num_kv_heads)
+    return job
 
 
 def _fills(request: RequestGather, kind: int) -> list[torch.Tensor | TensorFill | None]:
