@@ -210,7 +210,7 @@ class ZmqConnector(Connector):
         )
 
     def _publish_packed(self, r: HeapReservation, start: float) -> PutResult:
-        from vllm_kvbridge.wire.codec import packed_frames
+        from vllm_kvbridge.wire.decode import packed_frames
 
         return self._hold(r.key, packed_frames(r.buffer[: r.nbytes], limits=self._limits), start)
 

@@ -1,7 +1,7 @@
 """Wire formats: the payload codec and the packed KV format.
 
 * :func:`encode` / :func:`decode_frames` / :func:`decode_packed`: stage payloads as a
-  msgpack skeleton plus out-of-band tensor buffers (:mod:`.codec`).
+  msgpack skeleton plus out-of-band tensor buffers (:mod:`.codec`, :mod:`.decode`).
 * :class:`KVCacheTransferData`: one request's KV cache in one packed buffer
   (:mod:`.kv_format`).
 * :class:`Limits`: the bounds every decoder enforces. Every decode error is a
@@ -12,7 +12,8 @@ Imports neither vLLM nor any other layer of the package above ``errors``.
 
 from vllm_kvbridge.errors import PayloadError
 from vllm_kvbridge.wire._buffers import tensors_bitwise_equal
-from vllm_kvbridge.wire.codec import Encoded, decode_frames, decode_packed, encode
+from vllm_kvbridge.wire.codec import Encoded, encode
+from vllm_kvbridge.wire.decode import decode_frames, decode_packed
 from vllm_kvbridge.wire.dtypes import NUMPY_DTYPES, TORCH_DTYPES
 from vllm_kvbridge.wire.kv_format import KVCacheTransferData
 from vllm_kvbridge.wire.limits import DEFAULT_LIMITS, Limits
