@@ -109,9 +109,13 @@ class DirWatch:
 
 
 class WatchPool:
-    """Idle :class:`DirWatch` es of one directory, reused by the waits of every thread."""
+    """Idle :class:`DirWatch` es of one directory, reused by the waits of every thread.
 
-    def __init__(self, directory: str, max_idle: int = 8) -> None:
+    At most ``max_idle`` stay open: inotify instances are a per-user resource (128 by
+    default, ``fs.inotify.max_user_instances``) shared with every other program of the user.
+    """
+
+    def __init__(self, directory: str, max_idle: int = 4) -> None:
         self.directory, self._max_idle = directory, max_idle
         self._lock = threading.Lock()
         self._idle: list[DirWatch] = []
