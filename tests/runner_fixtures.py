@@ -71,44 +71,64 @@ def start_engine(model_dir: Path, settings: dict[str, Any], **extra: Any) -> Any
     return LLM(model=str(model_dir), **kwargs, **engine_kwargs(settings, platform="cpu"))
 
 
-def stop_engine(llm: Any) -> None:
-    llm.llm_engine.engine_core.shutdown()
+#: Seconds vLLM's client gives the engine core to stop before it SIGKILLs it (vLLM's
+#: default is 5 s, which a loaded CI machine can miss; a test of what a stop leaves
+#: behind checks the graceful path, not a kill).
+ENGINE_STOP_GRACE_S = 30.0
+
+
+def stop_engine(llm: Any, timeout_s: float = ENGINE_STOP_GRACE_S) -> None:
+    llm.llm_engine.engine_core.shutdown(timeout=timeout_s)
 
 
 def stop_engine_and_reap(
     llm: Any, settings: dict[str, Any], timeout_s: float = 60.0
 ) -> tuple[bool, list[str]]:
     """Stop ``llm``, wait until its processes are gone, then reap its stage's edges as the
-    next kvbridge process on them would; ``(whether vLLM SIGKILLed the engine core, names
+    next kvbridge process on them would; ``(whether a signal ended the engine core, names
     reaped)``.
 
     The engine core reaps what a killed worker left in its connector's shutdown, but that
-    is best effort: vLLM gives an engine core 5 s before SIGKILL, and an engine core that
-    is already shutting down after a fatal error has SIGTERM at its default action, so
-    the client's stop can end it before it got there. What is left then belongs to no live
-    process, and any later start on the edges removes it (only names of dead processes).
+    is best effort: the client SIGKILLs an engine core that outlives ``stop_engine``'s
+    grace, and an engine core that is already shutting down after a fatal error has
+    SIGTERM at its default action, so the client's stop can end it before it got there.
+    What is left then belongs to no live process, and any later start on the edges
+    removes it (only names of dead processes).
     """
-    import signal
-
     import psutil
 
     from vllm_kvbridge.runner.runtime import reap_stage_leftovers
 
     procs = list(llm.llm_engine.engine_core.resources.engine_manager.processes)
+    cores: list[psutil.Process] = []
     tree: list[psutil.Process] = []
     for p in procs:
         # An engine core that failed may exit by itself at any moment, also between the
         # looks below: one that is gone has nothing left to wait for.
         try:
             proc = psutil.Process(p.pid)
+            cores.append(proc)
             tree += [proc, *proc.children(recursive=True)]
         except psutil.NoSuchProcess:
             pass
     stop_engine(llm)
     _, alive = psutil.wait_procs(tree, timeout=timeout_s)
     assert not alive, f"engine processes still running after {timeout_s:g} s: {alive}"
-    killed = any(p.exitcode == -signal.SIGKILL for p in procs)
-    return killed, reap_stage_leftovers(settings)
+    return engine_cores_killed(procs, cores), reap_stage_leftovers(settings)
+
+
+def engine_cores_killed(procs: list[Any], cores: list[Any]) -> bool:
+    """Whether a signal (SIGKILL, or SIGTERM at its default action) ended an engine core
+    (a child of this process) before its own shutdown finished.
+
+    Whoever waits for a child first gets its status: multiprocessing's ``exitcode`` when
+    vLLM joined it, else psutil's ``returncode`` (``wait_procs`` reaped it, and then
+    multiprocessing reads None).
+    """
+    import signal
+
+    codes = [p.exitcode for p in procs] + [getattr(c, "returncode", None) for c in cores]
+    return -signal.SIGKILL in codes or -signal.SIGTERM in codes
 
 
 class HFReference:

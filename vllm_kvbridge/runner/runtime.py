@@ -34,7 +34,8 @@ finalizers, which a ``multiprocessing`` child runs before ``os._exit``). vLLM SI
 worker tree that has not exited ~5 s after SIGTERM, so the time budget is small; what a
 killed process leaves (shared-memory names carrying its pid) is removed by
 :func:`reap_stage_leftovers`, which the scheduler-side connector runs in the engine-core
-process once the workers are gone, and which every new runtime runs at start.
+process once the workers are gone (it waits for a worker the executor has just SIGKILLed:
+the executor does not), and which every new runtime runs at start.
 """
 
 from __future__ import annotations

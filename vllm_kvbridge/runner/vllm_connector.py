@@ -58,6 +58,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -84,6 +85,9 @@ CONNECTOR_NAME = "KVBridgeConnector"
 CONNECTOR_MODULE = "vllm_kvbridge.runner.vllm_connector"
 #: Key in ``SamplingParams.extra_args`` for per-request kvbridge options.
 EXTRA_ARGS_KEY = "kvbridge"
+#: Longest the scheduler-side shutdown waits for a worker the executor killed to be gone
+#: before it reaps the stage's leftovers (the client SIGKILLs an engine core after 5 s).
+WORKER_TEARDOWN_WAIT_S = 1.0
 _SUFFIX_LEN = 8
 
 
@@ -509,10 +513,27 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
         if self._feeds is not None:
             self._feeds.close()
+        _wait_for_dying_children(WORKER_TEARDOWN_WAIT_S)
         try:
             reap_stage_leftovers(self.settings)
         except Exception:
             logger.exception("kvbridge: reaping the stage's shared-memory leftovers failed")
+
+
+def _wait_for_dying_children(timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` for this process's multiprocessing children to be gone.
+
+    The scheduler-side shutdown runs right after vLLM's executor stopped the workers, and
+    the executor SIGKILLs a worker that outstayed its grace without waiting for it. Until
+    the kernel has torn that process down it holds its segments' owner locks, and a reap
+    then would take its names for a live process's and leave them. Any child still alive
+    here is such a worker (the executor has stopped every other), so the wait is short.
+    """
+    import multiprocessing
+
+    deadline = time.monotonic() + timeout_s
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def tp_position() -> tuple[int, int, Any]:
