@@ -12,7 +12,7 @@ BIN   := $(VENV)/bin
 # `make setup` does nothing and takes no time.
 STAMP := $(VENV)/.kvbridge-setup-$(VLLM)-$(shell cat pyproject.toml scripts/setup-venv.sh 2>/dev/null | sha256sum | cut -c1-16)
 
-.PHONY: setup demo test lint format bench clean
+.PHONY: setup demo test test-gpu lint format bench clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,12 @@ demo: setup
 test: setup
 	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# The GPU paths with plain torch and no vLLM (tests/gpu), on any CUDA machine: there, pass
+# GPU_PYTHON=python3 where torch and pytest are installed. They skip where CUDA is absent.
+GPU_PYTHON ?= $(BIN)/python
+test-gpu:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest -p no:cacheprovider -m cuda tests/gpu
 
 lint: setup
 	$(BIN)/ruff check vllm_kvbridge tests benchmarks examples

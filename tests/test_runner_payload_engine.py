@@ -117,6 +117,41 @@ def test_full_and_async_chunk_payloads_carry_the_hidden_states(engine, tiny_mode
     assert info["stage_id"] == 0 and set(info["payload"]) == {"1", "2"}
 
 
+def test_a_batch_of_captured_requests_leaves_the_device_in_one_copy_per_step(
+    engine, tiny_model_dir: Path
+) -> None:
+    """#14 item 2: the rows of every captured request of a step go to the host together
+    (one copy per step, not one per request), and each request still gets exactly its own."""
+    from vllm.inputs import TokensPrompt
+
+    llm, full, chunks = engine
+    rids, max_tokens = ["b0", "b1", "b2"], 6
+    prompts = {rid: prompt_ids(9 + 4 * i, salt=40 + i) for i, rid in enumerate(rids)}
+    for rid in rids:
+        full.expect(rid)
+        chunks.expect(rid)
+    before = llm.collective_rpc("kvbridge_debug_state")[0]
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=prompts[r]) for r in rids],
+        [_params(r, max_tokens) for r in rids],
+        use_tqdm=False,
+    )
+    after = llm.collective_rpc("kvbridge_debug_state")[0]
+    hf = HFReference(tiny_model_dir)
+    for rid, out in zip(rids, outs, strict=True):
+        generated = list(out.outputs[0].token_ids)
+        payload = full.result(rid, timeout=60)
+        list(chunks.iter_chunks(rid, timeout=60))
+        ref = hf.hidden(prompts[rid] + generated[:-1])
+        assert payload["hidden_states"].shape == ref.shape
+        assert (payload["hidden_states"] - ref).abs().max().item() <= 1e-4
+    copies = after["capture_row_copies"] - before["capture_row_copies"]
+    steps = after["steps"] - before["steps"]
+    # The three run in the same steps (they fit one batch): at most one copy per step,
+    # where one per request would be three per step.
+    assert 0 < copies <= steps < len(rids) * max_tokens, (copies, steps)
+
+
 def test_aborted_request_fails_receivers_and_leaves_nothing(engine) -> None:
     from vllm.inputs import TokensPrompt
 

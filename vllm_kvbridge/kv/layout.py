@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_kvbridge.errors import KVBridgeError
+from vllm_kvbridge.wire.host_staging import to_device
 from vllm_kvbridge.wire.kv_format import KEY, VALUE  # the descriptor kinds: one numbering
 
 __all__ = [
@@ -263,7 +264,7 @@ def request_block_index(
     k = layout.blocks_per_block
     if k > 1:
         index = (index[:, None] * k + torch.arange(k)[None, :]).reshape(-1)
-    return index.to(device) if device is not None else index
+    return to_device(index, device) if device is not None else index
 
 
 def _head_range(layout: KVCacheLayout, head_start: int, head_end: int | None) -> tuple[int, int]:
@@ -457,7 +458,7 @@ class RequestGather:
             layout.check_cache(cache)
         self.kv_caches, self.layout, self.seq_len = list(kv_caches), layout, seq_len
         self.host_index = request_block_index(block_ids, seq_len, layout, num_blocks)
-        self.index = self.host_index.to(first.device)
+        self.index = to_device(self.host_index, first.device)  # never a sync per request
         self.head_start, self.head_end = _head_range(layout, head_start, head_end)
         heads = self.head_end - self.head_start
         #: destination shape per kind: ``[seq_len, heads, head_size(_v)]``
@@ -485,7 +486,7 @@ class RequestGather:
             # use today): copy the request's pages out first (a second copy, still exact).
             src = src.index_select(0, index)
             host_index = torch.arange(index.numel())
-            index = host_index.to(index.device)
+            index = to_device(host_index, index.device)
             views = _token_views(src, self.layout)
         _gather_blocks(views[kind], index, host_index, out, self.seq_len)
         return out

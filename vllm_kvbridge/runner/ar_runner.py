@@ -68,6 +68,7 @@ from vllm_kvbridge.runner.vllm_connector import (
     tp_position,
     transfer_id_for,
 )
+from vllm_kvbridge.wire.host_staging import StagedRows
 
 logger = logging.getLogger(__name__)
 
@@ -102,10 +103,16 @@ class CaptureState:
     scheduler_output: Any = None
     #: per captured request, this step's payload tensors until its tokens are sampled
     step_rows: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    #: this step's hidden-state rows on their way to the host (one copy for all requests),
+    #: and the requests they belong to, in order; taken when the tokens are sampled
+    staged: StagedRows | None = None
+    staged_ids: list[str] = field(default_factory=list)
     #: a fed stage (``feed: per_step``): the model's conditioning width (runner/conditioning.py)
     feed_dim: int | None = None
     #: engine steps this runner executed (with or without a forward), for tests and health
     steps: int = 0
+    #: device-to-host copies of captured hidden rows (one per step that captured any)
+    row_copies: int = 0
 
 
 class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
@@ -162,7 +169,11 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
         return super().execute_model(scheduler_output, intermediate_tensors)
 
     def kvbridge_debug_state(self) -> dict[str, Any]:
-        return {**super().kvbridge_debug_state(), "steps": self._kvb_capture.steps}
+        return {
+            **super().kvbridge_debug_state(),
+            "steps": self._kvb_capture.steps,
+            "capture_row_copies": self._kvb_capture.row_copies,
+        }
 
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._kvb_capture.feed_dim is not None:
@@ -205,8 +216,10 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
     def _kvbridge_capture_rows(self, hidden: torch.Tensor) -> None:
         so = self._kvb_capture.scheduler_output
         self._kvb_capture.step_rows = {}
+        self._kvb_capture.staged, self._kvb_capture.staged_ids = None, []
         if so is None:
             return
+        spans: list[tuple[int, int]] = []
         offset = 0
         for req_id in self.input_batch.req_ids:
             n = so.num_scheduled_tokens.get(req_id, 0)
@@ -246,12 +259,26 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
                 self.kvbridge_fail_capture(req_id, f"kvbridge_step_extras: {type(exc).__name__}: {exc}")
                 continue
             if self._kvb.settings.payload.capture_hidden_states:
-                extras["hidden_states"] = rows.detach().to("cpu", copy=True)
+                spans.append((start_row + skip, start_row + n))
+                self._kvb_capture.staged_ids.append(req_id)
             self._kvb_capture.step_rows[req_id] = extras
             state.extra["captured"] = max(done, first_pos + n)
+        if spans:
+            # One non-blocking copy of every request's rows (no sync per request); the
+            # rows are taken once this step's tokens are sampled.
+            self._kvb_capture.staged = StagedRows(hidden.detach(), spans)
+            self._kvb_capture.row_copies += 1
 
     def _kvbridge_capture_tokens(self, output: Any) -> None:
         rows, self._kvb_capture.step_rows = self._kvb_capture.step_rows, {}
+        staged, ids = self._kvb_capture.staged, self._kvb_capture.staged_ids
+        self._kvb_capture.staged, self._kvb_capture.staged_ids = None, []
+        if staged is not None:
+            # Waits on the copy's event: by now vLLM's own copy of the sampled tokens,
+            # behind it on the stream, has completed, so this rarely waits at all.
+            for req_id, hidden in zip(ids, staged.take(), strict=True):
+                if req_id in rows:
+                    rows[req_id]["hidden_states"] = hidden
         req_ids = getattr(output, "req_ids", None)
         sampled = getattr(output, "sampled_token_ids", None)
         if req_ids is None or sampled is None:

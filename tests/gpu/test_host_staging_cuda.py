@@ -1,0 +1,58 @@
+"""``wire.host_staging.StagedRows`` from a CUDA tensor: pinned staging, a non-blocking copy
+and an event (plain torch, no vLLM: ``make test-gpu`` on any CUDA machine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_kvbridge.wire.host_staging import StagedRows
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def test_one_non_blocking_copy_into_pinned_memory_completed_by_an_event() -> None:
+    hidden = torch.randn(64, 512, device="cuda")
+    spans = [(40, 64), (0, 3), (10, 11)]
+    want = [hidden[a:b].cpu() for a, b in spans]
+    torch.cuda.synchronize()
+    # A kernel that spins ~0.5 s runs ahead of the copy on the stream: staging must not wait.
+    torch.cuda._sleep(1_000_000_000)
+    staged = StagedRows(hidden, spans)
+    assert staged.pinned
+    assert not staged.ready()  # still behind the spinning kernel: the caller did not block
+    out = staged.take()  # waits on the event
+    assert staged.ready()
+    for t, w in zip(out, want, strict=True):
+        assert t.device.type == "cpu" and not t.is_pinned() and torch.equal(t, w)
+
+
+def test_a_thousand_steps_keep_device_and_pinned_memory_flat() -> None:
+    hidden = torch.randn(256, 1024, device="cuda")
+    for _ in range(20):  # warm the caching allocators
+        StagedRows(hidden, [(0, 100), (128, 256)]).take()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for i in range(1000):
+        out = StagedRows(hidden, [(0, 100), (128, 256)]).take()
+        assert out[1].shape == (128, 1024)
+        if i % 100 == 0:  # each step's rows are exact
+            assert torch.equal(out[0], hidden[:100].cpu())
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+
+
+def test_a_block_index_goes_to_the_device_without_a_sync() -> None:
+    from vllm_kvbridge.wire.host_staging import to_device
+
+    index = torch.arange(1000, dtype=torch.int64)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of work ahead on the stream
+    on_device = to_device(index, "cuda")
+    after = torch.cuda.Event()
+    after.record()
+    assert not after.query()  # a pageable copy would have waited for the stream first
+    assert torch.equal(on_device.cpu(), index)

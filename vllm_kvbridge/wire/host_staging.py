@@ -1,0 +1,102 @@
+"""Copies between host and device that do not block the caller (the model thread).
+
+Device to host: one copy per batch, an event to wait on (:class:`StagedRows`); host to
+device: pinned and ``non_blocking`` (:func:`to_device`, e.g. a request's block index).
+
+A per-request ``tensor.to("cpu")`` of a CUDA tensor is a blocking copy from the device into
+pageable memory: one synchronisation of the model thread per request per step. Here the
+rows of a whole batch go to the host in **one** ``non_blocking`` copy into pinned memory
+(pageable memory would make it synchronous again), and a CUDA event recorded after it
+marks completion. :meth:`StagedRows.take` waits on that event (by then it has usually long
+completed: vLLM's own sampled-token copy of the same step follows it on the stream) and
+hands each span out as its own pageable tensor, so the pinned buffer goes back to torch's
+pinned-memory cache at once and no request keeps another request's rows alive.
+
+On a CPU source the same path runs with the pinned memory and the event as no-ops: the
+spans are concatenated straight into the host buffer.
+
+Imports neither vLLM nor any other layer of the package above ``errors``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class StagedRows:
+    """Spans of rows of one device tensor on their way to the host (see the module docstring).
+
+    ``spans``: ``(start, end)`` row ranges of ``source`` (dim 0), in the order
+    :meth:`take` returns them. The copy is enqueued on the caller's (current) stream here.
+    """
+
+    __slots__ = ("_buffer", "_event", "_spans")
+
+    def __init__(self, source: torch.Tensor, spans: Sequence[tuple[int, int]]) -> None:
+        self._spans = [(int(a), int(b)) for a, b in spans]
+        for a, b in self._spans:
+            if not 0 <= a <= b <= source.shape[0]:
+                raise ValueError(f"row span [{a}, {b}) outside [0, {source.shape[0]})")
+        rows = sum(b - a for a, b in self._spans)
+        # Only CUDA gets the asynchronous path (pinned + non_blocking + event); another
+        # accelerator copies blocking, which is correct where no event tells completion.
+        cuda = source.device.type == "cuda"
+        self._buffer: torch.Tensor | None = host_buffer((rows, *source.shape[1:]), source.dtype, pinned=cuda)
+        self._event: torch.cuda.Event | None = None
+        parts = [source[a:b] for a, b in self._spans if b > a]
+        if not parts:
+            return
+        if source.device.type == "cpu":
+            torch.cat(parts, out=self._buffer)
+            return
+        # One kernel gathers the spans on the device (asynchronous), one copy moves them.
+        packed = parts[0] if len(parts) == 1 else torch.cat(parts)
+        self._buffer.copy_(packed, non_blocking=cuda)
+        if cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the staging buffer is page-locked (a CUDA source)."""
+        return self._buffer is not None and self._buffer.is_pinned()
+
+    def ready(self) -> bool:
+        """Whether the copy has completed (never waits)."""
+        return self._event is None or self._event.query()
+
+    def take(self) -> list[torch.Tensor]:
+        """Wait for the copy; one new pageable host tensor per span, in span order. Once."""
+        if self._buffer is None:
+            raise RuntimeError("StagedRows.take() called twice")
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        buffer, self._buffer = self._buffer, None  # pinned memory goes back to torch's cache
+        out, at = [], 0
+        for a, b in self._spans:
+            out.append(buffer[at : at + b - a].clone())
+            at += b - a
+        return out
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``host`` on ``device`` without blocking the caller on CUDA (a pageable host-to-device
+    copy synchronises the model thread): pinned, then a ``non_blocking`` copy. Work queued
+    after it on the stream sees the values; torch keeps the pinned source until the copy
+    is done. Elsewhere a plain ``to`` (on a CPU device: ``host`` itself)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def host_buffer(shape: Sequence[int], dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
+    """An uninitialised host tensor; page-locked when ``pinned`` (only where an accelerator
+    exists: pinning needs its driver, and a CPU source gains nothing from it)."""
+    return torch.empty(tuple(shape), dtype=dtype, pin_memory=pinned)
+
+
+__all__ = ["StagedRows", "host_buffer", "to_device"]
