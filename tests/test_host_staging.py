@@ -57,3 +57,52 @@ def test_to_device_on_a_cpu_device_is_the_host_tensor() -> None:
 
     index = torch.arange(5)
     assert to_device(index, "cpu") is index
+
+
+def test_tensors_viewing_one_buffer_move_in_one_copy_each_exact() -> None:
+    from vllm_kvbridge.wire import KVCacheTransferData, decode_packed, encode
+    from vllm_kvbridge.wire.host_staging import tensors_to_device
+
+    g = torch.Generator().manual_seed(0)
+    ks = [torch.randn(5, 2, 8, generator=g) for _ in range(3)]
+    vs = [torch.randn(5, 2, 8, generator=g).to(torch.bfloat16) for _ in range(3)]
+    data = KVCacheTransferData(
+        request_id="r", layer_blocks={"key_cache": ks, "value_cache": vs}, block_ids=[0], seq_len=5
+    )
+    got = decode_packed(memoryview(bytearray(encode(data).to_bytes())), copy=False)
+    tensors = [*got.key_cache, *got.value_cache, None]
+    # Decoded in place: every tensor views the one received buffer.
+    assert len({t.untyped_storage().data_ptr() for t in tensors if t is not None}) == 1
+    same = tensors_to_device(tensors, "cpu")  # already there: the same tensors
+    assert all(x is y for x, y in zip(same, tensors, strict=True))
+    moved = tensors_to_device(tensors, "cpu", copy=True)  # the staged path (CUDA's, unpinned)
+    assert moved[-1] is None
+    for src, dst, want in zip(tensors, moved, [*ks, *vs], strict=False):
+        assert dst.dtype == want.dtype and torch.equal(dst, want)
+        assert dst.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
+    # One staging copy for the whole buffer: the moved tensors share one new storage.
+    assert len({t.untyped_storage().data_ptr() for t in moved if t is not None}) == 1
+
+
+def test_tensors_to_device_keeps_tensors_of_other_buffers_and_odd_ones_apart() -> None:
+    from vllm_kvbridge.wire.host_staging import tensors_to_device
+
+    a, b = torch.arange(12.0).view(3, 4), torch.arange(6, dtype=torch.int32)
+    strided = torch.arange(20.0).view(4, 5)[:, 1:3]  # not contiguous: moved on its own
+    moved = tensors_to_device([a[1:], b, strided, a[:1]], "cpu", copy=True)
+    assert torch.equal(moved[0], a[1:]) and torch.equal(moved[1], b) and torch.equal(moved[2], strided)
+    assert torch.equal(moved[3], a[:1])
+    assert moved[0].untyped_storage().data_ptr() == moved[3].untyped_storage().data_ptr()
+
+
+def test_kv_pairs_keep_their_order_shapes_and_dtypes() -> None:
+    from vllm_kvbridge.wire.host_staging import pairs_to_device
+
+    buf = torch.arange(64, dtype=torch.float32)
+    pairs = [(buf[0:8].view(2, 4), buf[16:22].view(3, 2)), (buf[32:36], buf[48:64].view(torch.float16))]
+    same = pairs_to_device(pairs, "cpu")
+    assert all(a is b for p, q in zip(pairs, same, strict=True) for a, b in zip(p, q, strict=True))
+    # The meta device runs the staged path without data: order, shapes and dtypes survive.
+    meta = pairs_to_device(pairs, "meta")
+    for (k, v), (mk, mv) in zip(pairs, meta, strict=True):
+        assert mk.is_meta and (mk.shape, mk.dtype, mv.shape, mv.dtype) == (k.shape, k.dtype, v.shape, v.dtype)

@@ -56,3 +56,24 @@ def test_a_block_index_goes_to_the_device_without_a_sync() -> None:
     after.record()
     assert not after.query()  # a pageable copy would have waited for the stream first
     assert torch.equal(on_device.cpu(), index)
+
+
+def test_a_received_payload_goes_to_the_device_in_one_non_blocking_copy() -> None:
+    from vllm_kvbridge.wire import KVCacheTransferData, decode_packed, encode
+    from vllm_kvbridge.wire.host_staging import tensors_to_device
+
+    ks = [torch.randn(300, 4, 128) for _ in range(4)]
+    vs = [torch.randn(300, 4, 128) for _ in range(4)]
+    data = KVCacheTransferData(
+        request_id="r", layer_blocks={"key_cache": ks, "value_cache": vs}, block_ids=[0], seq_len=300
+    )
+    got = decode_packed(memoryview(bytearray(encode(data).to_bytes())), copy=False)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)
+    moved = tensors_to_device([*got.key_cache, *got.value_cache], "cuda")
+    after = torch.cuda.Event()
+    after.record()
+    assert not after.query()  # the transfer is queued behind the kernel: nobody waited
+    assert len({t.untyped_storage().data_ptr() for t in moved}) == 1  # one device copy
+    for t, want in zip(moved, [*ks, *vs], strict=True):
+        assert t.is_cuda and torch.equal(t.cpu(), want)

@@ -17,17 +17,19 @@ import torch
 
 from vllm_kvbridge.errors import TransferError
 from vllm_kvbridge.kv.receive import ReceivedKV
+from vllm_kvbridge.wire.host_staging import tensors_to_device
 from vllm_kvbridge.wire.kv_format import KVCacheTransferData
 
 __all__ = ["KVDistributor"]
 
 
 def _to_device(data: KVCacheTransferData, device: Any) -> KVCacheTransferData:
-    """A copy of ``data`` whose tensors live on ``device`` (a view-free, owned copy)."""
-    blocks = {
-        name: [None if t is None else t.to(device, copy=True) for t in tensors]
-        for name, tensors in data.layer_blocks.items()
-    }
+    """A copy of ``data`` whose tensors live on ``device`` (owned: no view of the received
+    buffer; one copy per buffer, see :func:`~vllm_kvbridge.wire.host_staging.tensors_to_device`)."""
+    names = list(data.layer_blocks)
+    flat = [t for name in names for t in data.layer_blocks[name]]
+    moved = iter(tensors_to_device(flat, device, copy=True))
+    blocks = {name: [next(moved) for _ in data.layer_blocks[name]] for name in names}
     return KVCacheTransferData(
         request_id=data.request_id,
         layer_blocks=blocks,

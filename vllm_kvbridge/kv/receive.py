@@ -39,6 +39,7 @@ from vllm_kvbridge.kv.config import KVTransferConfig, StageId
 from vllm_kvbridge.kv.metrics import KVTransferMetrics
 from vllm_kvbridge.kv.sender_info import StageSenderInfo
 from vllm_kvbridge.kv.topology import HeadRange, Route, TPTopology, merge_head_parts
+from vllm_kvbridge.wire.host_staging import tensors_to_device
 from vllm_kvbridge.wire.kv_format import KVCacheTransferData
 
 __all__ = ["Consumed", "KVReceiver", "ReceivedKV", "ReceivedStore", "request_id_of"]
@@ -443,8 +444,10 @@ class KVReceiver:
                     merge_head_parts([(r.dst_heads, p.value_cache[layer]) for r, p in pieces], total)
                 )
         if target_device is not None:
-            merged_k = [None if t is None else t.to(target_device) for t in merged_k]
-            merged_v = [None if t is None else t.to(target_device) for t in merged_v]
+            # One copy per received buffer, not a blocking copy per tensor (on CUDA: pinned
+            # staging and one non-blocking transfer).
+            moved = tensors_to_device([*merged_k, *merged_v], target_device)
+            merged_k, merged_v = moved[: len(merged_k)], moved[len(merged_k) :]
         heads = [r.global_heads for r, _ in pieces]
         return KVCacheTransferData(
             request_id=rid,

@@ -68,7 +68,7 @@ from vllm_kvbridge.runner.vllm_connector import (
     tp_position,
     transfer_id_for,
 )
-from vllm_kvbridge.wire.host_staging import StagedRows
+from vllm_kvbridge.wire.host_staging import StagedRows, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
             so.num_scheduled_tokens if so is not None else {},
             self._kvb_capture.feed_dim,
         )
-        self.get_model().kvbridge_set_conditioning(rows.to(self.device))
+        self.get_model().kvbridge_set_conditioning(to_device(rows, self.device))  # no sync per step
 
     # -- capture -----------------------------------------------------------------------------
     def _kvbridge_capture_rows(self, hidden: torch.Tensor) -> None:

@@ -40,6 +40,7 @@ from torch import nn
 
 from vllm_kvbridge.errors import RequestCancelled
 from vllm_kvbridge.models.guidance import cfg_combine
+from vllm_kvbridge.wire.host_staging import pairs_to_device
 
 KVLayers = Sequence[tuple[torch.Tensor, torch.Tensor]]
 T = TypeVar("T")
@@ -141,11 +142,8 @@ def denoise_batch(
         for row in rows
     ]
     x = torch.cat(noise).to(device, dtype) if rows else None
-    kvs = [[(k.to(device), v.to(device)) for k, v in row.kv] for row in rows]
-    uncond = [
-        None if row.uncond_kv is None else [(k.to(device), v.to(device)) for k, v in row.uncond_kv]
-        for row in rows
-    ]
+    kvs = [pairs_to_device(row.kv, device) for row in rows]
+    uncond = [None if row.uncond_kv is None else pairs_to_device(row.uncond_kv, device) for row in rows]
     alive = list(range(len(rows)))  # rows[alive[j]] is row j of x
     for i in range(num_steps):
         keep = [j for j, r in enumerate(alive) if not _cancelled(rows[r])]

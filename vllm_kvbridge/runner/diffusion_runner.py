@@ -54,6 +54,7 @@ from vllm_kvbridge.errors import ConfigError, RequestCancelled, TransferError
 from vllm_kvbridge.models.guidance import CFG_NEGATIVE, cfg_combine, guidance_active
 from vllm_kvbridge.runner.mixin import KVBridgeModelRunnerMixin
 from vllm_kvbridge.runner.settings import load_dotted
+from vllm_kvbridge.wire.host_staging import pairs_to_device
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -141,9 +142,9 @@ def denoise(
     device = param.device if param is not None else torch.device("cpu")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn((batch, *module.latent_shape), generator=gen, dtype=torch.float32).to(device, dtype)
-    kv = [(k.to(device), v.to(device)) for k, v in kv]
+    kv = pairs_to_device(kv, device)
     if uncond_kv is not None:
-        uncond_kv = [(k.to(device), v.to(device)) for k, v in uncond_kv]
+        uncond_kv = pairs_to_device(uncond_kv, device)
     rank = -1
     if cfg_group is not None:
         import torch.distributed as dist
