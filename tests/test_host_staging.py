@@ -15,21 +15,21 @@ def _hidden(rows: int = 10, dim: int = 6) -> torch.Tensor:
 
 def test_each_span_comes_back_exact_in_order_as_its_own_tensor() -> None:
     hidden = _hidden()
-    spans = [(7, 10), (0, 2), (4, 5)]
+    spans = {"r7": (7, 10), "r0": (0, 2), "r4": (4, 5)}
     staged = StagedRows(hidden, spans)
     assert staged.ready() and not staged.pinned  # a CPU source: no event, no pinning
     out = staged.take()
-    assert [t.shape[0] for t in out] == [3, 2, 1]
-    for (a, b), t in zip(spans, out, strict=True):
-        assert torch.equal(t, hidden[a:b])
+    assert [(k, t.shape[0]) for k, t in out.items()] == [("r7", 3), ("r0", 2), ("r4", 1)]
+    for key, (a, b) in spans.items():
+        assert torch.equal(out[key], hidden[a:b])
     # Each is its own storage: one request's rows never keep another's (or the step's) alive.
-    ptrs = {t.untyped_storage().data_ptr() for t in out}
+    ptrs = {t.untyped_storage().data_ptr() for t in out.values()}
     assert len(ptrs) == 3 and hidden.untyped_storage().data_ptr() not in ptrs
 
 
 def test_the_rows_are_copied_when_staged_not_when_taken() -> None:
     hidden = _hidden()
-    staged = StagedRows(hidden, [(1, 3)])
+    staged = StagedRows(hidden, {0: (1, 3)})
     want = hidden[1:3].clone()
     hidden.zero_()  # the model's buffer is reused by the next step
     assert torch.equal(staged.take()[0], want)
@@ -37,19 +37,19 @@ def test_the_rows_are_copied_when_staged_not_when_taken() -> None:
 
 def test_empty_spans_and_no_spans() -> None:
     hidden = _hidden()
-    assert StagedRows(hidden, []).take() == []
-    out = StagedRows(hidden, [(3, 3), (2, 4)]).take()
+    assert StagedRows(hidden, {}).take() == {}
+    out = StagedRows(hidden, {0: (3, 3), 1: (2, 4)}).take()
     assert out[0].shape == (0, 6) and torch.equal(out[1], hidden[2:4])
 
 
 def test_take_is_once_and_bad_spans_are_refused() -> None:
-    staged = StagedRows(_hidden(), [(0, 1)])
+    staged = StagedRows(_hidden(), {0: (0, 1)})
     staged.take()
     with pytest.raises(RuntimeError, match="twice"):
         staged.take()
     for span in [(-1, 2), (3, 2), (0, 11)]:
         with pytest.raises(ValueError, match="outside"):
-            StagedRows(_hidden(), [span])
+            StagedRows(_hidden(), {0: span})
 
 
 def test_to_device_on_a_cpu_device_is_the_host_tensor() -> None:

@@ -16,8 +16,8 @@ pytestmark = [
 
 def test_one_non_blocking_copy_into_pinned_memory_completed_by_an_event() -> None:
     hidden = torch.randn(64, 512, device="cuda")
-    spans = [(40, 64), (0, 3), (10, 11)]
-    want = [hidden[a:b].cpu() for a, b in spans]
+    spans = {"a": (40, 64), "b": (0, 3), "c": (10, 11)}
+    want = {key: hidden[a:b].cpu() for key, (a, b) in spans.items()}
     torch.cuda.synchronize()
     # A kernel that spins ~0.5 s runs ahead of the copy on the stream: staging must not wait.
     torch.cuda._sleep(1_000_000_000)
@@ -26,18 +26,19 @@ def test_one_non_blocking_copy_into_pinned_memory_completed_by_an_event() -> Non
     assert not staged.ready()  # still behind the spinning kernel: the caller did not block
     out = staged.take()  # waits on the event
     assert staged.ready()
-    for t, w in zip(out, want, strict=True):
-        assert t.device.type == "cpu" and not t.is_pinned() and torch.equal(t, w)
+    assert list(out) == list(spans)
+    for key, t in out.items():
+        assert t.device.type == "cpu" and not t.is_pinned() and torch.equal(t, want[key])
 
 
 def test_a_thousand_steps_keep_device_and_pinned_memory_flat() -> None:
     hidden = torch.randn(256, 1024, device="cuda")
     for _ in range(20):  # warm the caching allocators
-        StagedRows(hidden, [(0, 100), (128, 256)]).take()
+        StagedRows(hidden, {0: (0, 100), 1: (128, 256)}).take()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     for i in range(1000):
-        out = StagedRows(hidden, [(0, 100), (128, 256)]).take()
+        out = StagedRows(hidden, {0: (0, 100), 1: (128, 256)}).take()
         assert out[1].shape == (128, 1024)
         if i % 100 == 0:  # each step's rows are exact
             assert torch.equal(out[0], hidden[:100].cpu())

@@ -103,10 +103,9 @@ class CaptureState:
     scheduler_output: Any = None
     #: per captured request, this step's payload tensors until its tokens are sampled
     step_rows: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-    #: this step's hidden-state rows on their way to the host (one copy for all requests),
-    #: and the requests they belong to, in order; taken when the tokens are sampled
+    #: this step's hidden-state rows per request on their way to the host (one copy for
+    #: all requests), taken when the tokens are sampled
     staged: StagedRows | None = None
-    staged_ids: list[str] = field(default_factory=list)
     #: a fed stage (``feed: per_step``): the model's conditioning width (runner/conditioning.py)
     feed_dim: int | None = None
     #: engine steps this runner executed (with or without a forward), for tests and health
@@ -216,10 +215,10 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
     def _kvbridge_capture_rows(self, hidden: torch.Tensor) -> None:
         so = self._kvb_capture.scheduler_output
         self._kvb_capture.step_rows = {}
-        self._kvb_capture.staged, self._kvb_capture.staged_ids = None, []
+        self._kvb_capture.staged = None
         if so is None:
             return
-        spans: list[tuple[int, int]] = []
+        spans: dict[str, tuple[int, int]] = {}
         offset = 0
         for req_id in self.input_batch.req_ids:
             n = so.num_scheduled_tokens.get(req_id, 0)
@@ -259,8 +258,7 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
                 self.kvbridge_fail_capture(req_id, f"kvbridge_step_extras: {type(exc).__name__}: {exc}")
                 continue
             if self._kvb.settings.payload.capture_hidden_states:
-                spans.append((start_row + skip, start_row + n))
-                self._kvb_capture.staged_ids.append(req_id)
+                spans[req_id] = (start_row + skip, start_row + n)
             self._kvb_capture.step_rows[req_id] = extras
             state.extra["captured"] = max(done, first_pos + n)
         if spans:
@@ -271,14 +269,13 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
 
     def _kvbridge_capture_tokens(self, output: Any) -> None:
         rows, self._kvb_capture.step_rows = self._kvb_capture.step_rows, {}
-        staged, ids = self._kvb_capture.staged, self._kvb_capture.staged_ids
-        self._kvb_capture.staged, self._kvb_capture.staged_ids = None, []
+        staged, self._kvb_capture.staged = self._kvb_capture.staged, None
         if staged is not None:
             # Waits on the copy's event: by now vLLM's own copy of the sampled tokens,
-            # behind it on the stream, has completed, so this rarely waits at all.
-            for req_id, hidden in zip(ids, staged.take(), strict=True):
-                if req_id in rows:
-                    rows[req_id]["hidden_states"] = hidden
+            # behind it on the stream, has completed, so this rarely waits at all. Every
+            # staged request has its step_rows entry (both are set in one iteration).
+            for req_id, hidden in staged.take().items():
+                rows[req_id]["hidden_states"] = hidden
         req_ids = getattr(output, "req_ids", None)
         sampled = getattr(output, "sampled_token_ids", None)
         if req_ids is None or sampled is None:

@@ -21,7 +21,7 @@ Imports neither vLLM nor any other layer of the package above ``errors``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 
@@ -29,24 +29,25 @@ import torch
 class StagedRows:
     """Spans of rows of one device tensor on their way to the host (see the module docstring).
 
-    ``spans``: ``(start, end)`` row ranges of ``source`` (dim 0), in the order
-    :meth:`take` returns them. The copy is enqueued on the caller's (current) stream here.
+    ``spans``: ``{key: (start, end)}`` row ranges of ``source`` (dim 0); :meth:`take`
+    returns ``{key: rows}`` in the same order. The copy is enqueued on the caller's
+    (current) stream here.
     """
 
     __slots__ = ("_buffer", "_event", "_spans")
 
-    def __init__(self, source: torch.Tensor, spans: Sequence[tuple[int, int]]) -> None:
-        self._spans = [(int(a), int(b)) for a, b in spans]
-        for a, b in self._spans:
+    def __init__(self, source: torch.Tensor, spans: Mapping[Hashable, tuple[int, int]]) -> None:
+        self._spans = {key: (int(a), int(b)) for key, (a, b) in spans.items()}
+        for a, b in self._spans.values():
             if not 0 <= a <= b <= source.shape[0]:
                 raise ValueError(f"row span [{a}, {b}) outside [0, {source.shape[0]})")
-        rows = sum(b - a for a, b in self._spans)
+        rows = sum(b - a for a, b in self._spans.values())
         # Only CUDA gets the asynchronous path (pinned + non_blocking + event); another
         # accelerator copies blocking, which is correct where no event tells completion.
         cuda = source.device.type == "cuda"
         self._buffer: torch.Tensor | None = host_buffer((rows, *source.shape[1:]), source.dtype, pinned=cuda)
         self._event: torch.cuda.Event | None = None
-        parts = [source[a:b] for a, b in self._spans if b > a]
+        parts = [source[a:b] for a, b in self._spans.values() if b > a]
         if not parts:
             return
         if source.device.type == "cpu":
@@ -68,17 +69,17 @@ class StagedRows:
         """Whether the copy has completed (never waits)."""
         return self._event is None or self._event.query()
 
-    def take(self) -> list[torch.Tensor]:
-        """Wait for the copy; one new pageable host tensor per span, in span order. Once."""
+    def take(self) -> dict[Hashable, torch.Tensor]:
+        """Wait for the copy; per key a new pageable host tensor of its rows. Once."""
         if self._buffer is None:
             raise RuntimeError("StagedRows.take() called twice")
         if self._event is not None:
             self._event.synchronize()
             self._event = None
         buffer, self._buffer = self._buffer, None  # pinned memory goes back to torch's cache
-        out, at = [], 0
-        for a, b in self._spans:
-            out.append(buffer[at : at + b - a].clone())
+        out, at = {}, 0
+        for key, (a, b) in self._spans.items():
+            out[key] = buffer[at : at + b - a].clone()
             at += b - a
         return out
 
