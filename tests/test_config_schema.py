@@ -147,6 +147,7 @@ def test_check_config_cli_broken_file_is_one_line_naming_the_key(tmp_path: Path)
             "stages[1].kv_transfer.need_recv_cache: must be true because stage 0 sends KV on edge 0 -> 1",
         ),
         ("stages.1.kv_transfer.recv_timeout", 0, "stages[1].kv_transfer.recv_timeout: must be > 0"),
+        ("stages.0.kv_transfer.staging_bytes", -1, "stages[0].kv_transfer.staging_bytes: must be >= 0"),
         (
             "stages.1.tensor_parallel_size",
             2,

@@ -10,49 +10,24 @@ the edge being full (nobody reads), never by a sleep.
 
 from __future__ import annotations
 
-import gc
-import threading
 import time
 
 import pytest
 import torch
-from kv_fixtures import BLOCK, fake_cpu_caches, reference_kv, request_plan
+from kv_sender_fixtures import GatedShm as _GatedShm
+from kv_sender_fixtures import held_until_it_fails
+from kv_sender_fixtures import read_exact as _read_exact
+from kv_sender_fixtures import receiver as _receiver
+from kv_sender_fixtures import spec as _spec
+from kv_sender_fixtures import status as _status
+from kv_sender_fixtures import wait as _wait
+from kv_sender_fixtures import worker as _worker
 from runner_fixtures import shm_entries, shm_namespace
 
 from vllm_kvbridge.connectors.put_retry import put_with_retry
-from vllm_kvbridge.connectors.registry import register_connector
-from vllm_kvbridge.connectors.shm import SharedMemoryConnector
 from vllm_kvbridge.connectors.zmq_p2p import ZmqConnector
-from vllm_kvbridge.kv.config import KVTransferConfig
-from vllm_kvbridge.kv.manager import KVTransferManager
-from vllm_kvbridge.runner.kv_sender import WorkerKVSender
-from vllm_kvbridge.runner.settings import RunnerSettings
-from vllm_kvbridge.runner.vllm_connector import KVSendSpec
 
 pytestmark = pytest.mark.forked
-
-
-class _GatedShm(SharedMemoryConnector):
-    """A real shm connector whose publishes wait for ``gate`` (a link slower than the engine)."""
-
-    name = "BackpressureGatedShm"
-    gate = threading.Event()
-
-    def _publish_lent(self, reservation, start):  # puts and the KV sender's publishes
-        assert type(self).gate.wait(30), "the test never opened the gate"
-        return super()._publish_lent(reservation, start)
-
-
-register_connector(_GatedShm.name, _GatedShm, replace=True)
-
-PLAN = request_plan(5)  # every request sends this many tokens: equal segment sizes
-
-
-def _wait(pred, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < end, "condition not met"
-        time.sleep(0.01)
 
 
 def _one_segment(ns: str) -> int:
@@ -67,47 +42,6 @@ def _one_segment(ns: str) -> int:
         sender.shutdown()
     assert held > 0
     return held
-
-
-def _worker(ns: str, *, max_held_bytes: int = 1 << 40, **kv: object) -> WorkerKVSender:
-    settings = RunnerSettings.from_dict(
-        {
-            "stage_id": 0,
-            "kv_transfer": {
-                "need_send_cache": True,
-                "to_stage": 1,
-                "connector": kv.pop("connector", "SharedMemoryConnector"),
-                "connector_config": {"namespace": ns, "max_held_bytes": max_held_bytes},
-                **kv,
-            },
-        }
-    )
-    return WorkerKVSender(settings, fake_cpu_caches(2, 3), None, num_kv_heads=2, block_size=BLOCK)
-
-
-def _spec(rid: str) -> KVSendSpec:
-    return KVSendSpec(f"e-{rid}", rid, tuple(PLAN["block_ids"]), PLAN["seq_len"], release=True)
-
-
-def _receiver(ns: str) -> KVTransferManager:
-    cfg = KVTransferConfig(
-        need_recv_cache=True, stage_id=1, from_stage=0, recv_timeout=5, connector_config={"namespace": ns}
-    )
-    return KVTransferManager(cfg, num_kv_heads=2)
-
-
-def _read_exact(receiver: KVTransferManager, rid: str) -> None:
-    """Receive ``rid`` and check it bit-exact; its segment goes back once the data is freed."""
-    data, _ = receiver.receive_kv_cache_for_request(rid)
-    keys, values = reference_kv(fake_cpu_caches(2, 3), PLAN)
-    assert all(torch.equal(a, b) for a, b in zip(data.key_cache, keys))
-    assert all(torch.equal(a, b) for a, b in zip(data.value_cache, values))
-    del data
-    gc.collect()
-
-
-def _status(sender: WorkerKVSender, rid: str) -> str:
-    return sender.status([rid])[rid]["kv"]
 
 
 def test_a_put_into_a_full_edge_waits_for_room_and_then_lands() -> None:
@@ -234,14 +168,8 @@ def test_a_send_held_past_send_timeout_fails_and_releases_its_blocks() -> None:
         _wait(lambda: sender.manager.queued_send_bytes() > 0)
         sender.send([_spec("C")])
         assert sender.held() == 1 and sender.take_released() == set()
-        _wait(lambda: (sender.send([]), sender.held() == 0)[1], timeout=5)  # engine steps
-        assert sender.take_released() == {"e-C"}
-        why = _status(sender, "C")
+        why = held_until_it_fails(sender, ns, "A", "C")
         assert why.startswith("failed: KV held") and "max_send_queue_bytes=1" in why, why
-        _GatedShm.gate.set()
-        _wait(lambda: _status(sender, "A") == "done")
-        with _receiver(ns) as receiver:
-            _read_exact(receiver, "A")
     finally:
         _GatedShm.gate.set()
         sender.shutdown()

@@ -97,7 +97,8 @@ def _managers(
 
 
 def _send_all(sender: KVTransferManager, caches: list[torch.Tensor], layout: KVCacheLayout) -> None:
-    plans = {rid: {"block_ids": ids, "seq_len": n} for rid, (n, ids) in PLANS.items()}
+    # blocks_held: the caches outlive the sends, so a staged gather may run on the copy thread
+    plans = {rid: {"block_ids": ids, "seq_len": n, "blocks_held": True} for rid, (n, ids) in PLANS.items()}
     sender.layout = layout
     assert sorted(sender.handle_finished_requests_kv_transfer(plans, caches, BLOCK, "auto")) == sorted(plans)
     done: set[str] = set()
@@ -134,8 +135,20 @@ def connector_name(request: pytest.FixtureRequest) -> str:
 @pytest.mark.parametrize("kind", ["cpu-vec", "cpu-amx", "packed-LBHNC", "packed-BLNHC"])
 @pytest.mark.parametrize("to_tp", [1, 2])
 def test_one_copy_kv_is_bit_exact(connector_name: str, kind: str, to_tp: int, token: str) -> None:
+    assert _sent_bit_exact(connector_name, kind, to_tp, token) is None  # the direct path
+
+
+@pytest.mark.parametrize("kind", ["cpu-vec", "packed-BLNHC"])
+def test_staged_kv_is_bit_exact(connector_name: str, kind: str, token: str) -> None:
+    """The staged path (issue 14: the GPU default) into every connector's destination."""
+    stats = _sent_bit_exact(connector_name, kind, 2, token, staging_bytes=8 << 20)
+    assert stats is not None and stats["in_use"] == 0 and stats["bypassed"] == stats["full"] == 0
+
+
+def _sent_bit_exact(connector_name: str, kind: str, to_tp: int, token: str, **send: Any) -> dict | None:
+    """Send every plan, receive it on each rank and compare; the staging pool's counters."""
     caches, layout = _caches(kind)
-    sender, receivers = _managers(connector_name, token, to_tp)
+    sender, receivers = _managers(connector_name, token, to_tp, **send)
     try:
         if connector_name != "ZmqConnector":  # ZMQ's reservation is its own served buffer
             probe = sender.connector.reserve(0, 1, "probe", 64)
@@ -152,11 +165,13 @@ def test_one_copy_kv_is_bit_exact(connector_name: str, kind: str, to_tp: int, to
                 for layer, (k, v) in enumerate(_reference(caches, layout, plan, heads)):
                     assert torch.equal(data.key_cache[layer], k), (rid, layer)
                     assert torch.equal(data.value_cache[layer], v), (rid, layer)
+        stats = sender.staging_stats()
     finally:
         for receiver in receivers:
             receiver.shutdown()
         sender.shutdown()
     assert SPECS_BY_NAME[connector_name].leftovers(token) == []
+    return stats
 
 
 class _BytesWritten(TorchDispatchMode):

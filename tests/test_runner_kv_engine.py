@@ -6,6 +6,13 @@ the same shared-memory edge). Triggers are chosen per request through
 ``extra_args["kvbridge"]`` so one engine covers on_finish, prefill_finished (with and
 without stop_after_transfer) and special_token. The KV cache is kept small
 (``num_gpu_blocks_override``) so freed blocks are reused at once under load.
+
+The engine sends on the staged path (issue 14, the GPU default; ``staging_bytes``): the
+gathers of finished requests run on the copy thread while the engine steps on, and their
+blocks go back only once the copy read them; a small pool can make finished requests wait
+in their blocks for room under the concurrency test, where the flood reuses every block
+given back. (That ordering is checked deterministically, with a stalled copy, in
+test_kv_staging.py.) The direct path in a real engine is covered by the pipeline tests.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ NAMESPACE = shm_namespace("kv")
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path):
     settings = kv_sender_settings(NAMESPACE)
+    settings["kv_transfer"]["staging_bytes"] = 4 << 20  # room for four requests at once
     llm = start_engine(tiny_model_dir, settings, num_gpu_blocks_override=96, max_num_seqs=16)
     receiver = kv_receiver(NAMESPACE)
     try:
@@ -144,4 +152,6 @@ def test_exact_under_block_reuse_pressure_and_concurrency(engine, hf) -> None:
         assert_kv_equal(data, hf.kv(prompt_ids(n, salt=10 + i) + generated[:-1]))
     state = llm.collective_rpc("kvbridge_debug_state")[0]
     assert state["kv_live"] == [] and state["kv_pending"] == 0, state
+    staging = state["kv_staging"]  # every send went through the pool, and all of it came back
+    assert staging is not None and staging["in_use"] == 0 and staging["bypassed"] == 0, staging
     assert [e for e in shm_entries(NAMESPACE) if ".k." in e] == []

@@ -1,6 +1,6 @@
 """``vllm-kvbridge bench``: measurements.
 
-Sub-commands: ``connectors``, ``ar-overhead``, ``kv-path``, ``handoff``, ``soak``.
+Sub-commands: ``connectors``, ``ar-overhead``, ``kv-path``, ``handoff``, ``soak``, ``gpu-path``.
 """
 
 from __future__ import annotations
@@ -83,6 +83,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     add_soak_arguments(s)
     s.set_defaults(func=_run_soak)
+    g = bench_sub.add_parser(
+        "gpu-path",
+        help="the KV send path on a GPU (staged and direct) vs pinned D2H and D2D copies",
+        description="Gather a request's KV out of CUDA paged caches on the staged path (pinned pool, side "
+        "stream, fence) and the direct path (a shared-memory segment); print caller and completion ms, "
+        "GB/s and the ratio to a pinned device-to-host copy of the same bytes (and a device-to-device "
+        "copy) measured in the same run. Plain torch, no vLLM.",
+    )
+    from vllm_kvbridge.bench.gpu_path import add_arguments as add_gpu_path_arguments
+
+    add_gpu_path_arguments(g)
+    g.set_defaults(func=_run_gpu_path)
 
 
 def _run_connectors(args: argparse.Namespace) -> int:
@@ -139,6 +151,13 @@ def _run_handoff(args: argparse.Namespace) -> int:
     from vllm_kvbridge.bench.handoff import format_table, run, write_json
 
     _report("handoff", args, run, format_table, write_json)
+    return 0
+
+
+def _run_gpu_path(args: argparse.Namespace) -> int:
+    from vllm_kvbridge.bench.gpu_path import format_result, run, write_json
+
+    _report("gpu-path", args, run, format_result, write_json)
     return 0
 
 

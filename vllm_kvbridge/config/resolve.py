@@ -205,6 +205,8 @@ def _check_stage(i: int, s: StageSpec) -> None:
     if kv.max_send_queue_bytes < 1:
         got = kv.max_send_queue_bytes
         raise ConfigError(f"{p}.kv_transfer.max_send_queue_bytes: must be >= 1, got {got}")
+    if kv.staging_bytes is not None and kv.staging_bytes < 0:
+        raise ConfigError(f"{p}.kv_transfer.staging_bytes: must be >= 0, got {kv.staging_bytes}")
     if kv.trigger == "special_token" and kv.trigger_token_id is None:
         raise ConfigError(f"{p}.kv_transfer.trigger_token_id: required when trigger is 'special_token'")
     if kv.trigger != "special_token" and kv.trigger_token_id is not None:

@@ -31,6 +31,7 @@ def kv_transfer_config_dict(stage: ResolvedStage) -> dict[str, Any]:
         "recv_timeout": float(kv.get("recv_timeout", 30.0)),
         "send_timeout": float(kv.get("send_timeout", 60.0)),
         "max_send_queue_bytes": int(kv.get("max_send_queue_bytes", 1 << 30)),
+        "staging_bytes": kv.get("staging_bytes"),
         "enable_kv_async_prefetch": bool(kv.get("prefetch", True)) and bool(kv.get("need_recv_cache")),
     }
     expect = {k: v for k, v in (kv.get("expect") or {}).items() if v is not None}

@@ -68,7 +68,10 @@ class KVTransferSpec(_Spec):
     sampled token equals ``trigger_token_id``. ``send_timeout`` (sender) is how long a
     finished request's KV may wait for room on a full edge (held in the engine's blocks
     while ``max_send_queue_bytes`` of gathered KV wait for their puts, then for each put)
-    before its request fails. ``recv_timeout`` (receiver) is the
+    before its request fails. ``staging_bytes`` (sender): the host staging pool (pinned on
+    GPU) gathered KV waits in for its puts; 0: gather straight into the connector on the
+    model thread; unset: 1/8 of host memory (at most 8 GiB) on GPU, 0 on CPU; when the
+    pool is full, finished requests' KV stays in the engine's blocks. ``recv_timeout`` (receiver) is the
     deadline in seconds for a KV cache to arrive; ``prefetch`` lets the receiver start
     pulling the next queued request's KV while the current one runs; ``expect`` (receiver)
     is what the KV must be (``model``, ``dtype``, ``num_layers``, ``num_kv_heads``,
@@ -83,6 +86,7 @@ class KVTransferSpec(_Spec):
     recv_timeout: float = 30.0
     send_timeout: float = 60.0
     max_send_queue_bytes: int = 1 << 30
+    staging_bytes: int | None = None
     prefetch: bool = True
     expect: KVExpectSpec | None = None
 

@@ -34,7 +34,10 @@ class KVTransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     there is room, for up to ``send_timeout`` seconds, then its request fails; while the
     gathered KV waiting for its puts exceeds ``max_send_queue_bytes``, the KV of finished
     requests stays in the engine's blocks (not gathered yet), so the engine admits no more
-    than its cache holds instead of growing memory.
+    than its cache holds instead of growing memory. ``staging_bytes``: the pool of host
+    staging buffers (pinned on GPU) the gathered KV waits in until its puts (kv/send.py's
+    staged path); 0 gathers straight into the connector's memory on the model thread;
+    None (default): 1/8 of host memory, at most 8 GiB, for CUDA caches, 0 for CPU caches.
 
     Receiving side: ``need_recv_cache``, ``from_stage`` (the stage that sends; defaults
     to the first of ``engine_input_source``), ``recv_timeout`` seconds per receive
@@ -68,6 +71,7 @@ class KVTransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     send_max_backoff_s: float = 2.0
     send_timeout: float = 60.0
     max_send_queue_bytes: int = 1 << 30
+    staging_bytes: int | None = None
     from_tp: int = 1
     to_tp: int = 1
     tp_rank: int | None = None
@@ -95,6 +99,8 @@ class KVTransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
             raise bad("send_timeout", "must be > 0")
         if self.max_send_queue_bytes < 1:
             raise bad("max_send_queue_bytes", "must be >= 1")
+        if self.staging_bytes is not None and self.staging_bytes < 0:
+            raise bad("staging_bytes", "must be >= 0")
         if self.send_max_backoff_s < self.send_backoff_s:
             raise bad("send_max_backoff_s", "must be >= send_backoff_s")
         for name in ("from_tp", "to_tp", "max_prefetch_inflight", "max_unconsumed"):

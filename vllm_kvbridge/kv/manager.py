@@ -27,40 +27,31 @@ plus optional ``"purpose"`` (default ``"kv"``; CFG companions use their own purp
 per-KV-cache-group lists of which the first is used). ``request_id_resolver`` maps the
 engine's id to the id used in transfer keys (vLLM adds suffixes; the receiver knows the
 user's id). The gather (one indexed copy per layer, only the heads the receivers need)
-runs on the calling thread, because the caller frees the blocks afterwards; the
-connector's put runs on one I/O thread, with ``send_retries`` retries and exponential
-backoff. A request is reported ``done`` only when every put of it succeeded; otherwise
-``failed`` (never both, never silently dropped). Ids in ``get_finished`` are the keys of
-``finished_reqs``.
+runs on the calling thread, because the caller frees the blocks afterwards (on the staged
+path, the default on GPU: queued on a copy stream; see :mod:`~vllm_kvbridge.kv.send`);
+the connector's put runs on one I/O thread, with ``send_retries`` retries and backoff. A
+request is reported ``done`` only when every put of it succeeded; otherwise ``failed``
+(never both, never silently dropped). Ids in ``get_finished`` are ``finished_reqs``' keys.
 
 Receiver side: :meth:`receive_kv_cache_for_request` waits on a monotonic deadline of
 ``recv_timeout`` seconds and **raises** :class:`TransferTimeout` when the KV did not come
-(``(None, 0)`` is returned only when this stage is not configured to receive KV at all).
-Post-processing failures of received data (wrong request id or heads, undecodable) raise
-:class:`TransferCorrupt`. :meth:`receive_multi_kv_cache` receives the primary KV plus CFG
-companions through one hook, ``cfg_kv_collect_func(req) -> Iterable[str]``, which returns
-the *purposes* of the companion caches the request needs; results are attached to
-``req`` as ``req.kv_transfer_data`` (:class:`KVCacheTransferData`) and
-``req.cfg_kv_transfer_data`` (``{purpose: KVCacheTransferData}``) when ``req`` accepts
-attributes, and kept until :meth:`pop_received`.
-
-Sender info (what the receiver passes to a connector's ``get`` as metadata) is described
-in :mod:`~vllm_kvbridge.kv.sender_info`.
+(``(None, 0)`` only when this stage receives no KV); undecodable or mismatched data raises
+:class:`TransferCorrupt`. :meth:`receive_multi_kv_cache` receives the primary KV plus the
+CFG companions whose purposes ``cfg_kv_collect_func(req)`` names, attached to ``req`` as
+``kv_transfer_data`` / ``cfg_kv_transfer_data`` and kept until :meth:`pop_received`.
+Sender info (the receiver's ``get`` metadata): :mod:`~vllm_kvbridge.kv.sender_info`.
 
 TP: :mod:`vllm_kvbridge.kv.topology` decides which sender rank sends which heads to which
-receiver rank; keys carry both ranks. ``distribution="leader"``: group rank 0 of the
-stage's process group receives everything and broadcasts one packed uint8 tensor per cache
-to the other ranks (:meth:`receive_multi_kv_cache_distributed`, :meth:`distribute_kv_cache`);
-for it the edge's ``to_tp`` must be 1.
+receiver rank; keys carry both ranks. ``distribution="leader"`` (the edge's ``to_tp`` is
+1): group rank 0 receives everything and broadcasts one packed uint8 tensor per cache to
+the other ranks (:meth:`receive_multi_kv_cache_distributed`, :meth:`distribute_kv_cache`).
 
-Prefetch: :meth:`start_prefetch` starts background receives (at most
-``max_prefetch_inflight`` at once); :meth:`consume_and_distribute_kv_cache` uses a finished
-prefetch; on a miss or a recoverable failure (nothing was consumed: timeout, transport
-error) it receives synchronously; when a payload was consumed but its post-processing
-failed it raises :class:`KVPrefetchConsumeError` and does not retry (the data is gone).
-Pieces already consumed by a failed receive of a multi-rank request are kept and reused by
-the next attempt, so no consumed payload is lost. :meth:`shutdown` cancels and joins
-everything and closes the connector.
+Prefetch: :meth:`start_prefetch` starts background receives (``max_prefetch_inflight``
+at once); :meth:`consume_and_distribute_kv_cache` uses a finished one, and on a miss or a
+recoverable failure (nothing consumed) receives synchronously; when a consumed payload's
+post-processing failed it raises :class:`KVPrefetchConsumeError` (the data is gone).
+Pieces a failed multi-rank receive consumed are kept for the next attempt.
+:meth:`shutdown` cancels and joins everything and closes the connector.
 """
 
 from __future__ import annotations
@@ -92,7 +83,7 @@ from vllm_kvbridge.kv.receive import (
     ReceivedStore,
     request_id_of,
 )
-from vllm_kvbridge.kv.send import KVSendQueue, gather_job, layout_for
+from vllm_kvbridge.kv.send import KVSendQueue, Stager, StagingFull, gather_job, layout_for
 from vllm_kvbridge.kv.sender_info import SentInfoTable, StageSenderInfo
 from vllm_kvbridge.kv.topology import TPTopology
 from vllm_kvbridge.wire.kv_format import KVCacheTransferData
@@ -135,6 +126,7 @@ class KVTransferManager:
         self._closed = False
         self._sent_info = SentInfoTable(sender_info_ttl_s, max_sender_info)
         self._sends = KVSendQueue(config, self._get_connector, self.metrics, self._sent_info, self._stop)
+        self._stager: Stager | None = None  # the staged send path, made at the first send
         self._stage_info = StageSenderInfo()
         self._ledger = ReadLedger()  # read vs. withdrawn receives (withdraw_receive)
         self._receiver = KVReceiver(
@@ -259,11 +251,14 @@ class KVTransferManager:
         block_size: int,
         cache_dtype: Any,
         request_id_resolver: Callable[[str], str] | None = None,
+        deferred: list[str] | None = None,
     ) -> list[str]:
         """Gather each finished request's KV now and queue its send; return the submitted ids.
 
         A request whose gather fails (bad block ids, ...) is not submitted and is reported
-        in ``get_finished()[1]`` right away.
+        in ``get_finished()[1]`` right away. With ``staging_bytes`` (kv/send.py, staged
+        path), one whose ``info["blocks_held"]`` finds the staging pool full is appended to
+        ``deferred`` instead: its caller keeps the blocks and hands it in again later.
         """
         if not self.config.need_send_cache or not finished_reqs:
             return []
@@ -276,12 +271,15 @@ class KVTransferManager:
         total_heads = self.num_kv_heads or (local_heads if self.config.from_tp == 1 else None)
         topo = self.topology(total_heads)
         routes = topo.routes_from(self.tp_rank)
-        edge = (self.config.stage_id, self.config.to_stage, self._get_connector)
+        edge = (self.config.stage_id, self.config.to_stage, self._get_connector, self._staging(kv_caches[0]))
         submitted: list[str] = []
         for engine_id, info in finished_reqs.items():
             try:
                 rid = request_id_resolver(engine_id) if request_id_resolver else engine_id
                 job = gather_job(engine_id, rid, info, kv_caches, layout, topo, routes, *edge)
+            except StagingFull:
+                (deferred if deferred is not None else []).append(engine_id)
+                continue
             except Exception as exc:  # one bad request must not stop the others
                 logger.error("KV gather for request %s failed: %s", engine_id, exc)
                 self._sends.fail(engine_id, f"gather failed: {exc}")
@@ -289,6 +287,18 @@ class KVTransferManager:
             self._sends.submit(job)
             submitted.append(engine_id)
         return submitted
+
+    def _staging(self, cache: torch.Tensor) -> Stager | None:
+        self._stager = self._stager or Stager.create(self.config.staging_bytes, cache.device)
+        return self._stager
+
+    def copies_in_flight(self, request_ids: set[str]) -> set[str]:
+        """Which of ``request_ids`` still have a staged copy reading their blocks."""
+        return self._sends.copies_in_flight(request_ids)
+
+    def staging_stats(self) -> dict[str, Any] | None:
+        """The staging pool's counters (None: direct path); ``full``: refusals, the backpressure."""
+        return self._stager.stats() if self._stager else None
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """``(done, failed)`` request ids since the last call; each id is reported once."""
@@ -567,6 +577,7 @@ class KVTransferManager:
             "prefetched": len(self._prefetcher),
             "sender_info_entries": len(self._sent_info),
             "leases": self._leases.health() if self._leases is not None else None,
+            "staging": self.staging_stats(),
             "closed": self._closed,
         }
         return {**state, "metrics": self.metrics.health(), "connector": conn.health() if conn else None}
@@ -582,6 +593,8 @@ class KVTransferManager:
             self._leases.close()
         self._prefetcher.shutdown()
         self._sends.shutdown(timeout)
+        if self._stager:
+            self._stager.close()
         self._receiver.clear()
         with self._connector_lock:
             conn, self._connector = self._connector, None

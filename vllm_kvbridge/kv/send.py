@@ -11,7 +11,15 @@ one I/O thread with ``send_retries`` retries and exponential backoff. Where the
 connector's memory is full at the gather, the KV goes to a host buffer whose put waits for
 room (:class:`~vllm_kvbridge.connectors.base.HeapReservation`: a second copy, only then).
 The gather runs on the caller's thread
-because the caller frees the blocks afterwards; nothing else does. A request is reported
+because the caller frees the blocks afterwards; nothing else does.
+
+The staged path (a :class:`Stager`; the default on GPU caches, ``staging_bytes``): the
+gather goes into a buffer of a bounded pool of pinned host memory through a copy stream
+(:mod:`vllm_kvbridge.wire.staging`), the job carries the copy's :class:`Fence`, and the
+I/O thread waits on it, copies the staged bytes into the connector's destination and
+publishes them. A caller that holds the request's blocks (``info["blocks_held"]``) gives
+them back only once :meth:`KVSendQueue.copies_in_flight` no longer names the request;
+where the pool has no room it gets :class:`StagingFull` and keeps holding them. A request is reported
 ``done`` only when every put of it succeeded, otherwise ``failed`` (never both, never
 silently dropped); the put metadata of a done request goes to the
 :class:`~vllm_kvbridge.kv.sender_info.SentInfoTable`.
@@ -43,10 +51,11 @@ from vllm_kvbridge.kv.topology import Route, TPTopology
 from vllm_kvbridge.wire import encode
 from vllm_kvbridge.wire.fill import TensorFill
 from vllm_kvbridge.wire.kv_format import KVCacheTransferData
+from vllm_kvbridge.wire.staging import CopyStream, Fence, StagingBuffer, StagingPool, default_staging_bytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KVSendQueue", "SendJob", "gather_job", "layout_for"]
+__all__ = ["KVSendQueue", "SendJob", "StagedReservation", "Stager", "StagingFull", "gather_job", "layout_for"]
 
 #: How many failure reasons :meth:`KVSendQueue.failure_reason` remembers.
 _MAX_REASONS = 1024
@@ -61,6 +70,8 @@ class SendJob:
     to_stage: StageId
     parts: list[tuple[str, int, Reservation]]  # (key, from_rank, filled destination)
     num_kv_heads: int = 0
+    #: completes once the copy that reads the request's blocks did (None: already done)
+    fence: Fence | None = None
 
     @property
     def nbytes(self) -> int:
@@ -103,6 +114,101 @@ def layout_for(kv_caches: Sequence[torch.Tensor], block_size: int, cache_dtype: 
     return layout
 
 
+class StagingFull(Exception):
+    """The staging pool has no room for a request's KV now (its blocks stay held)."""
+
+
+class Stager:
+    """The staged send path of one sender: its pool and copy stream (module docstring).
+
+    ``bypassed`` counts requests sent on the direct path instead: too big for the pool, or
+    found it full where the caller cannot hold their blocks.
+    """
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.stream = CopyStream(device)
+        self.pool = StagingPool(capacity, pinned=self.stream.cuda)
+        self.bypassed = 0
+        self.deferred = 0
+
+    @classmethod
+    def create(cls, budget: int | None, device: torch.device) -> Stager | None:
+        """The stager for caches on ``device`` (``budget``: ``staging_bytes``, None for the
+        default of :func:`~vllm_kvbridge.wire.staging.default_staging_bytes`); None for 0."""
+        budget = default_staging_bytes(device) if budget is None else budget
+        return cls(budget, device) if budget > 0 else None
+
+    def fits(self, sizes: Sequence[int]) -> bool:
+        return sum(self.pool.size_class(n) for n in sizes) <= self.pool.capacity
+
+    def acquire(self, sizes: Sequence[int]) -> list[StagingBuffer] | None:
+        """One buffer per size, all or none (None: no room now)."""
+        got: list[StagingBuffer] = []
+        for n in sizes:
+            buf = self.pool.acquire(n)
+            if buf is None:
+                for b in got:
+                    b.release()
+                return None
+            got.append(buf)
+        return got
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.pool.stats(), "bypassed": self.bypassed, "deferred": self.deferred}
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+class StagedReservation(Reservation):
+    """A payload staged in a pool buffer: :meth:`publish` waits for the staging copy, copies
+    it into a destination reserved from the connector (a full connector answers ``full``:
+    the put waits for room) and publishes that; the staging buffer then goes back."""
+
+    def __init__(
+        self,
+        staging: StagingBuffer,
+        fence: Fence,
+        connector: Callable[[], Connector],
+        from_stage: StageId,
+        to_stage: StageId,
+        key: str,
+    ) -> None:
+        super().__init__(key, staging.nbytes, staging.view)
+        self._staging: StagingBuffer | None = staging
+        self._fence, self._connector, self._stages = fence, connector, (from_stage, to_stage)
+        self._dest: Reservation | None = None
+
+    def publish(self) -> PutResult:
+        if self._staging is None:
+            return PutResult(ok=False, error=f"reservation of {self.key!r} was published or released")
+        self._fence.wait()
+        if self._dest is None:
+            got = self._connector().reserve(*self._stages, self.key, self.nbytes)
+            if not isinstance(got, Reservation):
+                return got  # full: retried when there may be room; an error: retried
+            if self.nbytes:  # staging -> destination (torch's copy releases the GIL)
+                torch.frombuffer(got.buffer, dtype=torch.uint8, count=self.nbytes).copy_(self._staging.tensor)
+            self._dest = got
+        result = self._dest.publish()
+        if result.ok:
+            self._dest = None  # the connector owns it now
+            self.release()
+        return result
+
+    def release(self) -> None:
+        dest, self._dest = self._dest, None
+        if dest is not None:
+            dest.release()
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            try:
+                self._fence.wait()  # a copy still writing into it must finish first
+            except Exception:  # the copy's error reached whoever waited for the publish
+                pass
+            staging.release()
+
+
 def gather_job(
     engine_id: str,
     rid: str,
@@ -114,9 +220,12 @@ def gather_job(
     from_stage: StageId,
     to_stage: StageId,
     connector: Callable[[], Connector],
+    stager: Stager | None = None,
 ) -> SendJob:
     """Copy one finished request's KV out of the paged caches into destinations reserved
-    from ``connector()``, one part per route (see the module docstring).
+    from ``connector()``, one part per route (see the module docstring); with a ``stager``,
+    into its staging pool instead (raises :class:`StagingFull` where it has no room now and
+    ``info["blocks_held"]``: the caller keeps the blocks and tries again later).
 
     ``info`` is ``{"block_ids": ..., "seq_len": int}`` plus optional ``"purpose"`` (default
     ``"kv"``) and ``"metadata"``; ``block_ids`` is a list or a tuple of per-KV-cache-group
@@ -138,33 +247,68 @@ def gather_job(
     metadata = dict(info.get("metadata") or {})
     metadata.setdefault("purpose", purpose)
     job = SendJob(engine_id, rid, to_stage, [], topo.num_kv_heads)
+    held = bool(info.get("blocks_held"))
+    to_host = partial(stager.stream.to_host, pinned=stager.pool.pinned) if stager is not None else None
+    encoded = []
+    for route in routes:
+        request = RequestGather(
+            kv_caches,
+            layout,
+            block_ids,
+            seq_len,
+            head_start=route.src_heads.start,
+            head_end=route.src_heads.end,
+        )
+        data = KVCacheTransferData(
+            request_id=key_rid,
+            layer_blocks={
+                "key_cache": _fills(request, KEY, to_host),
+                "value_cache": _fills(request, VALUE, to_host),
+            },
+            block_ids=[int(b) for b in list(block_ids)[: -(-seq_len // layout.tokens_per_block)]],
+            metadata=metadata,
+            seq_len=seq_len,
+            block_size=layout.tokens_per_block,
+            tp_rank=route.from_rank,
+            tp_size=topo.sender_tp,
+            head_start=route.global_heads.start,
+            head_end=route.global_heads.end,
+            num_kv_heads_total=topo.num_kv_heads,
+        )
+        key = route.key(key_rid, from_stage, to_stage, purpose=purpose)
+        encoded.append((key, route.from_rank, encode(data)))
+    sizes = [enc.packed_size() for _, _, enc in encoded]
+    buffers = None
+    if stager is not None and stager.fits(sizes):
+        buffers = stager.acquire(sizes)
+        if buffers is None and held:
+            stager.deferred += 1
+            raise StagingFull(f"{engine_id}: no room for {sum(sizes)} bytes in the staging pool")
+    if stager is not None and buffers is None:
+        stager.bypassed += 1  # sent on the direct path: correct, only not off the model thread
+    if buffers is not None:
+        assert stager is not None
+        staged = list(zip(encoded, buffers, strict=True))
+
+        def copy() -> None:
+            for (_, _, enc), buf in staged:
+                enc.pack_into(buf.view)  # the gather: cache -> staging
+
+        try:
+            # Blocks the caller frees right away are read before this returns.
+            job.fence = stager.stream.submit(copy, inline=not held)
+        except BaseException:
+            for buf in buffers:
+                buf.release()
+            raise
+        for (key, rank, _), buf in staged:
+            staged_part = StagedReservation(buf, job.fence, connector, from_stage, to_stage, key)
+            job.parts.append((key, rank, staged_part))
+        return job
     try:
-        for route in routes:
-            request = RequestGather(
-                kv_caches,
-                layout,
-                block_ids,
-                seq_len,
-                head_start=route.src_heads.start,
-                head_end=route.src_heads.end,
-            )
-            data = KVCacheTransferData(
-                request_id=key_rid,
-                layer_blocks={"key_cache": _fills(request, KEY), "value_cache": _fills(request, VALUE)},
-                block_ids=[int(b) for b in list(block_ids)[: -(-seq_len // layout.tokens_per_block)]],
-                metadata=metadata,
-                seq_len=seq_len,
-                block_size=layout.tokens_per_block,
-                tp_rank=route.from_rank,
-                tp_size=topo.sender_tp,
-                head_start=route.global_heads.start,
-                head_end=route.global_heads.end,
-                num_kv_heads_total=topo.num_kv_heads,
-            )
-            key = route.key(key_rid, from_stage, to_stage, purpose=purpose)
-            enc = encode(data)
-            reservation = _reserve(connector, from_stage, to_stage, key, enc.packed_size())
-            job.parts.append((key, route.from_rank, reservation))
+        for (key, rank, enc), nbytes in zip(encoded, sizes, strict=True):
+            reservation = _reserve(connector, from_stage, to_stage, key, nbytes)
+            job.parts.append((key, rank, reservation))
             enc.pack_into(reservation.buffer)  # the gather: one copy, cache -> destination
     except BaseException:
         job.release()  # the destinations reserved so far
@@ -172,10 +316,11 @@ def gather_job(
     return job
 
 
-def _fills(request: RequestGather, kind: int) -> list[torch.Tensor | TensorFill | None]:
+def _fills(request: RequestGather, kind: int, to_host: Any = None) -> list[torch.Tensor | TensorFill | None]:
     """One fill per layer: written by ``request`` into wherever the payload is packed."""
+    write, shape, dtype, device = request.write, request.shapes[kind], request.dtype, request.device
     return [
-        TensorFill(request.shapes[kind], request.dtype, partial(request.write, layer, kind), request.device)
+        TensorFill(shape, dtype, partial(write, layer, kind), device, to_host)
         for layer in range(len(request.kv_caches))
     ]
 
@@ -218,6 +363,7 @@ class KVSendQueue:
         self._queue: queue.Queue[SendJob | None] = queue.Queue()
         self._io_thread: threading.Thread | None = None
         self._pending: set[str] = set()
+        self._copying: dict[str, Fence] = {}  # engine id -> fence of a staged copy not waited for
         self._queued_bytes = 0  # gathered KV not put yet (queued or being put)
         self._done: list[str] = []
         self._failed: dict[str, str] = {}
@@ -230,6 +376,8 @@ class KVSendQueue:
                 self._io_thread.start()
             self._pending.add(job.engine_id)
             self._queued_bytes += job.nbytes
+            if job.fence is not None:
+                self._copying[job.engine_id] = job.fence
         self._metrics.transfer_started("send")
         self._queue.put(job)
 
@@ -262,6 +410,13 @@ class KVSendQueue:
         with self._lock:
             return len(self._pending)
 
+    def copies_in_flight(self, engine_ids: set[str]) -> set[str]:
+        """Which of ``engine_ids`` have a staged copy still reading their blocks: their
+        blocks must not go back to vLLM yet (``finished_sending`` waits for them)."""
+        with self._lock:
+            fences = {e: self._copying.get(e) for e in engine_ids}
+        return {e for e, fence in fences.items() if fence is not None and not fence.done()}
+
     def queued_bytes(self) -> int:
         """Bytes of gathered KV whose puts have not completed: what a full edge makes grow,
         so a caller holds its next gathers (in the engine's blocks) while it is over budget."""
@@ -280,6 +435,7 @@ class KVSendQueue:
             job.release()  # what was not published (a failed or cancelled send)
             with self._lock:
                 self._pending.discard(job.engine_id)
+                self._copying.pop(job.engine_id, None)
                 self._queued_bytes -= job.nbytes
                 if error is None:
                     self._done.append(job.engine_id)
@@ -295,6 +451,11 @@ class KVSendQueue:
         """Put every part (retries, and waits for room on a full edge); None on success,
         else why it failed."""
         cfg = self._config
+        if job.fence is not None:
+            try:  # the staged gather (on the copy stream) must have completed
+                job.fence.wait()
+            except Exception as exc:
+                return f"gather failed: {type(exc).__name__}: {exc}"
         infos: dict[str, Any] = {"ranks": {}, "keys": {}}
         put_keys: list[str] = []
         for key, rank, reservation in job.parts:
@@ -347,9 +508,10 @@ class KVSendQueue:
             except queue.Empty:
                 break
             if job is not None:
-                job.release()
+                job.release()  # waits for a staged copy into its buffers first
                 with self._lock:
                     self._pending.discard(job.engine_id)
+                    self._copying.pop(job.engine_id, None)
                     self._queued_bytes -= job.nbytes
                     self._failed[job.engine_id] = "manager shut down"
                 self._metrics.failure("send")

@@ -18,7 +18,10 @@ Contract
   whose blocks the scheduler holds for us (``release``: a finished request's) are *held*:
   not gathered, their blocks not given back, so the KV stays in the engine's cache and the
   engine admits only what its cache holds. They are gathered in order, at the next steps,
-  once the queue drains; one held for ``send_timeout`` fails, and its blocks go back. A
+  once the queue drains; one held for ``send_timeout`` fails, and its blocks go back. On
+  the staged path (``staging_bytes``; the default on GPU) a held send also stays held while
+  the staging pool has no room (``staging.full`` counts it), and its blocks go back only
+  once the copy that reads them completed (:meth:`KVTransferManager.copies_in_flight`). A
   send of a request that keeps running (``prefill_finished``, ``special_token``) is
   gathered at once in every case: vLLM frees a running request's blocks without asking
   the connector when it finishes. :meth:`take_released` names the requests whose blocks
@@ -124,6 +127,7 @@ class WorkerKVSender:
         self._history: OrderedDict[str, dict[str, str]] = OrderedDict()  # transfer id -> line
         self._held: deque[tuple[Any, float]] = deque()  # (KVSendSpec, held since), oldest first
         self._released: set[str] = set()  # engine ids whose blocks may go back
+        self._copying: set[str] = set()  # gathered on the copy stream, blocks still read
         self._closed = False
         self._exit_hook = ExitHook(self.shutdown)
 
@@ -142,24 +146,36 @@ class WorkerKVSender:
                 else:
                     at_once.append(spec)
         self._gather(at_once)
-        while (spec := self._next_held(now)) is not None:
-            self._gather([spec])
+        while (item := self._next_held(now)) is not None:
+            spec, since = item
+            if self._gather([spec]):  # no room in the staging pool: keep holding it
+                with self._lock:
+                    if now - since < self._send_timeout:
+                        self._held.appendleft((spec, since))
+                    else:
+                        stats = self.manager.staging_stats()
+                        self._drop_held_locked(
+                            spec,
+                            f"KV held {now - since:.1f} s in the engine (send_timeout "
+                            f"{self._send_timeout:g} s) while the staging pool stayed full ({stats})",
+                        )
+                break
             with self._lock:
-                self._released.add(spec.req_id)
+                self._copying.add(spec.req_id)
         self.poll()
-        if idle and self.held():
+        if idle and (self.held() or self._copying):
             time.sleep(HELD_IDLE_PAUSE_S)
 
-    def _next_held(self, now: float) -> Any:
-        """The oldest held send if the queue has room (None otherwise); fails those held for
-        ``send_timeout``."""
+    def _next_held(self, now: float) -> tuple[Any, float] | None:
+        """The oldest held send (and since when) if the queue has room, else None; fails
+        those held for ``send_timeout``."""
         with self._lock:
             while self._held:
                 spec, since = self._held[0]
                 queued = self.manager.queued_send_bytes()
                 if queued < self._queue_budget:
                     self._held.popleft()
-                    return spec
+                    return spec, since
                 if now - since < self._send_timeout:
                     return None
                 self._held.popleft()
@@ -176,15 +192,19 @@ class WorkerKVSender:
         self._settle(spec.req_id, f"{FAILED}: {why}")
         self._released.add(spec.req_id)
 
-    def _gather(self, specs: Sequence[Any]) -> None:
+    def _gather(self, specs: Sequence[Any]) -> list[str]:
+        """Gather ``specs``; returns the ids the staging pool had no room for (held ones)."""
+        deferred: list[str] = []
         if not specs:
-            return
+            return deferred
         finished_reqs: dict[str, dict[str, Any]] = {}
         for spec in specs:
             info: dict[str, Any] = {
                 "block_ids": list(spec.block_ids),
                 "seq_len": int(spec.num_tokens),
                 "metadata": {KV_SPEC_KEY: self.kv_spec},
+                # we give these blocks back only once their copy completed (take_released)
+                "blocks_held": bool(spec.release),
             }
             if spec.companion_of:
                 info["purpose"] = spec.purpose or "kv"
@@ -198,6 +218,7 @@ class WorkerKVSender:
                 self.block_size,
                 self.kv_caches[0].dtype,
                 request_id_resolver=ids.__getitem__,
+                deferred=deferred,
             )
         except Exception as exc:
             logger.exception("kvbridge: KV sends of this step could not start")
@@ -205,6 +226,7 @@ class WorkerKVSender:
             with self._lock:
                 for spec in specs:
                     self._settle(spec.req_id, why)
+        return deferred
 
     def held(self) -> int:
         """Sends held in the engine's blocks until the send queue has room."""
@@ -212,10 +234,23 @@ class WorkerKVSender:
             return len(self._held)
 
     def take_released(self) -> set[str]:
-        """Engine ids whose blocks may go back to vLLM since the last call (each once)."""
+        """Engine ids whose blocks may go back to vLLM since the last call (each once): held
+        sends gathered and no longer read by a copy, failed, or withdrawn."""
+        with self._lock:
+            copying = set(self._copying)
+        if copying:
+            still = self.manager.copies_in_flight(copying)
+            with self._lock:
+                self._copying -= copying - still
+                self._released |= copying - still
         with self._lock:
             released, self._released = self._released, set()
         return released
+
+    def copying(self) -> int:
+        """Held sends gathered whose copy still reads their blocks."""
+        with self._lock:
+            return len(self._copying)
 
     def mark_aborted(self, aborted: Mapping[str, str]) -> None:
         """The requests (engine id -> transfer id) were aborted in the engine: their status

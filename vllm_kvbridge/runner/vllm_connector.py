@@ -271,7 +271,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         sender = self._sender
         if not isinstance(meta, KVBridgeConnectorMetadata):
             return
-        if not (meta.sends or meta.finished or (sender is not None and sender.held())):
+        if not (meta.sends or meta.finished or (sender is not None and (sender.held() or sender.copying()))):
             return
         released: set[str] = set()
         try:

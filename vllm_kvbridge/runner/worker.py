@@ -134,6 +134,8 @@ class KVBridgeWorkerExtension:
         # and the edge connector's own counters (held bytes, full answers, expired leases).
         state["kv_held"] = sender.held() if sender is not None else 0
         state["kv_queued_bytes"] = sender.manager.queued_send_bytes() if sender is not None else 0
+        # The staged path's pool (None: direct path); ``full`` counts the holds it caused.
+        state["kv_staging"] = sender.manager.staging_stats() if sender is not None else None
         state["kv_edge"] = sender.manager.connector.health() if sender is not None else {}
         return state
 

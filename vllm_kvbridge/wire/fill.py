@@ -26,10 +26,13 @@ class TensorFill:
     CPU or device tensor ``out`` of that shape and dtype (on the caller's thread).
 
     ``device`` is where ``fill`` reads from: a destination in host memory is filled
-    straight from a CPU source; from another device, through one staging tensor there.
+    straight from a CPU source; from another device, through one staging tensor there,
+    moved by ``to_host(out, staged)`` where given (e.g. a ``non_blocking`` copy on a side
+    stream into pinned memory: :meth:`CopyStream.to_host
+    <vllm_kvbridge.wire.staging.CopyStream.to_host>`), else by a blocking ``copy_``.
     """
 
-    __slots__ = ("_fill", "device", "dtype", "shape")
+    __slots__ = ("_fill", "_to_host", "device", "dtype", "shape")
 
     def __init__(
         self,
@@ -37,11 +40,13 @@ class TensorFill:
         dtype: torch.dtype,
         fill: Callable[[torch.Tensor], object],
         device: torch.device | str = "cpu",
+        to_host: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
     ) -> None:
         self.shape = torch.Size(shape)
         self.dtype = dtype
         self.device = torch.device(device)
         self._fill = fill
+        self._to_host = to_host
 
     @property
     def nbytes(self) -> int:
@@ -65,6 +70,8 @@ class TensorFill:
         the source on its own device, else through one staging tensor on :attr:`device`."""
         if out.device == self.device:
             self._fill(out)
+        elif self._to_host is not None and out.device.type == "cpu":
+            self._to_host(out, self.materialize())
         else:
             out.copy_(self.materialize())
 

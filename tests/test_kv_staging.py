@@ -1,0 +1,260 @@
+"""Issue 14 items 1 and 6: the staged send path with CPU tensors (the GPU path's logic).
+
+A finished request's KV is gathered into a buffer of a bounded staging pool through a copy
+stream (on CPU: one copy thread, so the copy really runs off the caller's thread and its
+fence really completes later); the I/O thread waits on the fence, copies the staged bytes
+into the connector's destination and publishes them. Checked here with real shared-memory
+connectors, real threads and real receivers:
+
+* the blocks go back to vLLM (``take_released``: ``finished_sending``) only once the copy
+  that reads them has completed, never before;
+* a full pool keeps a finished request's KV in the engine's blocks (held, counted) and
+  gathers it once there is room; a pool that stays full fails it after ``send_timeout``;
+* a request the pool can never hold, or one whose blocks cannot be held, goes the direct
+  path; every byte arrives exact, and nothing of the pool or the edge is left afterwards.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+
+import pytest
+import torch
+from kv_sender_fixtures import GatedShm as _GatedShm
+from kv_sender_fixtures import held_until_it_fails
+from kv_sender_fixtures import read_exact as _read_exact
+from kv_sender_fixtures import receiver as _receiver
+from kv_sender_fixtures import spec as _spec
+from kv_sender_fixtures import status as _status
+from kv_sender_fixtures import wait as _wait
+from kv_sender_fixtures import worker as _worker
+from runner_fixtures import shm_entries, shm_namespace
+
+from vllm_kvbridge.kv.config import KVTransferConfig
+from vllm_kvbridge.runner.kv_sender import WorkerKVSender
+from vllm_kvbridge.wire.staging import MIN_BUFFER, CopyStream, StagingPool
+
+pytestmark = pytest.mark.forked
+
+
+def _released_after_steps(sender: WorkerKVSender) -> set[str]:
+    """Engine steps until some blocks go back; which ones."""
+    released: set[str] = set()
+    _wait(lambda: (sender.send([]), released.update(sender.take_released()))[0] or bool(released))
+    return released
+
+
+def _staging(sender: WorkerKVSender) -> dict:
+    stats = sender.manager.staging_stats()
+    assert stats is not None, "the staged path is not in use"
+    return stats
+
+
+# -- the pool and the copy stream ------------------------------------------------------------
+def test_the_pool_is_bounded_reuses_its_buffers_and_refuses_what_never_fits() -> None:
+    pool = StagingPool(4 * MIN_BUFFER, pinned=False)
+    a = pool.acquire(10)
+    assert a is not None and a.nbytes == 10 and len(a.view) == 10
+    ptr = a.tensor.data_ptr()
+    a.release()
+    a.release()  # idempotent
+    b = pool.acquire(MIN_BUFFER)  # same size class: the same memory again (pinning is slow)
+    assert b is not None and b.tensor.data_ptr() == ptr
+    c = pool.acquire(2 * MIN_BUFFER)
+    assert c is not None and pool.stats()["in_use"] == 3 * MIN_BUFFER
+    assert pool.acquire(MIN_BUFFER + 1) is None  # needs 2 MiB, 1 MiB left
+    assert pool.stats()["full"] == 1
+    assert not pool.fits(4 * MIN_BUFFER + 1)
+    with pytest.raises(ValueError, match="never fit"):
+        pool.acquire(4 * MIN_BUFFER + 1)
+    b.release()
+    c.release()
+    # Kept buffers of other sizes are freed to make room: allocation stays within capacity.
+    d = pool.acquire(4 * MIN_BUFFER)
+    assert d is not None
+    stats = pool.stats()
+    assert stats["allocated"] == stats["in_use"] == 4 * MIN_BUFFER and stats["peak"] == 4 * MIN_BUFFER
+    d.release()
+    for n in range(1, 1001):  # many transfers of varied sizes: nothing leaks
+        got = pool.acquire(n * 4099 % (2 * MIN_BUFFER) + 1)
+        assert got is not None
+        got.release()
+    stats = pool.stats()
+    assert stats["in_use"] == 0 and stats["allocated"] <= pool.capacity
+
+
+def test_the_copy_stream_runs_copies_in_order_off_the_callers_thread() -> None:
+    stream = CopyStream("cpu")
+    gate, order = threading.Event(), []
+    try:
+        first = stream.submit(lambda: (gate.wait(10), order.append(1)))
+        second = stream.submit(lambda: order.append(threading.current_thread().name))
+        assert not first.done() and not second.done()  # the copy thread waits at the gate
+        with pytest.raises(TimeoutError):
+            second.wait(0.05)
+        gate.set()
+        second.wait(5)
+        assert first.done() and order == [1, "kvbridge-kv-copy"]
+
+        failed = stream.submit(lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            failed.wait(5)  # whoever waits learns why the copy failed
+        inline = stream.submit(lambda: order.append("inline"), inline=True)
+        assert inline.done() and order[-1] == "inline"
+    finally:
+        gate.set()
+        stream.close()
+
+
+# -- the sender --------------------------------------------------------------------------------
+def test_blocks_go_back_only_once_the_staged_copy_has_read_them() -> None:
+    ns = shm_namespace("stgorder")
+    sender = _worker(ns, staging_bytes=8 * MIN_BUFFER)
+    stall = threading.Event()
+    try:
+        sender.send([_spec("A")])
+        _wait(lambda: _status(sender, "A") == "done")
+        assert sender.take_released() == {"e-A"}
+        # A copy ahead of B's on the copy stream that does not finish until the test says so.
+        sender.manager._stager.stream.submit(lambda: stall.wait(30))
+        sender.send([_spec("B")])
+        assert sender.copying() == 1 and sender.manager.copies_in_flight({"e-B"}) == {"e-B"}
+        for _ in range(5):  # engine steps while the copy waits: the blocks stay held
+            sender.send([], idle=True)
+            assert sender.take_released() == set()
+        assert _status(sender, "B") == "pending"
+        stall.set()
+        released: set[str] = set()
+        _wait(lambda: released.update(sender.take_released()) or "e-B" in released)
+        assert released == {"e-B"} and sender.copying() == 0
+        _wait(lambda: _status(sender, "B") == "done")
+        with _receiver(ns) as receiver:
+            _read_exact(receiver, "A")
+            _read_exact(receiver, "B")
+        assert _staging(sender)["in_use"] == 0
+    finally:
+        stall.set()
+        sender.shutdown()
+    assert shm_entries(ns) == []
+
+
+def test_a_full_pool_holds_the_kv_in_the_engine_and_gathers_it_once_there_is_room() -> None:
+    """One buffer's worth of pool: while A's staged KV waits for its put (the link is slow),
+    B finds no room, is held (not gathered, blocks not given back) and counted; once A's put
+    lands its buffer is free and the next engine step gathers B."""
+    ns = shm_namespace("stgfull")
+    _GatedShm.gate.clear()
+    sender = _worker(ns, connector=_GatedShm.name, staging_bytes=MIN_BUFFER)
+    try:
+        sender.send([_spec("A")])
+        _wait(lambda: sender.take_released() == {"e-A"})  # A's copy is done; its put waits
+        sender.send([_spec("B")])
+        assert sender.held() == 1 and sender.take_released() == set()
+        stats = _staging(sender)
+        assert stats["full"] >= 1 and stats["deferred"] >= 1 and stats["in_use"] == MIN_BUFFER
+        assert _status(sender, "B") == "pending"
+        _GatedShm.gate.set()
+        _wait(lambda: _status(sender, "A") == "done" and _staging(sender)["in_use"] == 0)
+        assert _released_after_steps(sender) == {"e-B"} and sender.held() == 0
+        _wait(lambda: _status(sender, "B") == "done")
+        with _receiver(ns) as receiver:
+            _read_exact(receiver, "A")
+            _read_exact(receiver, "B")
+        assert _staging(sender)["bypassed"] == 0
+    finally:
+        _GatedShm.gate.set()
+        sender.shutdown()
+    assert shm_entries(ns) == []
+
+
+def test_a_pool_that_stays_full_fails_the_held_request_after_send_timeout() -> None:
+    ns = shm_namespace("stgtimeout")
+    _GatedShm.gate.clear()
+    sender = _worker(ns, connector=_GatedShm.name, staging_bytes=MIN_BUFFER, send_timeout=0.5)
+    try:
+        sender.send([_spec("A")])
+        _wait(lambda: sender.take_released() == {"e-A"})
+        sender.send([_spec("B")])
+        assert sender.held() == 1
+        why = held_until_it_fails(sender, ns, "A", "B")
+        assert why.startswith("failed: KV held") and "staging pool stayed full" in why, why
+    finally:
+        _GatedShm.gate.set()
+        sender.shutdown()
+    assert shm_entries(ns) == []
+
+
+def test_what_the_pool_cannot_stage_goes_the_direct_path_exact() -> None:
+    """A request bigger than the whole pool, and a running request's send whose blocks vLLM
+    frees without asking (copied before ``send`` returns), both arrive exact."""
+    ns = shm_namespace("stgdirect")
+    tiny = _worker(ns, staging_bytes=1)  # no buffer ever fits
+    sender = _worker(ns, staging_bytes=8 * MIN_BUFFER)
+    try:
+        tiny.send([_spec("big")])
+        _wait(lambda: _status(tiny, "big") == "done")
+        assert tiny.take_released() == {"e-big"} and _staging(tiny)["bypassed"] == 1
+        sender.send([_spec("running", release=False)])
+        # staged on the caller's thread: nothing reads the blocks once send returned
+        assert sender.manager.copies_in_flight({"e-running"}) == set()
+        assert sender.copying() == 0
+        _wait(lambda: _status(sender, "running") == "done")
+        with _receiver(ns) as receiver:
+            _read_exact(receiver, "big")
+            _read_exact(receiver, "running")
+    finally:
+        tiny.shutdown()
+        sender.shutdown()
+    assert shm_entries(ns) == []
+
+
+def test_many_staged_sends_leave_no_pool_buffer_or_segment_behind() -> None:
+    ns = shm_namespace("stgleak")
+    sender = _worker(ns, staging_bytes=2 * MIN_BUFFER)
+    n = 200
+    try:
+        with _receiver(ns) as receiver:
+            for i in range(n):
+                rid = f"r{i}"
+                sender.send([_spec(rid)])
+                released = _released_after_steps(sender)
+                assert released == {f"e-{rid}"}
+                if i % 50 == 0:
+                    _read_exact(receiver, rid)
+                else:
+                    receiver.receive_kv_cache_for_request(rid)
+        stats = _staging(sender)
+        assert stats["in_use"] == 0 and stats["allocated"] <= 2 * MIN_BUFFER and stats["full"] == 0
+    finally:
+        sender.shutdown()
+    gc.collect()
+    assert shm_entries(ns) == []
+
+
+def test_bench_gpu_path_runs_its_code_on_cpu_and_refuses_cuda_clearly(capsys) -> None:
+    """``bench gpu-path`` is for CUDA machines; ``--device cpu`` runs the same code paths
+    (no figure is checked: CI never gates on time). Without CUDA it says so."""
+    import argparse
+
+    from vllm_kvbridge.bench.gpu_path import format_result, run
+    from vllm_kvbridge.cli.main import main
+
+    result = run(argparse.Namespace(device="cpu", tokens="40", repeat=1, json=None))
+    rows = {row["path"]: row for row in result["rows"]}
+    assert set(rows) == {"staged", "direct"}
+    assert rows["staged"]["bytes"] == rows["direct"]["bytes"] > 40 * 28 * 4 * 128 * 2 * 2
+    assert all(row["gbps"] > 0 and row["ratio"] > 0 for row in rows.values())
+    assert "x D2H" in format_result(result)
+    assert shm_entries(f"benchgpu{os.getpid()}") == []  # the direct path's segments went back
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA device"):
+            main(["bench", "gpu-path", "--repeat", "1"])
+
+
+def test_a_negative_staging_budget_is_refused_naming_the_key() -> None:
+    from vllm_kvbridge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"kv_transfer.staging_bytes: must be >= 0, got -1"):
+        KVTransferConfig(need_send_cache=True, to_stage=1, staging_bytes=-1)

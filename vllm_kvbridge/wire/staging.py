@@ -1,0 +1,271 @@
+"""Host staging for gathered KV: a bounded pool of host buffers and a copy stream with fences.
+
+Why: on a GPU, copying a finished request's blocks straight into the connector's
+destination (a shared-memory segment, a registered slab) is a blocking device-to-host copy
+into pageable memory on the model thread, and a gathered copy that stays on the device
+waits there, unbounded and outside vLLM's memory budget. The staged path instead:
+
+1. gathers the request's blocks on the device (one indexed copy per layer and kind, on the
+   model's stream, so blocks vLLM reuses later are overwritten only after that read);
+2. copies the gathered tensors ``non_blocking`` into a **pinned** buffer taken from a
+   bounded :class:`StagingPool`, on a side stream (:class:`CopyStream`), and records an
+   event there: the model thread never waits;
+3. hands the I/O thread a :class:`Fence`; it waits on the fence, not the model thread, then
+   copies the staged bytes into the connector's destination and publishes them.
+
+The blocks may go back to vLLM (``finished_sending``) only once the fence is done. When the
+pool has no room, the request is not gathered: its blocks stay held in the engine (that is
+the backpressure) and :attr:`StagingPool.full` counts it; nothing is dropped.
+
+On CPU caches the same path runs with CPU tensors (as it does in ``make test``): buffers
+are not pinned, and the copy stream is one thread that runs the gathers in order, so the
+fence is a real completion there too. It costs a second copy (staging, then destination),
+so CPU stages use the direct one-copy path unless ``staging_bytes`` asks for this one.
+
+Imports neither vLLM nor any other layer of the package.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CopyStream", "Fence", "StagingBuffer", "StagingPool", "default_staging_bytes"]
+
+#: Smallest buffer the pool hands out; sizes are rounded up to a power of two from here,
+#: so a buffer is reused by requests of similar size (pinned allocation is slow).
+MIN_BUFFER = 1 << 20
+#: Default pool size on a GPU stage: this share of host memory, at most :data:`MAX_DEFAULT`.
+DEFAULT_SHARE, MAX_DEFAULT = 1 / 8, 8 << 30
+
+
+def default_staging_bytes(device: torch.device) -> int:
+    """The staging budget used where the config leaves it unset: 0 (direct path) for CPU
+    caches; for CUDA, :data:`DEFAULT_SHARE` of host memory, capped at :data:`MAX_DEFAULT`."""
+    if device.type != "cuda":
+        return 0
+    import os
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(min(total * DEFAULT_SHARE, MAX_DEFAULT))
+
+
+class Fence:
+    """Completion of the copies submitted to a :class:`CopyStream` before it was taken.
+
+    Backed by a CUDA event (GPU) or a ``threading.Event`` (the CPU copy thread); a fence
+    made by :meth:`done_now` is complete from the start. :meth:`wait` re-raises the error of
+    a copy that failed (CPU thread); thread-safe.
+    """
+
+    __slots__ = ("_cuda", "_error", "_set")
+
+    def __init__(self, cuda_event: Any = None, flag: threading.Event | None = None) -> None:
+        self._cuda, self._set, self._error = cuda_event, flag, None
+
+    @classmethod
+    def done_now(cls) -> Fence:
+        return cls()
+
+    def done(self) -> bool:
+        """Whether the copies completed (never waits)."""
+        if self._cuda is not None:
+            return bool(self._cuda.query())
+        return self._set is None or self._set.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until the copies completed; raises their error, or TimeoutError after ``timeout``."""
+        if self._cuda is not None:
+            self._cuda.synchronize()  # CUDA events have no timeout; a copy always completes
+        elif self._set is not None and not self._set.wait(timeout):
+            raise TimeoutError(f"copy not completed within {timeout} s")
+        if self._error is not None:
+            raise self._error
+
+    def _fail(self, exc: BaseException) -> None:
+        self._error = exc
+
+
+class CopyStream:
+    """Where the copies that read a request's blocks run, off the model thread.
+
+    CUDA: :meth:`submit` runs ``fn`` on the caller's thread; ``fn`` queues its device work
+    (gathers on the current stream) and moves results to the host with :meth:`to_host`,
+    which copies on this object's side stream; the returned fence is an event recorded
+    there. CPU: ``fn`` runs on one copy thread, in submission order; ``inline=True`` runs it
+    on the caller's thread instead (for blocks the caller may free right after).
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._jobs: queue.Queue[tuple[Callable[[], object], Fence] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn: Callable[[], object], *, inline: bool = False) -> Fence:
+        """Run ``fn`` (its copies) as described above; the fence completes after them."""
+        if self.cuda:
+            fn()
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            return Fence(cuda_event=event)
+        if inline:
+            fn()
+            return Fence.done_now()
+        fence = Fence(flag=threading.Event())
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("copy stream is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvbridge-kv-copy", daemon=True)
+                self._thread.start()
+            self._jobs.put((fn, fence))
+        return fence
+
+    def to_host(self, out: torch.Tensor, src: torch.Tensor, *, pinned: bool | None = None) -> None:
+        """Copy device tensor ``src`` into host tensor ``out`` without blocking the caller:
+        ``non_blocking`` on the side stream (after the current stream's work that produced
+        ``src``) where ``out`` is pinned (``pinned``: the caller knows; None: ask torch); a
+        blocking copy otherwise (pageable memory makes a CUDA copy synchronous anyway)."""
+        if not (self.cuda and (out.is_pinned() if pinned is None else pinned)):
+            out.copy_(src)
+            return
+        assert self._stream is not None
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            out.copy_(src, non_blocking=True)
+        src.record_stream(self._stream)  # the allocator keeps src until this copy is done
+
+    def _run(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            fn, fence = item
+            try:
+                fn()
+            except BaseException as exc:  # the fence carries it to whoever waits
+                logger.exception("kvbridge: a staged KV copy failed")
+                fence._fail(exc)
+            assert fence._set is not None
+            fence._set.set()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Finish the copies submitted so far, then stop the copy thread; idempotent."""
+        with self._lock:
+            self._closed, thread = True, self._thread
+            self._thread = None
+        if thread is not None:
+            self._jobs.put(None)
+            thread.join(timeout)
+
+
+class StagingBuffer:
+    """``nbytes`` of a pooled host buffer (:attr:`tensor`, uint8; :attr:`view`, a memoryview).
+    :meth:`release` gives it back to its pool (idempotent); the caller must not touch the
+    memory afterwards, and must not release it while a copy into it is in flight."""
+
+    __slots__ = ("_block", "_pool", "nbytes", "tensor", "view")
+
+    def __init__(self, pool: StagingPool, block: torch.Tensor, nbytes: int) -> None:
+        self._pool, self._block, self.nbytes = pool, block, nbytes
+        self.tensor = block[:nbytes]
+        self.view = memoryview(self.tensor.numpy()) if nbytes else memoryview(b"")
+
+    def release(self) -> None:
+        block, self._block = self._block, None
+        if block is not None:
+            self.tensor = self.view = None  # type: ignore[assignment]
+            self._pool._give_back(block)
+
+
+class StagingPool:
+    """A bounded pool of host buffers, pinned when ``pinned`` (CUDA exists).
+
+    Sizes round up to a power of two (at least :data:`MIN_BUFFER`); freed buffers are kept
+    for reuse (pinning is slow) as long as the bytes allocated, in use or kept, stay within
+    ``capacity``; kept buffers of other sizes are freed to make room. :meth:`acquire`
+    returns None where a buffer does not fit now (:attr:`full` counts those refusals) and
+    raises for a size that can never fit (:meth:`fits`). Thread-safe.
+    """
+
+    def __init__(self, capacity: int, *, pinned: bool) -> None:
+        if capacity < 1:
+            raise ValueError(f"staging pool capacity must be >= 1, got {capacity}")
+        self.capacity, self.pinned = int(capacity), bool(pinned)
+        self._lock = threading.Lock()
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._allocated = 0  # bytes of every buffer alive (in use + kept)
+        self.in_use = 0
+        self.peak = 0
+        self.full = 0  # acquires refused for want of room
+
+    @staticmethod
+    def size_class(nbytes: int) -> int:
+        return max(MIN_BUFFER, 1 << max(0, int(nbytes) - 1).bit_length())
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a buffer of ``nbytes`` can ever be had from this pool."""
+        return self.size_class(nbytes) <= self.capacity
+
+    def acquire(self, nbytes: int) -> StagingBuffer | None:
+        """A buffer of ``nbytes``, or None while the pool has no room for it."""
+        size = self.size_class(nbytes)
+        if size > self.capacity:
+            raise ValueError(f"{nbytes} bytes never fit a staging pool of {self.capacity} bytes")
+        with self._lock:
+            kept = self._free.get(size)
+            if kept:
+                block = kept.pop()
+            else:
+                if self.in_use + size > self.capacity:
+                    self.full += 1
+                    return None
+                self._evict_locked(self._allocated + size - self.capacity)
+                block = None
+            self.in_use += size
+            self.peak = max(self.peak, self.in_use)
+            if block is None:
+                self._allocated += size
+        if block is None:
+            try:
+                block = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+            except BaseException:
+                with self._lock:
+                    self.in_use -= size
+                    self._allocated -= size
+                raise
+        return StagingBuffer(self, block, nbytes)
+
+    def _evict_locked(self, need: int) -> None:
+        """Free kept buffers until ``need`` bytes are released (largest first)."""
+        for size in sorted(self._free, reverse=True):
+            kept = self._free[size]
+            while need > 0 and kept:
+                kept.pop()
+                self._allocated -= size
+                need -= size
+
+    def _give_back(self, block: torch.Tensor) -> None:
+        size = block.numel()
+        with self._lock:
+            self.in_use -= size
+            self._free.setdefault(size, []).append(block)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "capacity": self.capacity,
+                "pinned": self.pinned,
+                "in_use": self.in_use,
+                "allocated": self._allocated,
+                "peak": self.peak,
+                "full": self.full,
+            }
