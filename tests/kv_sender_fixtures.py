@@ -25,7 +25,7 @@ PLAN = request_plan(5)  # every request sends this many tokens: equal segment si
 class GatedShm(SharedMemoryConnector):
     """A real shm connector whose publishes wait for ``gate`` (a link slower than the engine)."""
 
-    name = "GatedShm"
+    name = "KVSenderGatedShm"  # unique: the registry is per process, shared by every module
     gate = threading.Event()
 
     def _publish_lent(self, reservation: Any, start: float) -> Any:  # puts and KV publishes

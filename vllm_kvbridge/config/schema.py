@@ -70,7 +70,7 @@ class KVTransferSpec(_Spec):
     while ``max_send_queue_bytes`` of gathered KV wait for their puts, then for each put)
     before its request fails. ``staging_bytes`` (sender): the host staging pool (pinned on
     GPU) gathered KV waits in for its puts; 0: gather straight into the connector on the
-    model thread; unset: 1/8 of host memory (at most 8 GiB) on GPU, 0 on CPU; when the
+    model thread; unset: 1/8 of host memory (at most 8 GiB, shared by the TP ranks) on GPU, 0 on CPU; when the
     pool is full, finished requests' KV stays in the engine's blocks. ``recv_timeout`` (receiver) is the
     deadline in seconds for a KV cache to arrive; ``prefetch`` lets the receiver start
     pulling the next queued request's KV while the current one runs; ``expect`` (receiver)

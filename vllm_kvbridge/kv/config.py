@@ -37,7 +37,8 @@ class KVTransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     than its cache holds instead of growing memory. ``staging_bytes``: the pool of host
     staging buffers (pinned on GPU) the gathered KV waits in until its puts (kv/send.py's
     staged path); 0 gathers straight into the connector's memory on the model thread;
-    None (default): 1/8 of host memory, at most 8 GiB, for CUDA caches, 0 for CPU caches.
+    None (default): for CUDA caches 1/8 of host memory, at most 8 GiB, shared by the
+    ``from_tp`` ranks; 0 for CPU caches.
 
     Receiving side: ``need_recv_cache``, ``from_stage`` (the stage that sends; defaults
     to the first of ``engine_input_source``), ``recv_timeout`` seconds per receive

@@ -155,13 +155,9 @@ class KVTransferManager:
     # -- construction ------------------------------------------------------------------
     @classmethod
     def from_vllm_config(cls, vllm_config: Any, model_config: Any = None, **kwargs: Any) -> KVTransferManager:
-        """Build from the ``kv_transfer`` entry of the kvbridge settings in vLLM's config
-        (:func:`~vllm_kvbridge.kv.config.vllm_settings`).
-
-        That entry is a dict of :class:`KVTransferConfig` fields. ``num_kv_heads`` comes from
-        ``model_config.get_total_num_kv_heads()`` (``model_config`` defaults to
-        ``vllm_config.model_config``) and ``tp_rank`` from vLLM's TP group when initialised.
-        """
+        """Build from the ``kv_transfer`` dict of the kvbridge settings in vLLM's config
+        (:func:`~vllm_kvbridge.kv.config.vllm_settings`); ``num_kv_heads`` from ``model_config``
+        (default ``vllm_config.model_config``), ``tp_rank`` from vLLM's TP group if set up."""
         settings, where = vllm_settings(vllm_config)
         section = settings.get("kv_transfer") if isinstance(settings, Mapping) else None
         if section is None:
@@ -184,20 +180,16 @@ class KVTransferManager:
         """Build from a stage config: a mapping or object with ``kv_transfer`` (dict or Struct)
         and optionally ``stage_id`` (which fills ``kv_transfer.stage_id`` when absent)."""
 
-        def get(obj: Any, name: str) -> Any:
-            return obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
+        import msgspec
 
-        section = get(stage_config, "kv_transfer")
+        mapping = isinstance(stage_config, Mapping)
+        section = stage_config.get("kv_transfer") if mapping else getattr(stage_config, "kv_transfer", None)
         if section is None:
             raise ConfigError("stage config has no kv_transfer section")
         if isinstance(section, KVTransferConfig):
             return cls(section, **kwargs)
-        if not isinstance(section, Mapping):
-            import msgspec
-
-            section = msgspec.to_builtins(section)
-        section = dict(section)
-        stage_id = get(stage_config, "stage_id")
+        section = dict(section if isinstance(section, Mapping) else msgspec.to_builtins(section))
+        stage_id = stage_config.get("stage_id") if mapping else getattr(stage_config, "stage_id", None)
         if stage_id is not None:
             section.setdefault("stage_id", stage_id)
         return cls(KVTransferConfig.from_dict(section), **kwargs)
@@ -289,7 +281,7 @@ class KVTransferManager:
         return submitted
 
     def _staging(self, cache: torch.Tensor) -> Stager | None:
-        self._stager = self._stager or Stager.create(self.config.staging_bytes, cache.device)
+        self._stager = self._stager or Stager.create(self.config, cache.device)
         return self._stager
 
     def copies_in_flight(self, request_ids: set[str]) -> set[str]:

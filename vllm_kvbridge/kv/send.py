@@ -132,10 +132,12 @@ class Stager:
         self.deferred = 0
 
     @classmethod
-    def create(cls, budget: int | None, device: torch.device) -> Stager | None:
-        """The stager for caches on ``device`` (``budget``: ``staging_bytes``, None for the
-        default of :func:`~vllm_kvbridge.wire.staging.default_staging_bytes`); None for 0."""
-        budget = default_staging_bytes(device) if budget is None else budget
+    def create(cls, config: KVTransferConfig, device: torch.device) -> Stager | None:
+        """The stager for caches on ``device``: ``config.staging_bytes``, or where unset the
+        default of :func:`~vllm_kvbridge.wire.staging.default_staging_bytes` shared by the
+        ``from_tp`` ranks of the stage; None for 0 (the direct path)."""
+        budget = config.staging_bytes
+        budget = default_staging_bytes(device) // max(1, config.from_tp) if budget is None else budget
         return cls(budget, device) if budget > 0 else None
 
     def fits(self, sizes: Sequence[int]) -> bool:
