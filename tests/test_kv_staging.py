@@ -23,7 +23,6 @@ import threading
 import pytest
 import torch
 from kv_sender_fixtures import GatedShm as _GatedShm
-from kv_sender_fixtures import held_until_it_fails
 from kv_sender_fixtures import read_exact as _read_exact
 from kv_sender_fixtures import receiver as _receiver
 from kv_sender_fixtures import spec as _spec
@@ -140,46 +139,85 @@ def test_blocks_go_back_only_once_the_staged_copy_has_read_them() -> None:
     assert shm_entries(ns) == []
 
 
+def _stalled_pool(ns: str, stall: threading.Event, **kv: object) -> WorkerKVSender:
+    """A sender whose pool holds one request, filled by A's copy, which waits for ``stall``
+    behind a copy ahead of it on the copy stream (warmed by a first request W)."""
+    sender = _worker(ns, staging_bytes=MIN_BUFFER, **kv)
+    sender.send([_spec("W")])
+    _wait(lambda: _status(sender, "W") == "done")
+    assert sender.take_released() == {"e-W"}
+    sender.manager._stager.stream.submit(lambda: stall.wait(30))
+    sender.send([_spec("A")])
+    return sender
+
+
 def test_a_full_pool_holds_the_kv_in_the_engine_and_gathers_it_once_there_is_room() -> None:
-    """One buffer's worth of pool: while A's staged KV waits for its put (the link is slow),
-    B finds no room, is held (not gathered, blocks not given back) and counted; once A's put
-    lands its buffer is free and the next engine step gathers B."""
+    """One buffer's worth of pool, taken by A while its copy waits: B finds no room, is held
+    (not gathered, blocks not given back) and counted; once A's bytes reached the edge the
+    buffer is free and the next engine step gathers B."""
     ns = shm_namespace("stgfull")
-    _GatedShm.gate.clear()
-    sender = _worker(ns, connector=_GatedShm.name, staging_bytes=MIN_BUFFER)
+    stall = threading.Event()
+    sender = _stalled_pool(ns, stall)
     try:
-        sender.send([_spec("A")])
-        _wait(lambda: sender.take_released() == {"e-A"})  # A's copy is done; its put waits
         sender.send([_spec("B")])
         assert sender.held() == 1 and sender.take_released() == set()
         stats = _staging(sender)
         assert stats["full"] >= 1 and stats["deferred"] >= 1 and stats["in_use"] == MIN_BUFFER
-        assert _status(sender, "B") == "pending"
-        _GatedShm.gate.set()
-        _wait(lambda: _status(sender, "A") == "done" and _staging(sender)["in_use"] == 0)
-        assert _released_after_steps(sender) == {"e-B"} and sender.held() == 0
-        _wait(lambda: _status(sender, "B") == "done")
+        assert _status(sender, "A") == _status(sender, "B") == "pending"
+        stall.set()
+        released: set[str] = set()
+        _wait(lambda: (sender.send([]), released.update(sender.take_released()))[0] or len(released) == 2)
+        assert released == {"e-A", "e-B"} and sender.held() == 0
+        _wait(lambda: _status(sender, "A") == _status(sender, "B") == "done")
         with _receiver(ns) as receiver:
-            _read_exact(receiver, "A")
-            _read_exact(receiver, "B")
-        assert _staging(sender)["bypassed"] == 0
+            for rid in ("W", "A", "B"):
+                _read_exact(receiver, rid)
+        assert _staging(sender)["in_use"] == 0 and _staging(sender)["bypassed"] == 0
     finally:
-        _GatedShm.gate.set()
+        stall.set()
         sender.shutdown()
     assert shm_entries(ns) == []
 
 
 def test_a_pool_that_stays_full_fails_the_held_request_after_send_timeout() -> None:
     ns = shm_namespace("stgtimeout")
-    _GatedShm.gate.clear()
-    sender = _worker(ns, connector=_GatedShm.name, staging_bytes=MIN_BUFFER, send_timeout=0.5)
+    stall = threading.Event()
+    sender = _stalled_pool(ns, stall, send_timeout=0.5)
     try:
-        sender.send([_spec("A")])
-        _wait(lambda: sender.take_released() == {"e-A"})
         sender.send([_spec("B")])
         assert sender.held() == 1
-        why = held_until_it_fails(sender, ns, "A", "B")
+        _wait(lambda: (sender.send([]), sender.held() == 0)[1], timeout=5)  # engine steps
+        assert sender.take_released() == {"e-B"}  # failed: its blocks go back ungathered
+        why = _status(sender, "B")
         assert why.startswith("failed: KV held") and "staging pool stayed full" in why, why
+        stall.set()
+        _wait(lambda: _status(sender, "A") == "done")
+        with _receiver(ns) as receiver:
+            _read_exact(receiver, "A")
+    finally:
+        stall.set()
+        sender.shutdown()
+    assert shm_entries(ns) == []
+
+
+def test_the_pool_buffer_goes_back_once_its_bytes_are_on_the_edge() -> None:
+    """A slow edge (a publish that waits) holds its own memory, not the pinned pool: the
+    staged bytes are copied into the connector's destination and the buffer is free."""
+    ns = shm_namespace("stgslow")
+    _GatedShm.gate.clear()
+    sender = _worker(ns, connector=_GatedShm.name, staging_bytes=MIN_BUFFER)
+    try:
+        sender.send([_spec("A")])
+        _wait(lambda: sender.manager.connector.health()["held_bytes"] > 0)  # A at the gate
+        _wait(lambda: _staging(sender)["in_use"] == 0)
+        assert _status(sender, "A") == "pending"
+        sender.send([_spec("B")])  # room in the pool: gathered at once
+        assert sender.held() == 0 and _staging(sender)["full"] == 0
+        _GatedShm.gate.set()
+        _wait(lambda: _status(sender, "A") == _status(sender, "B") == "done")
+        with _receiver(ns) as receiver:
+            _read_exact(receiver, "A")
+            _read_exact(receiver, "B")
     finally:
         _GatedShm.gate.set()
         sender.shutdown()

@@ -163,9 +163,11 @@ class Stager:
 
 
 class StagedReservation(Reservation):
-    """A payload staged in a pool buffer: :meth:`publish` waits for the staging copy, copies
-    it into a destination reserved from the connector (a full connector answers ``full``:
-    the put waits for room) and publishes that; the staging buffer then goes back."""
+    """A payload staged in a pool buffer. :meth:`publish` waits for the staging copy, copies
+    the bytes into a destination reserved from the connector (a full connector answers
+    ``full``: the put waits for room, the staged bytes stay in the pool), gives the staging
+    buffer back at once (a slow edge holds its own memory, not the pinned pool) and
+    publishes the destination."""
 
     def __init__(
         self,
@@ -182,26 +184,29 @@ class StagedReservation(Reservation):
         self._dest: Reservation | None = None
 
     def publish(self) -> PutResult:
-        if self._staging is None:
-            return PutResult(ok=False, error=f"reservation of {self.key!r} was published or released")
-        self._fence.wait()
         if self._dest is None:
+            if self._staging is None:
+                return PutResult(ok=False, error=f"reservation of {self.key!r} was published or released")
+            self._fence.wait()
             got = self._connector().reserve(*self._stages, self.key, self.nbytes)
             if not isinstance(got, Reservation):
                 return got  # full: retried when there may be room; an error: retried
             if self.nbytes:  # staging -> destination (torch's copy releases the GIL)
                 torch.frombuffer(got.buffer, dtype=torch.uint8, count=self.nbytes).copy_(self._staging.tensor)
             self._dest = got
+            self._release_staging()
         result = self._dest.publish()
         if result.ok:
             self._dest = None  # the connector owns it now
-            self.release()
         return result
 
     def release(self) -> None:
         dest, self._dest = self._dest, None
         if dest is not None:
             dest.release()
+        self._release_staging()
+
+    def _release_staging(self) -> None:
         staging, self._staging = self._staging, None
         if staging is not None:
             try:
