@@ -38,10 +38,10 @@ from vllm_kvbridge.wire.staging import MIN_BUFFER, CopyStream, StagingPool
 pytestmark = pytest.mark.forked
 
 
-def _released_after_steps(sender: WorkerKVSender) -> set[str]:
-    """Engine steps until some blocks go back; which ones."""
+def _released_after_steps(sender: WorkerKVSender, count: int = 1) -> set[str]:
+    """Engine steps until the blocks of ``count`` requests went back; which ones."""
     released: set[str] = set()
-    _wait(lambda: (sender.send([]), released.update(sender.take_released()))[0] or bool(released))
+    _wait(lambda: (sender.send([]), released.update(sender.take_released()))[0] or len(released) >= count)
     return released
 
 
@@ -165,9 +165,7 @@ def test_a_full_pool_holds_the_kv_in_the_engine_and_gathers_it_once_there_is_roo
         assert stats["full"] >= 1 and stats["deferred"] >= 1 and stats["in_use"] == MIN_BUFFER
         assert _status(sender, "A") == _status(sender, "B") == "pending"
         stall.set()
-        released: set[str] = set()
-        _wait(lambda: (sender.send([]), released.update(sender.take_released()))[0] or len(released) == 2)
-        assert released == {"e-A", "e-B"} and sender.held() == 0
+        assert _released_after_steps(sender, 2) == {"e-A", "e-B"} and sender.held() == 0
         _wait(lambda: _status(sender, "A") == _status(sender, "B") == "done")
         with _receiver(ns) as receiver:
             for rid in ("W", "A", "B"):

@@ -163,7 +163,7 @@ class WorkerKVSender:
             with self._lock:
                 self._copying.add(spec.req_id)
         self.poll()
-        if idle and (self.held() or self._copying):
+        if idle and (self.held() or self.copying()):
             time.sleep(HELD_IDLE_PAUSE_S)
 
     def _next_held(self, now: float) -> tuple[Any, float] | None:

@@ -22,7 +22,8 @@ are not pinned, and the copy stream is one thread that runs the gathers in order
 fence is a real completion there too. It costs a second copy (staging, then destination),
 so CPU stages use the direct one-copy path unless ``staging_bytes`` asks for this one.
 
-Imports neither vLLM nor any other layer of the package.
+Imports neither vLLM nor any other layer of the package (only its sibling
+:mod:`~vllm_kvbridge.wire.host_staging`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from vllm_kvbridge.wire.host_staging import host_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -236,7 +239,7 @@ class StagingPool:
                 self._allocated += size
         if block is None:
             try:
-                block = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+                block = host_buffer((size,), torch.uint8, pinned=self.pinned)
             except BaseException:
                 with self._lock:
                     self.in_use -= size
