@@ -9,7 +9,6 @@ One pipeline run checks the guided path, the per-request switch-off and the fail
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -75,9 +74,9 @@ def _assert_hf(dump: dict[str, torch.Tensor], model: Path, tokens: list[int]) ->
 
 @pytest.mark.forked
 @pytest.mark.timeout(400)
-def test_guided_request_end_to_end_and_failing_companion() -> None:
+def test_guided_request_end_to_end_and_failing_companion(tmp_path: Path) -> None:
     model = ensure_tiny_model()
-    dump = Path(tempfile.mkdtemp(prefix="kvb-cfg-"))
+    dump = tmp_path  # pytest's own temp dir: it keeps only its newest few runs
     gate = dump / "companion-gate"
     env = {**STAGE_ENV, COMPANION_GATE_ENV: str(gate)}
     pipe = Pipeline.from_config(ROOT / "stage_configs/ar_to_dit_cfg.yaml", model=str(model), env=env)

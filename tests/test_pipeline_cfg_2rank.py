@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tempfile
 import zlib
 from pathlib import Path
 
@@ -58,9 +57,9 @@ def _layers(dump: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Ten
 
 @pytest.mark.forked
 @pytest.mark.timeout(400)
-def test_two_rank_dit_same_image_as_one_rank_nothing_left_behind() -> None:
+def test_two_rank_dit_same_image_as_one_rank_nothing_left_behind(tmp_path: Path) -> None:
     model = ensure_tiny_model()
-    out_dir = Path(tempfile.mkdtemp(prefix="kvb-cfg2-"))
+    out_dir = tmp_path  # pytest's own temp dir: it keeps only its newest few runs
     before = set(shm_segments())
     prompts = ["A cute cat", "The quick brown fox jumps over the lazy dog"]
     cmd = [sys.executable, "-m", "vllm_kvbridge.cli.main", "run"]
