@@ -9,7 +9,7 @@ reap that does not wait for it finds them "alive" and leaves their names in /dev
 Here the worker holds a pool segment and a published key (one request's KV that nobody
 reads) and is stopped (SIGSTOP) before the engine is, so it can never exit by itself; the
 grace is 0 s (the kill comes after SIGTERM's 4 s), and the client gives the engine core
-30 s, so the engine core is not killed. After the stop nothing of the edge is left, with
+120 s, so the engine core is not killed. After the stop nothing of the edge is left, with
 no reap by this test.
 """
 
@@ -37,6 +37,7 @@ from runner_fixtures import (
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 NAMESPACE = shm_namespace("killedworker")
+ENGINE_CORE_GRACE_S = 120.0
 
 
 def test_a_worker_killed_at_shutdown_leaves_no_names(tiny_model_dir: Path, monkeypatch) -> None:
@@ -66,8 +67,13 @@ def test_a_worker_killed_at_shutdown_leaves_no_names(tiny_model_dir: Path, monke
         for w in workers:
             os.kill(w.pid, signal.SIGSTOP)
     finally:
-        stop_engine(llm)  # 30 s for the engine core: the executor's kill comes after ~4 s
+        stopping = time.monotonic()
+        # The executor's kill comes after ~4 s and the engine core is gone ~5 s later on an
+        # idle machine; the grace is generous because a kill here would end the test's
+        # premise (the engine core's own reap), not show a leak.
+        stop_engine(llm, timeout_s=ENGINE_CORE_GRACE_S)
+        stopped_s = time.monotonic() - stopping
     _, alive = psutil.wait_procs(cores + workers, timeout=60)
     assert not alive, alive
-    assert not engine_cores_killed(procs, cores)
+    assert not engine_cores_killed(procs, cores), f"engine core killed {stopped_s:.0f} s into its stop"
     assert shm_entries(NAMESPACE) == []

@@ -150,6 +150,8 @@ def write_outputs(results: list[Any], plan: Any, out_dir: Path, started: float) 
                         "last_token_at": (s.last_token_at or s.finished) or None,
                         # an LLM stage's generated tokens (a talker's codes a vocoder read)
                         **({"token_ids": s.output["token_ids"]} if "token_ids" in s.output else {}),
+                        # a vocoder's: the chunks it vocoded, each as it landed
+                        **({"chunks": s.output["chunks"]} if s.kind == "vocoder" else {}),
                     }
                     for s in r.stages
                 ],
