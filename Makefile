@@ -29,11 +29,15 @@ test: setup
 	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
-# The GPU paths with plain torch and no vLLM (tests/gpu), on any CUDA machine: there, pass
-# GPU_PYTHON=python3 where torch and pytest are installed. They skip where CUDA is absent.
+# The GPU paths with plain torch and no vLLM (tests/gpu), then the connector contract suite
+# on the CUDA-IPC connector, on any CUDA machine: there, pass GPU_PYTHON=python3 where
+# torch, pytest (+ pytest-forked), msgspec and pyzmq are installed. They skip where CUDA is
+# absent. The NVML-based CUDA check keeps pytest's own process fork-safe for forked tests.
 GPU_PYTHON ?= $(BIN)/python
+GPU_PYTEST = PYTORCH_NVML_BASED_CUDA_CHECK=1 PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest -p no:cacheprovider
 test-gpu:
-	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest -p no:cacheprovider -m cuda tests/gpu
+	$(GPU_PYTEST) -m cuda tests/gpu
+	$(GPU_PYTEST) tests/test_connector_contract.py -k CudaIpcConnector || [ $$? -eq 5 ]
 
 lint: setup
 	$(BIN)/ruff check vllm_kvbridge tests benchmarks examples

@@ -60,6 +60,13 @@ CONNECTOR_SPECS = [
     # NIXL over UCX (tcp/cma on loopback); registrations live in the process, checked
     # through health() by tests/test_connector_nixl.py.
     ConnectorSpec("NixlConnector", lambda token: {"host": "127.0.0.1", "port": 0}),
+    # CUDA IPC between GPU processes (control messages on shared memory): only where CUDA
+    # exists; without it the connector refuses to start (tests/test_cuda_ipc.py).
+    *(
+        [ConnectorSpec("CudaIpcConnector", lambda token: {"namespace": token}, _shm_leftovers)]
+        if torch.cuda.is_available()
+        else []
+    ),
 ]
 SPECS_BY_NAME = {spec.name: spec for spec in CONNECTOR_SPECS}
 

@@ -282,7 +282,9 @@ def test_bench_gpu_path_runs_its_code_on_cpu_and_refuses_cuda_clearly(capsys) ->
     assert set(rows) == {"staged", "direct"}
     assert rows["staged"]["bytes"] == rows["direct"]["bytes"] > 40 * 28 * 4 * 128 * 2 * 2
     assert all(row["gbps"] > 0 and row["ratio"] > 0 for row in rows.values())
-    assert "x D2H" in format_result(result)
+    assert "pinned_d2h" in format_result(result) and all(
+        row["ceiling"] == "pinned_d2h" for row in rows.values()
+    )
     assert shm_entries(f"benchgpu{os.getpid()}") == []  # the direct path's segments went back
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA device"):

@@ -12,12 +12,16 @@ CUDA backend's layout, blocks shuffled), the send path's gather
 * ``direct`` (``staging_bytes: 0``): the gather copied straight into a shared-memory
   segment of the real :class:`~vllm_kvbridge.connectors.shm.SharedMemoryConnector`
   (pageable memory: the copy blocks the model thread).
+* ``ipc`` (CUDA only): the gather into a device buffer lent by the real
+  :class:`~vllm_kvbridge.connectors.cuda_ipc.CudaIpcConnector` (what a same-host GPU
+  stage's receiver then copies device to device); its ratio is to ``D2D``.
 
 Ceilings, measured in the same run on the same bytes: ``pinned D2H``, one copy of a
 contiguous device buffer into pinned host memory (what ``cudaMemcpy`` can do), and ``D2D``,
 one device-to-device copy of it (what a same-host GPU-to-GPU handoff is measured
-against). ``ratio = GB/s / pinned D2H GB/s``. ``--repeat`` timed runs after one warm-up;
-the median and the min-max spread are printed, and the rows go to ``--json``.
+against). ``ratio = GB/s / ceiling GB/s``, the ceiling named in the ``vs`` column
+(pinned D2H; D2D for ``ipc``). ``--repeat`` timed runs after one warm-up; the median
+and the min-max spread are printed, and the rows go to ``--json``.
 
 With ``--device cpu`` the same code paths run on CPU tensors (the copy thread, pageable
 buffers; the ceilings are then host memcpys): a check that the bench runs, not a GPU figure.
@@ -49,7 +53,8 @@ class Row:
     done_ms_min: float
     done_ms_max: float
     gbps: float  # bytes / done (median)
-    ratio: float  # gbps / pinned D2H gbps of the same run
+    ratio: float  # gbps / the ceiling's gbps of the same run
+    ceiling: str  # "pinned_d2h" or "d2d"
     repeats: int
 
 
@@ -98,7 +103,10 @@ def _time_path(path: str, tokens: int, device: torch.device, repeat: int, ns: st
 
     caches, layout, order = _kv(tokens, device)
     topo = TPTopology(1, 1, HEADS)
-    conn = create_connector("SharedMemoryConnector", {"namespace": ns, "max_held_bytes": 1 << 40})
+    if path == "ipc":
+        conn = create_connector("CudaIpcConnector", {"namespace": ns, "pool_bytes": 1 << 40})
+    else:
+        conn = create_connector("SharedMemoryConnector", {"namespace": ns, "max_held_bytes": 1 << 40})
     stager = Stager(16 << 30 if device.type == "cuda" else 4 << 30, device) if path == "staged" else None
     info = {"block_ids": order, "seq_len": tokens, "blocks_held": True}
     caller, done, nbytes = [], [], 0
@@ -137,13 +145,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[Row] = []
     ceilings: dict[int, dict[str, float]] = {}
     for n in tokens:
-        for path in ("staged", "direct"):
+        for path in ("staged", "direct", "ipc") if device.type == "cuda" else ("staged", "direct"):
             nbytes, caller, done = _time_path(path, n, device, args.repeat, f"benchgpu{os.getpid()}")
             if n not in ceilings:  # the same bytes, right after the first path's runs
                 d2h, d2d = _ceiling(nbytes, device, args.repeat)
                 ceilings[n] = {"bytes": nbytes, "pinned_d2h_gbps": d2h, "d2d_gbps": d2d}
             median = statistics.median(done)
             gbps = nbytes / median / 1e9
+            ceiling = "d2d" if path == "ipc" else "pinned_d2h"
             rows.append(
                 Row(
                     path=path,
@@ -154,7 +163,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     done_ms_min=min(done) * 1e3,
                     done_ms_max=max(done) * 1e3,
                     gbps=gbps,
-                    ratio=gbps / ceilings[n]["pinned_d2h_gbps"],
+                    ratio=gbps / ceilings[n][f"{ceiling}_gbps"],
+                    ceiling=ceiling,
                     repeats=len(done),
                 )
             )
@@ -167,20 +177,21 @@ def format_result(r: dict[str, Any]) -> str:
         f"gpu-path on {r['device']}: KV of {LAYERS} layers x {HEADS} heads x {HEAD_DIM} bf16, "
         f"blocks of {BLOCK}",
         f"{'path':<7} {'tokens':>6} {'MB':>8} {'caller ms':>9} {'done ms':>9} {'min-max ms':>15} "
-        f"{'GB/s':>7} {'x D2H':>6}",
+        f"{'GB/s':>7} {'ratio':>6} {'vs':<10}",
     ]
     for row in r["rows"]:
         spread = f"{row['done_ms_min']:.2f}-{row['done_ms_max']:.2f}"
         lines.append(
             f"{row['path']:<7} {row['tokens']:>6} {row['bytes'] / 1e6:>8.1f} {row['caller_ms']:>9.2f} "
-            f"{row['done_ms']:>9.2f} {spread:>15} {row['gbps']:>7.2f} {row['ratio']:>6.3f}"
+            f"{row['done_ms']:>9.2f} {spread:>15} {row['gbps']:>7.2f} {row['ratio']:>6.3f} "
+            f"{row['ceiling']:<10}"
         )
     for n, c in r["ceilings"].items():
         lines.append(
             f"ceilings ({n} tokens, {c['bytes'] / 1e6:.1f} MB): pinned D2H {c['pinned_d2h_gbps']:.2f} GB/s, "
             f"D2D {c['d2d_gbps']:.2f} GB/s"
         )
-    lines.append("x D2H = GB/s over the pinned device-to-host copy of the same bytes, same run")
+    lines.append("ratio = GB/s over the ceiling named in vs (the same bytes, measured in the same run)")
     return "\n".join(lines)
 
 

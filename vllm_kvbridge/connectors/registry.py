@@ -28,6 +28,7 @@ _BUILTINS: dict[str, str] = {
     "MooncakeStoreConnector": "vllm_kvbridge.connectors.mooncake_store:MooncakeStoreConnector",
     "NixlConnector": "vllm_kvbridge.connectors.nixl:NixlConnector",
     "MooncakeTransferEngineConnector": "vllm_kvbridge.connectors.mooncake_te:MooncakeTransferEngineConnector",
+    "CudaIpcConnector": "vllm_kvbridge.connectors.cuda_ipc:CudaIpcConnector",
 }
 #: Short spellings accepted in stage configs.
 _ALIASES: dict[str, str] = {
@@ -36,6 +37,7 @@ _ALIASES: dict[str, str] = {
     "mooncake": "MooncakeStoreConnector",
     "nixl": "NixlConnector",
     "mooncake-te": "MooncakeTransferEngineConnector",
+    "cuda_ipc": "CudaIpcConnector",
 }
 
 _lock = threading.Lock()

@@ -50,7 +50,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,6 +140,8 @@ class SharedMemoryConnector(Connector):
         self._reaper: threading.Thread | None = None
         self._stop = threading.Event()
         self._expired = 0  # published payloads reaped unread (TTL or lease)
+        #: Told each key reaped unread (under this connector's lock: it must not block).
+        self.on_expired: Callable[[str], None] | None = None
 
     # -- naming -------------------------------------------------------------------------
     def namespace(self, from_stage: int | str, to_stage: int | str) -> str:
@@ -307,6 +309,8 @@ class SharedMemoryConnector(Connector):
             del self._published[(namespace, key)]
             if state == seg.READY and self._unpublish(namespace, key):
                 self._expired += 1
+                if self.on_expired is not None:
+                    self.on_expired(key)
                 segment.state = seg.FREE
                 self._free.append(segment)
             else:
@@ -544,7 +548,18 @@ class SharedMemoryConnector(Connector):
     # -- lifecycle ----------------------------------------------------------------------
     def cleanup(self, key: str) -> None:
         """Withdraw ``key`` if this side published it and nobody claimed it yet. Idempotent."""
+        self.withdraw(key)
+
+    def publishes(self, key: str) -> bool:
+        """Whether this side holds ``key`` published and unclaimed (as of its last sweep)."""
+        with self._lock:
+            return any(published == key for _, published in self._published)
+
+    def withdraw(self, key: str) -> bool:
+        """:meth:`cleanup`, answering whether ``key`` was withdrawn unread: after True no
+        receiver can have it (a claim and a withdrawal exclude each other)."""
         seg.check_key(key)
+        withdrawn = False
         with self._lock:
             for (namespace, published_key), segment in list(self._published.items()):
                 if published_key != key:
@@ -554,10 +569,12 @@ class SharedMemoryConnector(Connector):
                     segment.state = seg.FREE
                     segment.key = None
                     self._free.append(segment)
+                    withdrawn = True
                 else:
                     self._lend_locked(segment)
                 self.stats.add(cleanups=1)
             self._trim_locked()
+        return withdrawn
 
     def health(self) -> dict[str, Any]:
         with self._lock:

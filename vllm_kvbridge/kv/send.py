@@ -286,6 +286,8 @@ def gather_job(
         encoded.append((key, route.from_rank, encode(data)))
     sizes = [enc.packed_size() for _, _, enc in encoded]
     buffers = None
+    if stager is not None and _device_resident(connector):
+        stager = None  # the connector lends device memory: the gather stays on the device
     if stager is not None and stager.fits(sizes):
         buffers = stager.acquire(sizes)
         if buffers is None and held:
@@ -316,11 +318,30 @@ def gather_job(
         for (key, rank, enc), nbytes in zip(encoded, sizes, strict=True):
             reservation = _reserve(connector, from_stage, to_stage, key, nbytes)
             job.parts.append((key, rank, reservation))
-            enc.pack_into(reservation.buffer)  # the gather: one copy, cache -> destination
+            _pack(enc, reservation)  # the gather: one copy, cache -> destination
     except BaseException:
         job.release()  # the destinations reserved so far
         raise
     return job
+
+
+def _device_resident(connector: Callable[[], Connector]) -> bool:
+    """Whether the connector's reservations are device memory (CUDA IPC)."""
+    try:
+        return bool(getattr(connector(), "device_resident", False))
+    except Exception:  # not up yet: its reserve falls back to a host buffer anyway
+        return False
+
+
+def _pack(enc: Any, reservation: Reservation) -> None:
+    """Pack into the reservation's host buffer, or its device buffer (then mark it filled:
+    the publish waits for the copies enqueued on this thread's stream)."""
+    if isinstance(reservation.buffer, torch.Tensor):
+        from vllm_kvbridge.wire.device_pack import pack_into_device
+
+        reservation.filled(pack_into_device(enc, reservation.buffer))  # type: ignore[attr-defined]
+    else:
+        enc.pack_into(reservation.buffer)
 
 
 def _fills(request: RequestGather, kind: int, to_host: Any = None) -> list[torch.Tensor | TensorFill | None]:

@@ -342,6 +342,14 @@ class OutOfBand:
         """Buffer ``i`` is ``mv[starts[i] : starts[i] + sizes[i]]``; starts are ALIGN-aligned."""
         return cls(None, mv, starts, sizes)
 
+    @classmethod
+    def from_device(cls, data: torch.Tensor, starts: list[int], sizes: list[int]) -> OutOfBand:
+        """As :meth:`from_packed`, over a contiguous 1-D uint8 tensor on any device whose
+        storage offset is ALIGN-aligned: tensors are views of it, on its device."""
+        oob = cls(None, None, starts, sizes)
+        oob._u8 = data
+        return oob
+
     def __len__(self) -> int:
         return len(self.sizes)
 
@@ -369,10 +377,15 @@ class OutOfBand:
         torch_dtype = TORCH_DTYPES[dtype]
         nbytes = self.sizes[i]
         if nbytes == 0:
-            return torch.empty(shape, dtype=torch_dtype)
+            return torch.empty(
+                shape, dtype=torch_dtype, device=self._u8.device if self._mv is None else "cpu"
+            )
         start = self._starts[i]
         if dtype == "bool":
-            _check_bool_bytes(np.frombuffer(self._mv, dtype=np.uint8, count=nbytes, offset=start), what)
+            if self._mv is None:
+                _check_bool_bytes(self._u8[start : start + nbytes], what)
+            else:
+                _check_bool_bytes(np.frombuffer(self._mv, dtype=np.uint8, count=nbytes, offset=start), what)
         itemsize = ITEMSIZE[dtype]
         # start is ALIGN-aligned, so a multiple of every itemsize: the element offset is exact.
         t = self._typed_view(torch_dtype, itemsize).as_strided(shape, strides, start // itemsize)
@@ -383,6 +396,9 @@ class OutOfBand:
         if self._frames is not None:
             return array_from_view(self._frames[i], dtype, shape, copy, what)
         start = self._starts[i]
+        if self._mv is None:  # device bytes: numpy lives on the host
+            host = self._u8[start : start + self.sizes[i]].cpu().numpy()
+            return array_from_view(memoryview(host), dtype, shape, False, what)
         return array_from_view(self._mv[start : start + self.sizes[i]], dtype, shape, copy, what)
 
 

@@ -26,7 +26,10 @@ explicit extension types (never a type guessed from dict keys):
   buffer indices
 
 Every buffer must be referenced exactly once. GPU tensors are copied to the host once at
-encode; decoded tensors are on the CPU.
+encode; decoded tensors are on the CPU. A :class:`~vllm_kvbridge.wire.fill.TensorFill`
+encodes as a tensor whose values are written where the payload is packed (the KV gather;
+a device tensor packed into device memory by :mod:`~vllm_kvbridge.wire.device_pack`,
+decoded there by :func:`~vllm_kvbridge.wire.decode.decode_packed_device`).
 
 Packed single-buffer layout (little-endian), written by :meth:`Encoded.pack_into`::
 
@@ -328,6 +331,12 @@ class _EncodeWalk:
                 raise _Fail(str(exc)) from None
             index = self.add_buffer(array_bytes(arr))
             return msgspec.msgpack.Ext(EXT_NDARRAY, _encoder.encode((index, name, arr.shape)))
+        if t is TensorFill:  # a tensor whose values are written where it is packed
+            name = TORCH_DTYPE_NAMES.get(obj.dtype)
+            if name is None or len(obj.shape) > self.limits.max_ndim:
+                raise _Fail(f"unsupported fill of {obj.dtype} with shape {tuple(obj.shape)}")
+            index = self.add_buffer(obj)
+            return msgspec.msgpack.Ext(EXT_TENSOR, _encoder.encode((index, name, tuple(obj.shape))))
         if isinstance(obj, KVCacheTransferData):
             try:
                 raw, sources = obj._codec_encode(self.limits, len(self.sources))

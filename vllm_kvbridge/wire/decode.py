@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import torch
 
 from vllm_kvbridge.errors import PayloadError
 from vllm_kvbridge.wire import kv_format
@@ -229,10 +230,30 @@ def packed_frames(buffer: Any, *, limits: Limits | None = None) -> list[memoryvi
     return [skeleton, *(mv[start : start + size] for start, size in zip(starts, sizes))]
 
 
-def _parse_packed(buffer: Any, limits: Limits) -> tuple[memoryview, memoryview, list[int], list[int]]:
-    """``(bytes, skeleton, buffer starts, buffer sizes)`` of a packed payload, checked."""
+def decode_packed_device(
+    head: Any, data: torch.Tensor, *, limits: Limits | None = None, copy: bool = False
+) -> Any:
+    """Decode a payload packed into ``data`` (a contiguous 1-D uint8 tensor on any device:
+    :func:`~vllm_kvbridge.wire.device_pack.pack_into_device`) whose head (prefix, table,
+    skeleton) is ``head``, a host copy of its first bytes. Tensors are views of ``data``
+    (copies with ``copy``), on its device; numpy arrays are copied to the host. The table
+    is checked against ``data.numel()`` as :func:`decode_packed` checks it."""
+    limits = limits or DEFAULT_LIMITS
+    if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1:
+        raise PayloadError(f"packed device payload must be a 1-D uint8 tensor, got {type(data).__name__}")
+    if not data.is_contiguous() or data.storage_offset() % ALIGN:
+        data = data.contiguous().clone()  # typed views need ALIGN-aligned starts
+    _, skeleton, starts, sizes = _parse_packed(head, limits, length=data.numel())
+    return _decode(skeleton, OutOfBand.from_device(data, starts, sizes), limits, copy)
+
+
+def _parse_packed(
+    buffer: Any, limits: Limits, *, length: int | None = None
+) -> tuple[memoryview, memoryview, list[int], list[int]]:
+    """``(bytes, skeleton, buffer starts, buffer sizes)`` of a packed payload, checked;
+    ``length``: the whole payload's bytes where ``buffer`` holds only its head."""
     mv = byte_view(buffer, "packed payload")
-    length = len(mv)
+    length = len(mv) if length is None else length
     if length < PREFIX_SIZE:
         raise PayloadError(f"packed payload truncated: {length} bytes < {PREFIX_SIZE}-byte prefix")
     magic, version, flags, n, skeleton_len, total = _PREFIX.unpack_from(mv, 0)
@@ -253,6 +274,8 @@ def _parse_packed(buffer: Any, limits: Limits) -> tuple[memoryview, memoryview, 
     pos = table_end + skeleton_len
     if pos > total:
         raise PayloadError(f"frame table and skeleton ({pos} bytes) overrun total_len {total}")
+    if pos > len(mv):  # only a head was given, and it is short
+        raise PayloadError(f"packed payload head truncated: {len(mv)} bytes < {pos}")
     table = np.frombuffer(mv, dtype="<u8", count=2 * n, offset=PREFIX_SIZE)
     starts: list[int] = table[0::2].tolist()
     sizes: list[int] = table[1::2].tolist()

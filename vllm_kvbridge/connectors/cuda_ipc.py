@@ -1,0 +1,403 @@
+"""Same-host GPU to GPU transport through CUDA IPC: the payload never touches host memory.
+
+The sender packs a payload (the codec's packed layout, :mod:`vllm_kvbridge.wire.device_pack`)
+into a device buffer it lends from a bounded budget (``pool_bytes``); the KV sender's
+gather writes straight into it from vLLM's paged cache (:meth:`CudaIpcConnector.reserve`
+lends the device buffer, so no host staging is involved). Publishing shares the buffer
+through torch's own CUDA IPC machinery (``UntypedStorage._share_cuda_``: a
+``cudaIpcMemHandle`` plus torch's cross-process reference count) and puts a small control
+message (the handle, the packed head) on an inner :class:`SharedMemoryConnector` under the
+payload's key. The receiver gets the control message, opens the handle, copies the bytes
+device to device onto its own device (``device``; peer access where the GPUs differ),
+acknowledges (a control message back), and decodes the copy: tensors are views of it.
+
+Lifetime of a lent buffer (the budget's bytes come back when):
+
+* the receiver's acknowledgement arrives (the normal case; looked for at every reserve,
+  put and ``health``), or
+* its control message expired unread: ``ttl_s`` after the put, or a lease after a
+  receiver's last renewal (:meth:`CudaIpcConnector.renew` renews the control message;
+  counted in ``expired``), or
+* ``claim_grace_s`` after its message was read without an acknowledgement (a receiver
+  that died between its read and its copy).
+
+Dropping the sender's reference is always safe for a receiver that opened the handle:
+torch keeps the memory of a shared block out of reuse until every opener released it.
+
+Ordering: the bytes are written on the filling thread's current stream; the reservation
+records an event there and the publish (on the I/O thread) waits for it before the handle
+is shared, so a receiver never sees a buffer still being written.
+
+Needs CUDA in both processes and one host: a connector made where
+``torch.cuda.is_available()`` is false refuses at once (:class:`ConfigError`, at the
+stage's start), naming the connector to use instead.
+
+Config keys (all optional): ``device`` (default: this process's current CUDA device),
+``pool_bytes`` (default 4 GiB: device bytes lent at once; a reserve over it answers
+``full``), ``max_payload_bytes`` (default ``pool_bytes``), and for the control messages,
+as :class:`SharedMemoryConnector` takes them: ``ttl_s`` (default 300), ``lease_s``,
+``claim_grace_s`` (default 30), ``reap_interval_s``, ``namespace``, ``shm_dir``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_kvbridge.connectors.base import Connector, PutResult, Reservation, number_option, parse_size
+from vllm_kvbridge.connectors.shm import SharedMemoryConnector
+from vllm_kvbridge.errors import ConfigError, TransferCorrupt, TransferRefused
+from vllm_kvbridge.wire.fill import TensorFill
+
+logger = logging.getLogger(__name__)
+
+#: Config keys the control messages' shared-memory connector takes from ours.
+_CONTROL_KEYS = ("namespace", "shm_dir", "ttl_s", "lease_s", "claim_grace_s", "reap_interval_s")
+#: Control message format version.
+VERSION = 1
+#: Fields of ``UntypedStorage._share_cuda_()``'s tuple, in order (torch 2.x).
+_HANDLE_FIELDS = 8
+
+
+#: This process's lent buffers by token: a receiver in the sender's own process (CUDA
+#: cannot open an IPC handle where it was made) reads the buffer itself.
+_OWN_BUFFERS: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
+#: This process, unlike a pid also across PID namespaces.
+_PROCESS = uuid.uuid4().hex
+
+
+def _ack_key(key: str) -> str:
+    return f"{key}.ack"
+
+
+@dataclass
+class _Lent:
+    """A published device buffer, until the receiver is done with it."""
+
+    buffer: torch.Tensor
+    nbytes: int
+    from_stage: int | str
+    to_stage: int | str
+    claimed_at: float = 0.0  # monotonic, when this side saw its control message was read
+
+
+class DeviceReservation(Reservation):
+    """A device buffer of ``nbytes`` lent by a :class:`CudaIpcConnector`. ``buffer`` is a
+    contiguous 1-D uint8 CUDA tensor (not a memoryview: writers use
+    :func:`~vllm_kvbridge.wire.device_pack.pack_into_device`), and the writer calls
+    :meth:`filled` with the head it returned, on the stream that wrote, before publishing."""
+
+    def __init__(
+        self, owner: CudaIpcConnector, from_stage: int | str, to_stage: int | str, key: str, nbytes: int
+    ):
+        super().__init__(key, nbytes, torch.empty(max(nbytes, 1), dtype=torch.uint8, device=owner.device))  # type: ignore[arg-type]
+        self._owner, self._stages = owner, (from_stage, to_stage)
+        self._head: bytes | None = None
+        self._event: torch.cuda.Event | None = None
+        self._done = False
+
+    def filled(self, head: bytes) -> None:
+        """The packed bytes are enqueued on the current stream; ``head`` is their head."""
+        self._head = head
+        self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(self.buffer.device))
+
+    def publish(self, *, since: float | None = None) -> PutResult:
+        if self._done:
+            return PutResult(ok=False, error=f"reservation of {self.key!r} was published or released")
+        if self._head is None or self._event is None:
+            return PutResult(
+                ok=False, error=f"reservation of {self.key!r} was published before it was filled"
+            )
+        self._event.synchronize()  # the writer's stream finished the bytes
+        result = self._owner._publish(self, self._head, since)
+        if result.ok:
+            self._done = True
+        return result
+
+    def release(self) -> None:
+        if not self._done:
+            self._done = True
+            self._owner._unreserve(self.nbytes)
+
+
+class CudaIpcConnector(Connector):
+    name = "CudaIpcConnector"
+    #: The buffer dies with the sender's process (its CUDA context).
+    data_outlives_sender = False
+    #: :meth:`reserve` lends device memory: a KV sender packs into it on the device (no
+    #: host staging pool; see ``kv/send.py``).
+    device_resident = True
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        super().__init__(config)
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "CudaIpcConnector moves device memory between GPU processes of one host, and this process "
+                "has no CUDA device (torch.cuda.is_available() is False); use SharedMemoryConnector here"
+            )
+        cfg = self.config
+        device = cfg.get("device")
+        self.device = (
+            torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        )
+        if self.device.type != "cuda":
+            raise ConfigError(f"CudaIpcConnector: device must be a CUDA device, got {self.device}")
+        self.pool_bytes = parse_size(cfg.get("pool_bytes", 4 << 30), "pool_bytes")
+        self.max_payload_bytes = number_option(cfg, "max_payload_bytes", self.pool_bytes, int)
+        self.claim_grace_s = number_option(cfg, "claim_grace_s", 30.0)
+        # The control messages carry the TTL and leases: a buffer lives as long as its
+        # message is published (renewals included), then until its receiver acknowledges.
+        self._control = SharedMemoryConnector({k: cfg[k] for k in _CONTROL_KEYS if k in cfg})
+        self._unread: collections.deque[str] = collections.deque()  # keys the control reaped unread
+        self._control.on_expired = self._unread.append
+        self._lock = threading.Lock()
+        self._lent: dict[str, _Lent] = {}
+        self._reserved = 0  # bytes of reservations not yet published
+
+    # -- sender ---------------------------------------------------------------------------
+    def reserve(self, from_stage: int | str, to_stage: int | str, key: str, nbytes: int) -> Any:
+        self._check_open()
+        self._check_key(key)
+        if (refused := self._refuse_oversize(nbytes)) is not None:
+            return refused
+        with self._lock:
+            if key in self._lent:  # before any device memory is spent on it
+                return self._put_failed(f"key {key!r} is already published")
+            self._sweep_locked()
+            held = self._held_locked()
+            if held + nbytes > self.pool_bytes:
+                return self._put_full(
+                    f"{held} device bytes lent + {nbytes} exceeds pool_bytes={self.pool_bytes}"
+                )
+            self._reserved += nbytes
+        try:
+            return DeviceReservation(self, from_stage, to_stage, key, nbytes)
+        except torch.cuda.OutOfMemoryError as exc:
+            self._unreserve(nbytes)
+            return self._put_full(f"no device memory for {nbytes} bytes now: {exc}")
+
+    def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
+        from vllm_kvbridge.wire import encode
+        from vllm_kvbridge.wire.device_pack import pack_into_device
+
+        self._check_open()
+        start = time.perf_counter()
+        enc = encode(_device_fills(payload))
+        reservation = self.reserve(from_stage, to_stage, key, enc.packed_size())
+        if isinstance(reservation, PutResult):
+            return reservation
+        try:
+            reservation.filled(pack_into_device(enc, reservation.buffer))
+            return reservation.publish(since=start)
+        finally:
+            reservation.release()  # a no-op once published
+
+    def _publish(self, reservation: DeviceReservation, head: bytes, since: float | None) -> PutResult:
+        from_stage, to_stage = reservation._stages
+        buffer = reservation.buffer
+        storage = buffer.untyped_storage()
+        handle = list(storage._share_cuda_())  # type: ignore[attr-defined]
+        message = {
+            "v": VERSION,
+            # CUDA_VISIBLE_DEVICES may number the GPU differently in the receiver
+            "gpu": str(torch.cuda.get_device_properties(buffer.device).uuid),
+            "handle": handle,
+            "offset": buffer.storage_offset(),
+            "nbytes": reservation.nbytes,
+            "head": head,
+            "process": _PROCESS,
+            "token": uuid.uuid4().hex,
+        }
+        _OWN_BUFFERS[message["token"]] = buffer
+        result = self._control.put(from_stage, to_stage, reservation.key, message)
+        if not result.ok:  # still a reservation: the caller may publish again or release
+            return self._put_full(result.error or "") if result.full else self._put_failed(result.error or "")
+        # Lent only now, so a sweep never takes a message not yet published for a read one
+        # (an acknowledgement that came first waits for the next sweep).
+        with self._lock:
+            self._lent[reservation.key] = _Lent(buffer, reservation.nbytes, from_stage, to_stage)
+            self._reserved -= reservation.nbytes
+        seconds = time.perf_counter() - since if since is not None else 0.0
+        self.stats.add(puts=1, put_bytes=reservation.nbytes, put_seconds=seconds)
+        return PutResult(ok=True, nbytes=reservation.nbytes, metadata=dict(result.metadata))
+
+    def _unreserve(self, nbytes: int) -> None:
+        with self._lock:
+            self._reserved -= nbytes
+
+    def _held_locked(self) -> int:
+        return self._reserved + sum(e.nbytes for e in self._lent.values())
+
+    def _sweep_locked(self) -> None:
+        """Take back buffers whose receiver acknowledged, whose control message expired
+        unread, or that were read and never acknowledged for ``claim_grace_s``."""
+        while self._unread:
+            self._lent.pop(self._unread.popleft(), None)  # nobody can open it any more
+        now = time.monotonic()
+        for key, entry in list(self._lent.items()):
+            if self._control.get(entry.to_stage, entry.from_stage, _ack_key(key)) is not None:
+                del self._lent[key]
+            elif entry.claimed_at == 0.0:
+                if not self._control.publishes(key):
+                    entry.claimed_at = now
+            elif now - entry.claimed_at >= self.claim_grace_s:  # its receiver died reading
+                del self._lent[key]
+
+    def cleanup(self, key: str) -> None:
+        self._check_key(key)
+        with self._lock:
+            if key in self._lent and self._control.withdraw(key):
+                del self._lent[key]
+
+    # -- receiver -------------------------------------------------------------------------
+    def get(
+        self,
+        from_stage: int | str,
+        to_stage: int | str,
+        key: str,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        deadline: float | None = None,
+    ) -> Any | None:
+        """Open the sender's buffer, copy it device to device onto :attr:`device`,
+        acknowledge, and decode the copy (tensors are views of it, on :attr:`device`)."""
+        from vllm_kvbridge.wire.decode import decode_packed_device
+
+        self._check_open()
+        start = time.perf_counter()
+        message = self._control.get(from_stage, to_stage, key, metadata, deadline=deadline)
+        if message is None:
+            return None
+        handle, offset, nbytes, head = _parse_message(key, message)
+        data = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+        try:
+            src = _open(key, message, handle, offset, nbytes)
+            with torch.cuda.device(self.device):
+                data[:nbytes].copy_(src)
+                torch.cuda.current_stream(self.device).synchronize()  # done before the ack frees it
+            del src
+        except RuntimeError as exc:
+            self.stats.add(get_failures=1)
+            raise TransferCorrupt(f"{key}: cannot open the sender's CUDA IPC buffer: {exc}") from exc
+        finally:
+            ack = self._control.put(to_stage, from_stage, _ack_key(key), {"pid": os.getpid()})
+            if not ack.ok:  # the sender takes the buffer back after its TTL and grace
+                logger.warning("CudaIpcConnector %s: acknowledgement not sent: %s", key, ack.error)
+        payload = decode_packed_device(head, data[:nbytes])
+        self.stats.add(gets=1, get_bytes=nbytes, get_seconds=time.perf_counter() - start)
+        return payload
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        with self._lock:
+            if not self._closed:
+                self._sweep_locked()
+            pool = {
+                "device": str(self.device),
+                "pool_bytes": self.pool_bytes,
+                "lent": len(self._lent),
+                "held_bytes": self._held_locked(),
+            }
+        control = self._control.health()
+        return {**super().health(), **pool, "expired": control["expired"]}
+
+    def _close(self) -> None:
+        with self._lock:
+            self._lent.clear()  # receivers that opened a buffer keep it (torch's IPC count)
+        self._control.close()
+
+    def receiver_metadata(self) -> dict[str, Any]:
+        return self._control.receiver_metadata()
+
+    def renew(
+        self, from_stage: int | str, to_stage: int | str, key: str, metadata: Mapping[str, Any] | None = None
+    ) -> bool:
+        """Receiver side: keep ``key``'s control message (and so its buffer) for a lease."""
+        self._check_open()
+        return self._control.renew(from_stage, to_stage, key, metadata)
+
+    @classmethod
+    def reap_dead(cls, config: Mapping[str, Any], from_stage: int | str, to_stage: int | str) -> list[str]:
+        control = {k: config[k] for k in ("namespace", "shm_dir") if k in config}
+        forward = SharedMemoryConnector.reap_dead(control, from_stage, to_stage)
+        return forward + SharedMemoryConnector.reap_dead(control, to_stage, from_stage)  # acknowledgements
+
+
+def _open(key: str, message: Mapping[str, Any], handle: list[Any], offset: int, nbytes: int) -> torch.Tensor:
+    """The sender's buffer as a uint8 tensor of ``nbytes``: opened through its IPC handle, or
+    looked up where the sender is this process."""
+    if message.get("process") == _PROCESS:
+        own = _OWN_BUFFERS.get(str(message.get("token")))
+        if own is None:
+            raise TransferRefused(f"{key}: this process's buffer was already taken back")
+        return own[:nbytes]
+    handle[0] = _local_index(key, message.get("gpu"))
+    storage = torch.UntypedStorage._new_shared_cuda(*handle)  # type: ignore[attr-defined]
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, offset, (nbytes,))
+
+
+def _device_fills(payload: Any) -> Any:
+    """``payload`` with each dense CUDA tensor as a fill that copies it where it is packed:
+    device to device into the lent buffer (the codec would otherwise copy it to the host
+    when encoding). Containers are rebuilt; anything else is passed as it is."""
+    if isinstance(payload, torch.Tensor):
+        if payload.is_cuda and payload.is_contiguous() and payload.layout == torch.strided:
+            src = payload.detach()
+            return TensorFill(tuple(src.shape), src.dtype, lambda out: out.copy_(src), src.device)
+        return payload
+    if isinstance(payload, dict):
+        return {k: _device_fills(v) for k, v in payload.items()}
+    if isinstance(payload, list | tuple):
+        items = [_device_fills(v) for v in payload]
+        return tuple(items) if isinstance(payload, tuple) else items
+    return payload
+
+
+#: GPU UUID -> this process's device index (fixed for the process's life).
+_INDEX_BY_UUID: dict[str, int] = {}
+
+
+def _local_index(key: str, uuid: Any) -> int:
+    """This process's index of the GPU whose UUID is ``uuid`` (the sender's)."""
+    if not _INDEX_BY_UUID:
+        for index in range(torch.cuda.device_count()):
+            _INDEX_BY_UUID[str(torch.cuda.get_device_properties(index).uuid)] = index
+    if uuid in _INDEX_BY_UUID:
+        return _INDEX_BY_UUID[uuid]
+    raise TransferRefused(
+        f"{key}: the sender's GPU {uuid} is not visible in this process (CUDA_VISIBLE_DEVICES): "
+        "CUDA IPC needs both stages to see it"
+    )
+
+
+def _parse_message(key: str, message: Any) -> tuple[list[Any], int, int, bytes]:
+    """``(handle, storage offset, nbytes, head)`` of a control message, checked."""
+    try:
+        if message["v"] != VERSION:
+            raise ValueError(f"version {message['v']!r}, this build reads {VERSION}")
+        handle, offset, nbytes, head = (
+            message["handle"],
+            message["offset"],
+            message["nbytes"],
+            message["head"],
+        )
+        if not (isinstance(handle, list) and len(handle) == _HANDLE_FIELDS):
+            raise ValueError("malformed handle")
+        if not (isinstance(offset, int) and isinstance(nbytes, int) and offset >= 0 and nbytes >= 0):
+            raise ValueError("malformed offset or size")
+        if not isinstance(head, bytes):
+            raise ValueError("malformed head")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TransferCorrupt(f"{key}: not a CUDA IPC control message: {exc}") from None
+    return handle, offset, nbytes, head
