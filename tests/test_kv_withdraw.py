@@ -35,6 +35,7 @@ OUTLIVES = {
     "ZmqConnector": False,
     "MooncakeTransferEngineConnector": False,
     "NixlConnector": False,
+    "CudaIpcConnector": False,  # the device buffer dies with the sender's CUDA context
 }
 
 

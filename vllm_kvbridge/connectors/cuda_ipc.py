@@ -32,6 +32,10 @@ Needs CUDA in both processes and one host: a connector made where
 ``torch.cuda.is_available()`` is false refuses at once (:class:`ConfigError`, at the
 stage's start), naming the connector to use instead.
 
+Memory: the lent buffers are the sender's device memory outside vLLM's budget, so a
+sending engine's ``gpu_memory_utilization`` must leave ``pool_bytes`` free (a reserve the
+allocator cannot serve answers ``full`` and is retried, never fails the request at once).
+
 Config keys (all optional): ``device`` (default: this process's current CUDA device),
 ``pool_bytes`` (default 4 GiB: device bytes lent at once; a reserve over it answers
 ``full``), ``max_payload_bytes`` (default ``pool_bytes``), and for the control messages,

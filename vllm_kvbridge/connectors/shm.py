@@ -66,6 +66,7 @@ from vllm_kvbridge.connectors.base import (
 )
 from vllm_kvbridge.connectors.dir_watch import ArrivalWait, WatchPool
 from vllm_kvbridge.connectors.keys import edge_name
+from vllm_kvbridge.connectors.shm_maps import MapCache
 from vllm_kvbridge.errors import PayloadError, TransferCorrupt, TransferTimeout
 
 _MISSING = object()
@@ -136,7 +137,7 @@ class SharedMemoryConnector(Connector):
         self._published: dict[tuple[str, str], seg.PoolSegment] = {}  # key name exists
         self._lent: list[seg.PoolSegment] = []  # claimed by a receiver, waiting for FREE
         self._namespaces: set[str] = set()
-        self._maps: dict[tuple[int, int], seg.ReceiverMapping] = {}  # receiver: (dev, inode) -> map
+        self._maps = MapCache(self.map_cache_bytes)  # receiver: mappings kept between gets
         self._reaper: threading.Thread | None = None
         self._stop = threading.Event()
         self._expired = 0  # published payloads reaped unread (TTL or lease)
@@ -348,7 +349,7 @@ class SharedMemoryConnector(Connector):
                 if self._closed:
                     return
                 self._sweep_locked()
-                self._sweep_maps_locked()
+                self._maps.sweep()
 
     # -- receiver -----------------------------------------------------------------------
     def _namespace_of(
@@ -449,63 +450,17 @@ class SharedMemoryConnector(Connector):
         return self._decode_shared(mm, header, key)
 
     def _claimed_mapping(self, fd: int, st: os.stat_result, length: int) -> seg.ReceiverMapping:
-        """A mapping of the claimed segment ``fd``: the kept one, or a new one (kept if it fits).
-
-        Only segments that still have a name (the sender's pool name: ``st_nlink`` > 0
-        once our claim name is gone) and fit ``max_payload_bytes`` are kept.
-        """
-        ident = (st.st_dev, st.st_ino)
+        """A mapping of the claimed segment ``fd``: a kept one (:class:`MapCache`), or one
+        of just this payload, unmapped when released."""
         with self._lock:
             self._check_open()
-            mapping = self._maps.get(ident)
-            if mapping is not None and not mapping.busy and mapping.size == st.st_size:
-                mapping.busy = True
-                mapping.last_used = time.monotonic()
-                return mapping
-            keep = (
-                mapping is None
-                and st.st_nlink > 0
-                and st.st_size - seg.HEADER_SIZE <= self.max_payload_bytes
-                and self._make_room_locked(st.st_size)
-            )
-            if keep:
-                mapping = seg.ReceiverMapping(fd, st.st_size, detached=False)
-                mapping.busy = True
-                self._maps[ident] = mapping
+            mapping, kept = self._maps.take(fd, st, self.max_payload_bytes)
+            if kept:
                 self._start_reaper_locked()
-                return mapping
-        # Not kept (no room, a stale name, or a segment we still view: a sender that
-        # republished it early): map just this payload, unmapped when released.
-        mapping = seg.ReceiverMapping(fd, length, detached=True)
-        mapping.busy = True
+        if mapping is None:
+            mapping = seg.ReceiverMapping(fd, length, detached=True)
+            mapping.busy = True
         return mapping
-
-    def _make_room_locked(self, size: int) -> bool:
-        """Make room for a new kept mapping of ``size`` bytes; False if it cannot fit.
-
-        Drops orphaned kept mappings, then idle ones (least recently used first), but
-        only when that is enough: a mapping that cannot fit evicts nothing.
-        """
-        self._sweep_maps_locked()
-        busy = sum(m.size for m in self._maps.values() if m.busy)
-        if busy + size > self.map_cache_bytes:
-            return False
-        used = sum(m.size for m in self._maps.values())
-        for ident, mapping in sorted(self._maps.items(), key=lambda item: item[1].last_used):
-            if used + size <= self.map_cache_bytes:
-                break
-            if not mapping.busy:
-                del self._maps[ident]
-                mapping.close()
-                used -= mapping.size
-        return True
-
-    def _sweep_maps_locked(self) -> None:
-        """Unmap kept mappings of segments the sender has unlinked or retired."""
-        for ident, mapping in list(self._maps.items()):
-            if not mapping.busy and mapping.orphaned():
-                del self._maps[ident]
-                mapping.close()
 
     def _decode_claimed(self, mapping: seg.ReceiverMapping, header: seg.Header, key: str) -> Any:
         from vllm_kvbridge.wire import decode_packed
@@ -581,7 +536,7 @@ class SharedMemoryConnector(Connector):
             if not self._closed:
                 self._sweep_locked()  # so the pool figures are current
             if not self._closed:
-                self._sweep_maps_locked()
+                self._maps.sweep()
             pool = {
                 "pool_free_segments": len(self._free),
                 "pool_free_bytes": sum(s.capacity for s in self._free),
@@ -589,8 +544,7 @@ class SharedMemoryConnector(Connector):
                 "expired": self._expired,
                 "lent": len(self._lent),
                 "held_bytes": self._held_bytes_locked(),
-                "mapped_segments": len(self._maps),
-                "mapped_bytes": sum(m.size for m in self._maps.values()),
+                **self._maps.stats(),
             }
         return {**super().health(), **pool}
 
@@ -619,6 +573,4 @@ class SharedMemoryConnector(Connector):
             for namespace in self._namespaces:
                 seg.reap_stale(namespace, shm_dir=self.shm_dir)
             # Payloads still viewed keep their mapping until released (then unmapped).
-            for mapping in self._maps.values():
-                mapping.close()
-            self._maps.clear()
+            self._maps.close()

@@ -13,8 +13,9 @@ Sources land without a host hop where they can: a
 (the KV sender's gather from the paged cache) writes straight into its range; host
 sources (memoryviews, CPU tensors) are copied host to device. Padding between buffers is
 left as it was (the decoder reads only the table's ranges), unlike the host path, which
-zeroes it. The copies are enqueued on the caller's current stream: whoever hands the
-buffer to another stream or process must order after it first (an event).
+zeroes it. The copies are enqueued on the caller's current stream and none of them
+synchronises it (host bytes go through pinned memory, ``non_blocking``): whoever hands the
+buffer to another stream or process must order after them first (an event).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def pack_into_device(enc: Encoded, dst: torch.Tensor) -> bytes:
     if dst.numel() < total:
         raise PayloadError(f"destination too small: need {total} bytes, has {dst.numel()}")
     head = enc._head()
-    dst[: len(head)].copy_(_host_bytes(head))
+    _from_host(dst[: len(head)], head)
     for index, (start, size, src) in enumerate(zip(offsets, sizes, enc._sources)):
         if size == 0:
             continue
@@ -58,12 +59,24 @@ def pack_into_device(enc: Encoded, dst: torch.Tensor) -> bytes:
         if type(src) is TensorFill:
             src.fill_into(region.view(src.dtype).view(src.shape))
         elif type(src) is memoryview:
-            region.copy_(_host_bytes(src))
+            _from_host(region, src)
         else:  # a dense CPU tensor (see Encoded): its bytes as they are now
             if src.nbytes != size or not src.is_cpu or not src.is_contiguous():
                 raise PayloadError(f"buffer {index}: its tensor was changed in place after encode")
-            region.copy_(src.reshape(-1).view(torch.uint8))
+            _from_host(region, src.reshape(-1).view(torch.uint8))
     return head
+
+
+def _from_host(region: torch.Tensor, data: Any) -> None:
+    """Copy host bytes into ``region``. Into CUDA memory through pinned memory and
+    ``non_blocking``: a copy from pageable memory would synchronise the caller's stream
+    (the model thread, for a KV send) with everything queued on it. Torch's pinned
+    allocator keeps the pinned block until the copy's stream has passed it."""
+    src = data if isinstance(data, torch.Tensor) else _host_bytes(data)
+    if region.is_cuda:
+        region.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        region.copy_(src)
 
 
 def _host_bytes(data: Any) -> torch.Tensor:
