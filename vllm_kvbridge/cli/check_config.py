@@ -14,7 +14,14 @@ from typing import Any
 
 import msgspec
 
-from vllm_kvbridge.config.resolve import ResolvedEdge, ResolvedPipeline, ResolvedStage, resolve
+from vllm_kvbridge.config.locality import bind_auto_edges, describe_auto, local_node
+from vllm_kvbridge.config.resolve import (
+    AUTO_CONNECTOR,
+    ResolvedEdge,
+    ResolvedPipeline,
+    ResolvedStage,
+    resolve,
+)
 from vllm_kvbridge.config.runner_settings import runner_settings
 from vllm_kvbridge.errors import ConfigError
 
@@ -35,7 +42,17 @@ def _carries(e: ResolvedEdge) -> str:
     return " + ".join(parts)
 
 
-def _stage_lines(s: ResolvedStage) -> list[str]:
+def _connector(e: ResolvedEdge, plan: ResolvedPipeline) -> str:
+    if e.connector.name != AUTO_CONNECTOR:
+        return f"{e.connector.name} ('{e.connector.ref}')"
+    if plan.backend == "local":  # every stage on this host: decided already
+        bound = bind_auto_edges(plan, {s.stage_id: local_node() for s in plan.stages})
+        c = next(x.connector for x in bound.stage(e.from_stage).outputs if x.to_stage == e.to_stage)
+        return f"{c.name} ('{c.ref}', auto: local backend, one host)"
+    return describe_auto(plan)
+
+
+def _stage_lines(s: ResolvedStage, plan: ResolvedPipeline) -> list[str]:
     head = f"stage {s.stage_id}  {s.kind}"
     lines = []
     if s.is_llm:
@@ -86,14 +103,16 @@ def _stage_lines(s: ResolvedStage) -> list[str]:
             f"  kv receive: timeout {kv['recv_timeout']:g} s, prefetch "
             f"{'on' if kv.get('prefetch') else 'off'}"
         )
+    if plan.backend == "ray":
+        wants = ", ".join(f"{k}: {v:g}" for k, v in sorted((s.placement.get("resources") or {}).items()))
+        lines.append(f"  placement: a Ray actor holding {wants or 'no resources'}")
     for e in s.outputs:
         lines.append(
-            f"  -> stage {e.to_stage}: {e.connector.name} ('{e.connector.ref}') sends "
-            f"{_carries(e)}; tp {e.from_tp} -> {e.to_tp}"
+            f"  -> stage {e.to_stage}: {_connector(e, plan)} sends {_carries(e)}; tp {e.from_tp} -> {e.to_tp}"
         )
     for e in s.inputs:
         lines.append(
-            f"  <- stage {e.from_stage}: {e.connector.name} ('{e.connector.ref}') receives "
+            f"  <- stage {e.from_stage}: {_connector(e, plan)} receives "
             f"{_carries(e)}; tp {e.from_tp} -> {e.to_tp}"
         )
     if s.payload.get("mode") == "async_chunk":
@@ -108,7 +127,9 @@ def format_plan(plan: ResolvedPipeline) -> str:
     if plan.description:
         lines.append(f"  {plan.description}")
     for s in plan.stages:
-        lines.extend(_stage_lines(s))
+        lines.extend(_stage_lines(s, plan))
+    where = f"ray ({plan.ray_address or '--ray-address'})" if plan.backend == "ray" else "local (this host)"
+    lines.append(f"backend: {where}")
     lines.append(
         f"runtime: request timeout {plan.request_timeout:g} s, shutdown timeout "
         f"{plan.shutdown_timeout:g} s"

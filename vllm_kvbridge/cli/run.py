@@ -39,6 +39,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     p.add_argument("--model", help="model for LLM stages that name none (default: the tiny offline model)")
     p.add_argument("--output-dir", default="kvbridge-output", help="where outputs go (default: %(default)s)")
+    p.add_argument(
+        "--ray-address",
+        help="run the stages on this Ray cluster (auto | HOST:PORT): one actor per stage, placed by"
+        " stages[].placement (default: the config's runtime.ray_address, else local processes)",
+    )
     p.add_argument("--max-tokens", type=int, help="override the first stage's max_tokens")
     p.add_argument("--debug-dump-dir", help="dump what receiving stages consumed (KV caches) here")
     p.add_argument(
@@ -103,6 +108,10 @@ def summary_table(results: list[Any], plan: Any) -> str:
         lines.append(f"{name:<24}{_fmt_bytes(nbytes):>12}{secs:>12.4f}{rate:>9}{waits:>10}{handoff:>12}")
     if edges:
         lines.append(f"({EDGE_NOTE})")
+    for s in plan.stages:  # which connector each edge used, and why where it was picked
+        for e in s.outputs:
+            why = f" ({e.connector.reason})" if e.connector.reason else ""
+            lines.append(f"edge {e.from_stage} -> {e.to_stage}: {e.connector.name}{why}")
     return "\n".join(lines)
 
 
@@ -112,6 +121,8 @@ def write_outputs(results: list[Any], plan: Any, out_dir: Path, started: float) 
     from vllm_kvbridge.pipeline.images import encode_png
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    # The connector each edge used (an auto edge's: the one its placement picked).
+    connectors = {(e.from_stage, e.to_stage): e.connector.name for s in plan.stages for e in s.outputs}
     records = []
     for r in results:
         paths = []
@@ -143,6 +154,7 @@ def write_outputs(results: list[Any], plan: Any, out_dir: Path, started: float) 
                     {
                         "stage_id": s.stage_id,
                         "kind": s.kind,
+                        "node_id": s.node_id,
                         "wall_s": round(s.wall_s, 6),
                         "stage_s": round(max(0.0, s.finished - s.started), 6) if s.finished else None,
                         # wall-clock seconds (time.time()), one clock for the stages of a host
@@ -164,6 +176,7 @@ def write_outputs(results: list[Any], plan: Any, out_dir: Path, started: float) 
                         "to_stage": b,
                         "what": what,
                         "purpose": purpose,
+                        "connector": connectors.get((a, b)),
                         "bytes": t.nbytes,
                         "seconds": round(t.seconds, 6),
                         "waited_s": round(t.waited_s, 6),
@@ -272,7 +285,7 @@ def _run_plan(args: argparse.Namespace, plan: Any) -> int:
     def progress(line: str) -> None:
         print(line, flush=True)
 
-    pipe = Pipeline(plan, log_dir=out_dir / "logs", progress=progress)
+    pipe = Pipeline(plan, log_dir=out_dir / "logs", progress=progress, ray_address=args.ray_address)
     results = None
     code = 0
     try:
@@ -293,9 +306,9 @@ def _run_plan(args: argparse.Namespace, plan: Any) -> int:
     except KeyboardInterrupt:
         print("interrupted: every stage stopped", file=sys.stderr)
         return 130
-    result = write_outputs(results, plan, out_dir, started)
+    result = write_outputs(results, pipe.plan, out_dir, started)
     print()
-    print(summary_table(results, plan))
+    print(summary_table(results, pipe.plan))
     print()
     for rec in result["requests"]:
         status = f"FAILED: {rec['error']}" if rec["error"] else ", ".join(rec["outputs"]) or "(no output)"

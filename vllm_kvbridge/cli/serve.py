@@ -36,6 +36,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--stage-config", required=True, help="stage config YAML (see stage_configs/)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--ray-address",
+        help="run the stages on this Ray cluster (auto | HOST:PORT): one actor per stage, placed by"
+        " stages[].placement (default: the config's runtime.ray_address, else local processes)",
+    )
     p.add_argument("--model", help="model for LLM stages that name none (default: the tiny offline model)")
     p.add_argument("--served-model-name", help="model name clients use (default: the pipeline's name)")
     p.add_argument(
@@ -91,6 +96,7 @@ def _print_vllm_serve(args: argparse.Namespace) -> int:
     import shlex
     from urllib.parse import urlparse
 
+    from vllm_kvbridge.config.locality import bind_auto_edges, local_node
     from vllm_kvbridge.config.resolve import resolve
     from vllm_kvbridge.pipeline.http_engine import vllm_serve_argv
 
@@ -108,6 +114,9 @@ def _print_vllm_serve(args: argparse.Namespace) -> int:
             f"error: stage {stage.stage_id} is not an LLM stage with a model (pass --model)", file=sys.stderr
         )
         return 2
+    # Printed for a server on this host: an auto edge is what the local backend picks.
+    plan = bind_auto_edges(plan, {s.stage_id: local_node() for s in plan.stages})
+    stage = plan.stage(stage.stage_id)
     url = urlparse(stage.url or f"http://{args.host}:8001")
     argv = vllm_serve_argv(stage, stage.model, host=url.hostname or args.host, port=url.port or 8001)
     print(shlex.join(argv))
@@ -139,7 +148,10 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         try:
             pipe = Pipeline.from_config(
-                args.stage_config, model=model, progress=lambda s: print(s, flush=True)
+                args.stage_config,
+                model=model,
+                progress=lambda s: print(s, flush=True),
+                ray_address=args.ray_address,
             )
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
@@ -150,7 +162,10 @@ def _serve(args: argparse.Namespace) -> int:
 
                 model = str(ensure_tiny_model())
                 pipe = Pipeline.from_config(
-                    args.stage_config, model=model, progress=lambda s: print(s, flush=True)
+                    args.stage_config,
+                    model=model,
+                    progress=lambda s: print(s, flush=True),
+                    ray_address=args.ray_address,
                 )
             else:
                 raise

@@ -40,14 +40,18 @@ _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+(:[A-Za-
 _EDGE_KEY = re.compile(r"(from|to)_stage_(\d+)")
 #: Engine arguments the resolver owns; a stage setting them in engine_args is a mistake.
 _RESERVED_ENGINE_ARGS = ("model", "worker_cls", "tensor_parallel_size", "additional_config")
+#: An edge's connector picked by locality once the stages are placed (config/locality.py).
+AUTO_CONNECTOR = "auto"
 
 
 class ResolvedConnector(msgspec.Struct, frozen=True):
     """A connector instance on one side of one edge."""
 
     ref: str  # the name used in the file (a key of ``connectors`` or a registry name)
-    name: str  # canonical registry name
+    name: str  # canonical registry name, or AUTO_CONNECTOR until the stages are placed
     config: dict[str, Any] = {}
+    #: why this connector, where it was picked by locality (``config/locality.py``)
+    reason: str = ""
 
 
 class ResolvedEdge(msgspec.Struct, frozen=True):
@@ -96,6 +100,8 @@ class ResolvedStage(msgspec.Struct):
     runner_cls: str | None = None
     #: The streaming module of a vocoder stage (``VocoderSpec`` as a dict; else None).
     vocoder: dict[str, Any] | None = None
+    #: Where the Ray backend places it (``PlacementSpec`` as a dict: resources, runtime_env).
+    placement: dict[str, Any] = {}
 
     @property
     def is_llm(self) -> bool:
@@ -123,6 +129,16 @@ class ResolvedPipeline(msgspec.Struct):
     restart_window: float = 600.0
     restart_backoff: float = 1.0
     heartbeat_timeout: float = 30.0
+    #: ``local`` or ``ray`` (``runtime.backend``; a ``ray_address`` selects ``ray``)
+    backend: str = "local"
+    ray_address: str | None = None
+    #: what ``connector: auto`` edges become within a node / across nodes
+    same_node_connector: ResolvedConnector = msgspec.field(
+        default_factory=lambda: ResolvedConnector("shm", "SharedMemoryConnector")
+    )
+    cross_node_connector: ResolvedConnector = msgspec.field(
+        default_factory=lambda: ResolvedConnector("zmq", "ZmqConnector")
+    )
 
     def stage(self, stage_id: int) -> ResolvedStage:
         for s in self.stages:
@@ -166,6 +182,8 @@ def _canonical(name: str) -> str:
 
 
 def _resolve_connector(ref: str, spec: PipelineSpec, path: str) -> ResolvedConnector:
+    if ref == AUTO_CONNECTOR and ref not in spec.connectors:
+        return ResolvedConnector(ref=ref, name=AUTO_CONNECTOR)
     known = _known_connector_names()
     if ref in spec.connectors:
         c = spec.connectors[ref]
@@ -198,6 +216,9 @@ def _check_stage(i: int, s: StageSpec) -> None:
         raise ConfigError(f"{p}.tensor_parallel_size: must be >= 1, got {s.tensor_parallel_size}")
     if s.start_timeout <= 0:
         raise ConfigError(f"{p}.start_timeout: must be > 0, got {s.start_timeout}")
+    for key, amount in s.placement.resources.items():
+        if not amount >= 0:
+            raise ConfigError(f"{p}.placement.resources.{key}: must be >= 0, got {amount}")
     kv, pl = s.kv_transfer, s.payload
     for name in ("recv_timeout", "send_timeout"):
         if getattr(kv, name) <= 0:
@@ -298,11 +319,15 @@ def _check_stage(i: int, s: StageSpec) -> None:
 
 
 def _edges(spec: PipelineSpec) -> list[tuple[int, int, str | None, str]]:
-    """(from, to, default connector ref, key path) per edge; a linear chain when omitted."""
+    """(from, to, default connector ref, key path) per edge; a linear chain when omitted.
+    An edge naming no connector is ``auto`` (picked by locality at placement)."""
     if spec.edges is None:
         ids = [s.stage_id for s in spec.stages]
-        return [(a, b, None, "edges") for a, b in itertools.pairwise(ids)]
-    return [(e.from_stage, e.to_stage, e.connector, f"edges[{i}]") for i, e in enumerate(spec.edges)]
+        return [(a, b, AUTO_CONNECTOR, "edges") for a, b in itertools.pairwise(ids)]
+    return [
+        (e.from_stage, e.to_stage, e.connector or AUTO_CONNECTOR, f"edges[{i}]")
+        for i, e in enumerate(spec.edges)
+    ]
 
 
 def resolve_spec(spec: PipelineSpec, source: str | None = None) -> ResolvedPipeline:
@@ -387,16 +412,12 @@ def resolve_spec(spec: PipelineSpec, source: str | None = None) -> ResolvedPipel
         out_key, in_key = f"to_stage_{b}", f"from_stage_{a}"
         out_ref = src.output_connectors.get(out_key, default_ref)
         in_ref = dst.input_connectors.get(in_key, default_ref)
-        if out_ref is None:
-            raise ConfigError(
-                f"{sp}.output_connectors.{out_key}: no connector for edge {a} -> {b} "
-                f"(set {path}.connector or this key)"
-            )
-        if in_ref is None:
-            raise ConfigError(
-                f"{dp}.input_connectors.{in_key}: no connector for edge {a} -> {b} "
-                f"(set {path}.connector or this key)"
-            )
+        # One end naming a connector where the edge says auto: the other end follows it.
+        if AUTO_CONNECTOR in (out_ref, in_ref) and out_ref != in_ref:
+            if out_key in src.output_connectors and in_key not in dst.input_connectors:
+                in_ref = out_ref
+            elif in_key in dst.input_connectors and out_key not in src.output_connectors:
+                out_ref = in_ref
         out_c = _resolve_connector(
             out_ref,
             spec,
@@ -478,6 +499,17 @@ def resolve_spec(spec: PipelineSpec, source: str | None = None) -> ResolvedPipel
             raise ConfigError(f"runtime.{name}: must be > 0, got {getattr(rt, name)}")
     if rt.max_restarts < 0:
         raise ConfigError(f"runtime.max_restarts: must be >= 0, got {rt.max_restarts}")
+    placed = {}
+    for key in ("same_node_connector", "cross_node_connector"):
+        placed[key] = _resolve_connector(getattr(rt, key), spec, f"runtime.{key}")
+        if placed[key].name == AUTO_CONNECTOR:
+            raise ConfigError(f"runtime.{key}: must name a connector, not 'auto'")
+    if rt.backend == "local" and rt.ray_address is not None:
+        raise ConfigError("runtime.ray_address: only with backend 'ray' (or leave backend unset)")
+    backend = rt.backend or ("ray" if rt.ray_address is not None else "local")
+    for i, s in enumerate(spec.stages):
+        if backend != "ray" and (s.placement.resources or s.placement.runtime_env):
+            logger.info("stages[%d].placement: ignored by the local backend", i)
     return ResolvedPipeline(
         name=spec.name,
         description=spec.description,
@@ -491,6 +523,9 @@ def resolve_spec(spec: PipelineSpec, source: str | None = None) -> ResolvedPipel
         restart_window=rt.restart_window,
         restart_backoff=rt.restart_backoff,
         heartbeat_timeout=rt.heartbeat_timeout,
+        backend=backend,
+        ray_address=rt.ray_address,
+        **placed,
     ).with_model(spec.model or None)
 
 
@@ -566,6 +601,7 @@ def _resolve_stage(
         url=s.url.rstrip("/") if s.url else None,
         runner_cls=s.runner_cls,
         vocoder=vocoder,
+        placement=msgspec.structs.asdict(s.placement),
     )
 
 

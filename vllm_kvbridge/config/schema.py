@@ -171,6 +171,19 @@ class VocoderSpec(_Spec):
     device: str = "cpu"
 
 
+class PlacementSpec(_Spec):
+    """Where the Ray backend places a stage (ignored by the local backend).
+
+    ``resources`` are Ray resources the stage's actor holds while the stage runs: ``GPU``
+    and ``CPU`` counts, and custom node resources such as ``{node_a: 1}`` that pin it to
+    the nodes started with them. ``runtime_env`` is passed to Ray as the actor's
+    ``runtime_env`` (``env_vars``, ``working_dir``, ...).
+    """
+
+    resources: dict[str, float] = {}
+    runtime_env: dict[str, Any] = {}
+
+
 class StageSpec(_Spec):
     """One stage: an engine in its own process (or group of TP ranks).
 
@@ -201,10 +214,16 @@ class StageSpec(_Spec):
     vocoder: VocoderSpec | None = None
     start_timeout: float = 300.0
     url: str | None = None
+    placement: PlacementSpec = msgspec.field(default_factory=PlacementSpec)
 
 
 class EdgeSpec(_Spec):
-    """A directed link between two stages and the connector both roles use by default."""
+    """A directed link between two stages and the connector both roles use by default.
+
+    ``connector: auto`` (also what an edge naming none gets) picks by locality once the
+    stages are placed: ``runtime.same_node_connector`` when both ends run on one node (one
+    Ray node id, one /dev/shm), ``runtime.cross_node_connector`` otherwise.
+    """
 
     from_stage: int
     to_stage: int
@@ -227,6 +246,15 @@ class RuntimeSpec(_Spec):
     restart_backoff: float = 1.0
     #: a ready stage silent (no heartbeat) this long is stalled: killed and restarted
     heartbeat_timeout: float = 30.0
+    #: where stages run: ``local`` (processes on this host) or ``ray`` (one Ray actor per
+    #: stage, placed by ``stages[].placement``; see ``pipeline/ray_backend.py``)
+    backend: Literal["local", "ray"] | None = None
+    #: the Ray cluster (``auto``, ``HOST:PORT`` or ``ray://...``); setting it selects ``ray``
+    ray_address: str | None = None
+    #: what ``connector: auto`` edges use within one node, and across nodes (connector
+    #: names: a key of ``connectors`` or a registry name)
+    same_node_connector: str = "shm"
+    cross_node_connector: str = "zmq"
 
 
 class PipelineSpec(_Spec):

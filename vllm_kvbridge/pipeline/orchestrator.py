@@ -1,8 +1,10 @@
 """The orchestrator: one process per stage, requests routed stage to stage.
 
 ``Pipeline`` starts every stage as ``python -m vllm_kvbridge.pipeline.stage_process`` in
-its own session, hands it its :class:`ResolvedStage` as JSON on stdin, and talks to it
-over one ZMQ ROUTER socket (msgspec messages, see :mod:`vllm_kvbridge.pipeline.messages`).
+its own session (here, or on the node a Ray actor holds for it: see
+:mod:`vllm_kvbridge.pipeline.placement`), binds the edges left ``auto`` to a connector for
+where their stages run, hands each stage its :class:`ResolvedStage` as JSON on stdin, and
+talks to it over one ZMQ ROUTER socket (msgspec messages, see :mod:`vllm_kvbridge.pipeline.messages`).
 A request enters the first stage; when a stage reports it done, the sender info it
 reported is forwarded with the request to the next stage; the last stage's output is
 the request's result. Any number of requests are in flight at once. A request submitted
@@ -31,7 +33,6 @@ Failure and shutdown contract:
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import tempfile
 import time
@@ -48,6 +49,13 @@ from vllm_kvbridge.pipeline import messages as m
 from vllm_kvbridge.pipeline.admission import check_new_id, check_sampling_params
 from vllm_kvbridge.pipeline.cfg import companions_for
 from vllm_kvbridge.pipeline.engines import ABORTED_KEEP_S, ExpiringIds
+from vllm_kvbridge.pipeline.placement import (
+    ControlSocket,
+    StageBackend,
+    make_backend,
+    place_stages,
+    with_run_scope,
+)
 from vllm_kvbridge.pipeline.results import (  # re-exported: the pipeline's public types
     PipelineError,
     RequestError,
@@ -56,17 +64,7 @@ from vllm_kvbridge.pipeline.results import (  # re-exported: the pipeline's publ
     StageRecord,
     StageRecovering,
 )
-from vllm_kvbridge.pipeline.stage_handles import (
-    LOG_TAIL_LINES,
-    StageHandle,
-    kill_stage_group,
-    reap_run_edges,
-    shm_mapped_by_group,
-    spawn_stage,
-    stop_stages,
-    with_run_curve_keys,
-    with_run_namespaces,
-)
+from vllm_kvbridge.pipeline.stage_handles import LOG_TAIL_LINES, StageHandle, stop_stages
 from vllm_kvbridge.pipeline.supervision import (
     RestartPolicy,
     StageSupervision,
@@ -94,17 +92,19 @@ class Pipeline:
         log_dir: str | Path | None = None,
         progress: Callable[[str], None] | None = None,
         env: Mapping[str, str] | None = None,
+        ray_address: str | None = None,
     ) -> None:
         self.run_id = f"r{uuid.uuid4().hex[:10]}"
-        external = frozenset(s.stage_id for s in plan.stages if s.url is not None)
-        stages = [with_run_namespaces(s, self.run_id, external) for s in plan.stages]
-        self.plan = msgspec.structs.replace(plan, stages=with_run_curve_keys(stages, external))
+        # Edges left ``auto`` are bound (and scoped) in start(), once the stages are placed.
+        self.plan = with_run_scope(plan, self.run_id)
+        self._ray_address = ray_address
+        self._backend: StageBackend | None = None
         self._own_log_dir = log_dir is None
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"kvbridge-{self.run_id}-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._progress = progress or (lambda line: None)
         self._env = dict(env or {})
-        self._ctx: zmq.Context | None = None
+        self._control: ControlSocket | None = None
         self._sock: zmq.Socket | None = None
         self._stages: dict[int, StageHandle] = {}
         self._order = [s.stage_id for s in self.plan.stages]
@@ -154,14 +154,10 @@ class Pipeline:
             return
         self._started = True
         try:
-            self._ctx = zmq.Context()
-            self._sock = self._ctx.socket(zmq.ROUTER)
-            self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            # A restarted stage connects under its predecessor's identity: it takes over.
-            self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-            port = self._sock.bind_to_random_port("tcp://127.0.0.1")
-            self._address = f"tcp://127.0.0.1:{port}"
+            self._backend = backend = make_backend(self.plan, self.run_id, self._ray_address)
+            self.plan = place_stages(self.plan, backend, self.run_id, self._progress)
+            self._control = ControlSocket(backend.control_host(), self._env)
+            self._sock, self._address = self._control.sock, self._control.address
             for stage in self.plan.stages:
                 self._spawn(stage)
             self._wait_ready()
@@ -172,10 +168,14 @@ class Pipeline:
 
     def _spawn(self, stage: ResolvedStage) -> None:
         log_path = self.log_dir / f"stage_{stage.stage_id}.log"
-        env = {**os.environ, **self._env}
-        handle = spawn_stage(stage, self._address, log_path, env, heartbeat_interval(self.policy))
+        assert self._backend is not None
+        handle = self._backend.spawn(
+            stage, self._address, log_path, self._env, heartbeat_interval(self.policy)
+        )
         self._stages[stage.stage_id] = handle
-        self._progress(f"[{handle.label}] starting (pid {handle.proc.pid}, log {log_path})")
+        node = handle.proc.node
+        where = "" if node.node_id == "local" else f" on node {node.node_id[:12]} ({node.ip})"
+        self._progress(f"[{handle.label}] starting{where} (pid {handle.proc.pid}, log {handle.proc.log})")
 
     def _wait_ready(self) -> None:
         # A stage not ready within its start_timeout fails the start (StageSupervision.check).
@@ -196,12 +196,12 @@ class Pipeline:
                     sock.send_multipart(msg, flags=zmq.NOBLOCK)
 
         stop_stages(list(self._stages.values()), shutdown, self.plan.shutdown_timeout)
-        reap_run_edges(self.plan.stages)
-        if self._sock is not None:
-            self._sock.close(0)
-        if self._ctx is not None:
-            self._ctx.term()
-        self._sock = self._ctx = None
+        if self._backend is not None:
+            self._backend.reap(self.plan.stages)
+            self._backend.close()
+        if self._control is not None:
+            self._control.close()
+        self._sock = self._control = None
 
     def __enter__(self) -> Pipeline:
         self.start()
@@ -258,7 +258,8 @@ class Pipeline:
 
     def _submit(self, stage_id: int, msg: m.Submit) -> None:
         h = self._stages[stage_id]
-        self._results[msg.request_id].stages.append(StageRecord(stage_id, h.stage.kind, time.time()))
+        record = StageRecord(stage_id, h.stage.kind, time.time(), node_id=h.proc.node.node_id)
+        self._results[msg.request_id].stages.append(record)
         if stage_id == self._order[-1] and msg.request_id in self._on_progress:
             msg = msgspec.structs.replace(msg, stream=True)
         sup = self._supervision[stage_id]
@@ -346,7 +347,7 @@ class Pipeline:
         delay = sup.lost(error) if self._serving else None
         if delay is None:
             self._fail(sup.exhausted(error) if self._serving else error)
-        kill_stage_group(h.proc.pid, h.shm_names)
+        h.proc.kill_group(h.shm_names)
         with contextlib.suppress(subprocess.TimeoutExpired):
             h.proc.wait(timeout=1)  # reap it
         self._progress(f"[{h.label}] LOST: {error.error}; {sup.plan_line(delay)}")
@@ -389,7 +390,7 @@ class Pipeline:
             return
         if isinstance(msg, m.Ready):
             h.ready_at, h.info = time.monotonic(), msg.info
-            h.shm_names = shm_mapped_by_group(h.proc.pid)
+            h.shm_names = h.proc.mapped_shm()
             self._progress(f"[{h.label}] ready in {h.ready_at - h.spawned:.1f} s")
             sup = self._supervision[h.stage.stage_id]
             if sup.recovering:

@@ -58,6 +58,8 @@ class StageRecord:
     #: as diffusion: when it produced its output); one clock for the stages of a host
     first_token_at: float = 0.0
     last_token_at: float = 0.0
+    #: the node the stage ran it on (a Ray node id; ``local`` on the local backend)
+    node_id: str = "local"
 
     @property
     def wall_s(self) -> float:

@@ -1,9 +1,11 @@
 """The orchestrator's view of one stage process, and how a run's stages are prepared.
 
 :class:`StageHandle` is what :class:`~vllm_kvbridge.pipeline.orchestrator.Pipeline` holds
-per spawned stage process (process, log, readiness, last heartbeat, failure);
-:func:`spawn_stage` starts one and :func:`kill_stage_group` ends one for good, removing the
-shared memory its vLLM engine could not; :func:`with_run_namespaces` gives a
+per spawned stage process (process, log, readiness, last heartbeat, failure). Its process
+is a :class:`StageProcess`: :class:`LocalStageProcess` here (a child of the orchestrator,
+started by :func:`spawn_stage`), or a process a Ray actor started on its node
+(:mod:`vllm_kvbridge.pipeline.ray_backend`). :func:`kill_stage_group` ends one for good on
+its host, removing the shared memory its vLLM engine could not; :func:`with_run_namespaces` gives a
 run's shared-memory and Mooncake-store edges their own namespace; :func:`with_run_curve_keys`
 gives a run's ZMQ edges bound beyond loopback their own CURVE keypair; :func:`log_tail` /
 :func:`last_error_line` read a stage's log for error reports.
@@ -20,10 +22,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
+from vllm_kvbridge.config.locality import NodeInfo, local_node
 from vllm_kvbridge.config.resolve import ResolvedConnector, ResolvedStage
 from vllm_kvbridge.connectors.keys import edge_name
 from vllm_kvbridge.pipeline.results import StageError
@@ -32,10 +35,65 @@ from vllm_kvbridge.pipeline.results import StageError
 LOG_TAIL_LINES = 15
 
 
+class StageProcess(Protocol):
+    """One stage's process as the orchestrator drives it, wherever it runs."""
+
+    #: its pid on its host (the stage's messages carry it)
+    pid: int
+    #: where it runs (``log`` is where its output goes there)
+    node: NodeInfo
+    log: str
+
+    def poll(self) -> int | None:
+        """Its exit status once it ended (a negative signal number), else None."""
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for it to end; ``subprocess.TimeoutExpired`` after ``timeout``."""
+
+    def terminate_group(self) -> None:
+        """SIGTERM its process group."""
+
+    def kill_group(self, known: set[str] | frozenset[str] = frozenset()) -> list[str]:
+        """:func:`kill_stage_group` on its host."""
+
+    def mapped_shm(self) -> set[str]:
+        """:func:`shm_mapped_by_group` of its group, on its host."""
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The last lines of its output (or why they cannot be read)."""
+
+
+class LocalStageProcess:
+    """A stage process that is a child of the orchestrator, in a session of its own."""
+
+    def __init__(self, popen: subprocess.Popen, log_path: Path) -> None:
+        self.popen, self.pid = popen, popen.pid
+        self.node, self.log, self.log_path = local_node(), str(log_path), log_path
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.popen.wait(timeout)
+
+    def terminate_group(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGTERM)
+
+    def kill_group(self, known: set[str] | frozenset[str] = frozenset()) -> list[str]:
+        return kill_stage_group(self.pid, known)
+
+    def mapped_shm(self) -> set[str]:
+        return shm_mapped_by_group(self.pid)
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        return log_tail(self.log_path, lines)
+
+
 @dataclass
 class StageHandle:
     stage: ResolvedStage
-    proc: subprocess.Popen
+    proc: StageProcess
     log_path: Path
     spawned: float
     ready_at: float = 0.0
@@ -56,11 +114,8 @@ class StageHandle:
         return f"stage {self.stage.stage_id} ({self.stage.kind})"
 
 
-def spawn_stage(
-    stage: ResolvedStage, address: str, log_path: Path, env: Mapping[str, str], heartbeat_s: float
-) -> StageHandle:
-    """Start ``stage``'s process (in a session of its own: killable as a whole group),
-    its :class:`ResolvedStage` as JSON on stdin, its output appended to ``log_path``."""
+def stage_env(stage: ResolvedStage, env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` (the host's environment and the pipeline's) with what ``stage`` sets."""
     env = {**env, **stage.env}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -73,17 +128,41 @@ def spawn_stage(
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if stage.devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = stage.devices
+    return env
+
+
+def start_stage_process(
+    stage_json: bytes, stage_id: int, address: str, log_path: Path, env: Mapping[str, str], heartbeat_s: float
+) -> subprocess.Popen:
+    """Start a stage process (in a session of its own: killable as a whole group), its
+    :class:`ResolvedStage` (``stage_json``) on stdin, its output appended to ``log_path``.
+    The process belongs to the caller: the orchestrator, or a Ray actor on another node."""
     argv = [sys.executable, "-m", "vllm_kvbridge.pipeline.stage_process", "--address", address]
-    argv += ["--stage-id", str(stage.stage_id), "--heartbeat-s", f"{heartbeat_s:g}"]
+    argv += ["--stage-id", str(stage_id), "--heartbeat-s", f"{heartbeat_s:g}"]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(env),
+            start_new_session=True,
         )
     assert proc.stdin is not None
-    proc.stdin.write(msgspec.json.encode(stage))
+    proc.stdin.write(stage_json)
     proc.stdin.close()
+    return proc
+
+
+def spawn_stage(
+    stage: ResolvedStage, address: str, log_path: Path, env: Mapping[str, str], heartbeat_s: float
+) -> StageHandle:
+    """Start ``stage``'s process here, as a child of the orchestrator."""
+    popen = start_stage_process(
+        msgspec.json.encode(stage), stage.stage_id, address, log_path, stage_env(stage, env), heartbeat_s
+    )
     now = time.monotonic()
-    return StageHandle(stage, proc, log_path, now, last_seen=now)
+    return StageHandle(stage, LocalStageProcess(popen, log_path), log_path, now, last_seen=now)
 
 
 def stop_stages(
@@ -99,12 +178,11 @@ def stop_stages(
     _wait_exit(handles, time.monotonic() + shutdown_timeout)
     alive = [h for h in handles if h.proc.poll() is None]
     for h in alive:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(h.proc.pid, signal.SIGTERM)
+        h.proc.terminate_group()
     _wait_exit(alive, time.monotonic() + 5.0)
     for h in handles:
         # Also for a stage that exited by itself: its engine core may outlive it.
-        kill_stage_group(h.proc.pid, h.shm_names)
+        h.proc.kill_group(h.shm_names)
     _wait_exit(handles, time.monotonic() + 5.0)
 
 
@@ -236,6 +314,9 @@ def with_run_namespaces(
 
 ZMQ_CONNECTOR = "ZmqConnector"
 CURVE_ENV_PREFIX = "KVBRIDGE_CURVE_"
+#: The environment variable that hands the stages the control socket's CURVE keypair
+#: (``placement.secure_control``).
+CONTROL_CURVE_ENV = "KVBRIDGE_CONTROL_CURVE"
 
 
 def binds_beyond_loopback(config: dict[str, Any]) -> bool:

@@ -35,6 +35,7 @@ from vllm_kvbridge.config.resolve import ResolvedStage
 from vllm_kvbridge.errors import RequestRejected
 from vllm_kvbridge.pipeline import messages as m
 from vllm_kvbridge.pipeline.engines import StageEngine, build_engine
+from vllm_kvbridge.pipeline.stage_handles import CONTROL_CURVE_ENV
 
 #: How long the serve loop sleeps in poll when the engine has nothing to do (seconds); an
 #: engine's waker (``StageEngine.waker``) or a message ends the sleep at once.
@@ -58,6 +59,18 @@ def _watch_parent(parent_pid: int) -> None:
                 os._exit(1)
 
 
+def _connect(sock: zmq.Socket, address: str) -> None:
+    """Connect to the orchestrator, with the run's CURVE keys where it listens beyond
+    loopback (it put them in our environment: ``placement.secure_control``)."""
+    if os.environ.get(CONTROL_CURVE_ENV):
+        from vllm_kvbridge.connectors.zmq_curve import CurveKeys
+
+        keys = CurveKeys.from_config({"curve_keys_env": CONTROL_CURVE_ENV})
+        assert keys.server_key is not None
+        keys.secure_client(sock, keys.server_key)
+    sock.connect(address)
+
+
 class _Heartbeat:
     """Sends :class:`Heartbeat` every ``interval_s`` from a daemon thread until stopped."""
 
@@ -67,7 +80,7 @@ class _Heartbeat:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 4)  # beats nobody reads are worthless: keep few
         self._sock.setsockopt(zmq.IDENTITY, f"stage-{stage_id}-heartbeat".encode())
-        self._sock.connect(address)
+        _connect(self._sock, address)
         self._beat = m.encode(m.Heartbeat(stage_id, os.getpid()))
         self._interval_s = interval_s
         self._thread = threading.Thread(target=self._run, name="kvbridge-heartbeat", daemon=True)
@@ -97,7 +110,7 @@ def serve(stage: ResolvedStage, address: str, heartbeat_s: float = 1.0) -> int:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 2000)
     sock.setsockopt(zmq.IDENTITY, f"stage-{stage.stage_id}".encode())
-    sock.connect(address)
+    _connect(sock, address)
     engine: StageEngine | None = None
     try:
         try:

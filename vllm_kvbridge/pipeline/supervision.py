@@ -37,7 +37,7 @@ from typing import Any
 from vllm_kvbridge.config.resolve import ResolvedStage
 from vllm_kvbridge.pipeline import messages as m
 from vllm_kvbridge.pipeline.results import RequestResult, StageError
-from vllm_kvbridge.pipeline.stage_handles import StageHandle, last_error_line, log_tail
+from vllm_kvbridge.pipeline.stage_handles import StageHandle, last_error_line
 
 __all__ = [
     "MAX_BACKOFF_S",
@@ -126,17 +126,17 @@ class StageSupervision:
         if code is not None:
             if h.failure is not None:
                 return h.failure
-            tail = log_tail(h.log_path)
+            tail = h.proc.log_tail()
             why = last_error_line(tail) or "no output"
             return StageError(stage.stage_id, stage.kind, f"process exited with status {code} ({why})", tail)
         timeout = self.policy.heartbeat_timeout_s
         if h.ready_at and now - h.last_seen > timeout:
             silent = f"no heartbeat for {now - h.last_seen:.1f} s (runtime.heartbeat_timeout: {timeout:g} s)"
             error = f"{silent}: stopped or stalled, killed"
-            return StageError(stage.stage_id, stage.kind, error, log_tail(h.log_path))
+            return StageError(stage.stage_id, stage.kind, error, h.proc.log_tail())
         if not h.ready_at and now - h.spawned > stage.start_timeout:
             error = f"not ready after {stage.start_timeout:.0f} s (start_timeout)"
-            return StageError(stage.stage_id, stage.kind, error, log_tail(h.log_path))
+            return StageError(stage.stage_id, stage.kind, error, h.proc.log_tail())
         return None
 
     def due(self, now: float) -> bool:

@@ -1,0 +1,191 @@
+"""Stages placed across nodes through Ray (issue 17), on a real Ray cluster of this machine.
+
+One cluster per module: a head and two simulated nodes (``ray.cluster_utils.Cluster``),
+told apart by custom resources ``node_a`` / ``node_b``; their node ids differ, so for the
+locality rule they are two nodes even though they share this machine's /dev/shm. The AR
+-> DiT pipeline of ``stage_configs/ar_to_dit_ray.yaml`` runs with real engines:
+
+* stage 0 pinned to node A, stage 1 to node B: the ``auto`` edge becomes ZMQ over TCP on
+  the node's address (CURVE on), and the DiT's KV is transformers' KV of the prompt;
+* both stages on node A: the same edge becomes shared memory;
+* ``vllm-kvbridge serve --ray-address`` answers image requests, and killing stage 1's
+  actor fails the request in it, naming the stage, without a hang.
+
+Only the cluster this module started is stopped (never ``ray stop``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from pipeline_fixtures import AR_TO_DIT_KWARGS, TESTS_DIR, check_dumped_kv_is_transformers_kv
+from serve_fixtures import ROOT, free_port, post_images, start_process, stop, wait_for
+
+from vllm_kvbridge.cli.run import write_outputs
+from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.pipeline import Pipeline, StageError
+
+ray = pytest.importorskip("ray")  # an extra ([ray]); make setup installs it
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+CONFIG = ROOT / "stage_configs/ar_to_dit_ray.yaml"
+
+
+class RayNodes:
+    def __init__(self, cluster, node_a, node_b) -> None:  # type: ignore[no-untyped-def]
+        self.cluster, self.address = cluster, cluster.address
+        self.node_a, self.node_b = node_a.node_id, node_b.node_id
+
+    def free(self, resource: str) -> float:
+        return ray.available_resources().get(resource, 0.0)
+
+
+@pytest.fixture(scope="module")
+def nodes():  # type: ignore[no-untyped-def]
+    from ray.cluster_utils import Cluster
+
+    # Ray's socket paths must stay short: a directory of its own right under /tmp.
+    tmp = tempfile.mkdtemp(prefix="rk", dir="/tmp")
+    old = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = tmp
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        a = cluster.add_node(num_cpus=1, resources={"node_a": 1})
+        b = cluster.add_node(num_cpus=1, resources={"node_b": 1})
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield RayNodes(cluster, a, b)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if old is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = old
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _config(tmp: Path, placements: list[dict[str, float]], **stage1_extra) -> Path:  # type: ignore[no-untyped-def]
+    """The Ray config with each stage's placement resources replaced (and stage 1's extra keys)."""
+    spec = yaml.safe_load(CONFIG.read_text())
+    for stage, resources in zip(spec["stages"], placements):
+        stage["placement"] = {"resources": resources}
+    spec["stages"][1].update(stage1_extra)
+    path = tmp / "ray_edited.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _run(nodes: RayNodes, config: Path, dump: Path):  # type: ignore[no-untyped-def]
+    import msgspec
+
+    model = ensure_tiny_model()
+    logs = dump / "logs"
+    pipe = Pipeline.from_config(config, model=str(model), ray_address=nodes.address, log_dir=logs)
+    pipe.plan = msgspec.structs.replace(
+        pipe.plan, stages=[msgspec.structs.replace(s, debug_dump_dir=str(dump)) for s in pipe.plan.stages]
+    )
+    with pipe:
+        [result] = pipe.generate(["A cute cat"])
+        held = (nodes.free("node_a"), nodes.free("node_b"))
+    check_dumped_kv_is_transformers_kv(model, result, dump, {**AR_TO_DIT_KWARGS, "seed": 0})
+    return result, pipe.plan, held
+
+
+def _released(nodes: RayNodes) -> bool:
+    """Every actor of the run is gone: the nodes' resources are free again."""
+    return bool(wait_for(lambda: nodes.free("node_a") == 1 and nodes.free("node_b") == 1, 30))
+
+
+def test_stages_on_two_nodes_move_kv_over_tcp(nodes: RayNodes, tmp_path: Path) -> None:
+    result, plan, held = _run(nodes, CONFIG, tmp_path)
+    edge = plan.stage(0).outputs[0].connector
+    # each stage's log, written on its node, was copied into the run's log directory
+    assert "vLLM" in (tmp_path / "logs/stage_0.log").read_text(errors="replace")
+    assert [s.node_id for s in result.stages] == [nodes.node_a, nodes.node_b]
+    assert held == (0, 0)  # each stage's actor holds its node's resource while it runs
+    assert edge.name == "ZmqConnector" and "stage 0 on node" in edge.reason, edge
+    # the sender serves on its node's address (not loopback), CURVE keys made for the run
+    host = edge.config["host"]
+    assert not host.startswith("127.") and host == ray.util.get_node_ip_address()
+    assert edge.config["curve_keys_env"].startswith("KVBRIDGE_CURVE_")
+    transfers = {(t.from_stage, t.to_stage, t.what) for t in result.transfers}
+    assert (0, 1, "kv") in transfers, result.transfers
+    assert _released(nodes), ray.available_resources()
+
+
+def test_stages_on_one_node_pick_shared_memory(nodes: RayNodes, tmp_path: Path) -> None:
+    half = {"node_a": 0.5}  # node A has one unit of node_a: room for both stages
+    result, plan, held = _run(nodes, _config(tmp_path, [half, half]), tmp_path)
+    assert [s.node_id for s in result.stages] == [nodes.node_a, nodes.node_a]
+    assert held == (0, 1)
+    edge = plan.stage(0).outputs[0].connector
+    assert edge.name == "SharedMemoryConnector" and "on one node" in edge.reason, edge
+    assert _released(nodes), ray.available_resources()
+    # what `vllm-kvbridge run` writes: the edge's connector and each stage's node
+    record = write_outputs([result], plan, tmp_path / "out", time.time())["requests"][0]
+    assert [t["connector"] for t in record["transfers"]] == ["SharedMemoryConnector"]
+    assert [s["node_id"] for s in record["stages"]] == [nodes.node_a, nodes.node_a]
+
+
+def _stage_actor(stage_id: int):  # type: ignore[no-untyped-def]
+    """The live actor of ``stage_id`` of the one pipeline running on the cluster."""
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("kvbridge-")]
+    [mine] = [a for a in names if f"-stage-{stage_id}-" in a["name"]]
+    return ray.get_actor(mine["name"], namespace=mine["namespace"])
+
+
+def test_serve_on_ray_answers_and_fails_the_request_of_a_killed_stage_actor(
+    nodes: RayNodes, tmp_path: Path
+) -> None:
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    env = {"PYTHONPATH": str(TESTS_DIR), "KVBRIDGE_TEST_GATES": str(gates)}
+    config = _config(tmp_path, [{"node_a": 1}, {"node_b": 1}], env=env)
+    spec = yaml.safe_load(config.read_text())
+    spec["stages"][1]["diffusion"]["class_path"] = "pipeline_fixtures.GatedDiT"
+    config.write_text(yaml.safe_dump(spec))
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "vllm_kvbridge.cli.main", "serve", "--stage-config", str(config),
+        "--port", str(port), "--model", str(ensure_tiny_model()), "--ray-address", nodes.address,
+    ]  # fmt: skip
+    srv = start_process(argv, tmp_path / "serve.log", f"http://127.0.0.1:{port}", "/health", 300)
+    try:
+        r = httpx.post(srv.url + "/v1/images/generations", json={"prompt": "a cat"}, timeout=120)
+        assert r.status_code == 200 and r.json()["data"], r.text
+        stages = httpx.get(srv.url + "/health", timeout=30).json()["stages"]
+        assert [s["status"] for s in stages] == ["ready", "ready"], stages
+
+        (gates / "forwarding").unlink()  # the first request's forward touched it
+        (gates / "hold").touch()  # the next request stays in the DiT's forward
+        threads, answers = post_images(srv, 1)
+        assert wait_for(lambda: (gates / "forwarding").exists(), 120), srv.log()
+        t0 = time.monotonic()
+        ray.kill(_stage_actor(1))
+        threads[0].join(120)
+        assert answers and answers[0].status_code == 502, [a.text for a in answers]
+        message = answers[0].json()["error"]["message"]
+        assert "stage 1 (diffusion)" in message and "Ray actor" in message, message
+        print(f"\nrequest failed {time.monotonic() - t0:.1f} s after its stage's actor was killed")
+    finally:
+        stop(srv)
+    assert _released(nodes), ray.available_resources()
+
+
+def test_a_stage_no_node_can_take_fails_the_start_naming_it(nodes: RayNodes, tmp_path: Path) -> None:
+    config = _config(tmp_path, [{"node_a": 1}, {"node_z": 1}], start_timeout=3)
+    pipe = Pipeline.from_config(config, model=str(ensure_tiny_model()), ray_address=nodes.address)
+    with pytest.raises(StageError) as info:
+        pipe.start()
+    assert info.value.stage_id == 1
+    assert "not placed after 3 s (start_timeout): no Ray node has" in str(info.value)
+    assert "node_z" in str(info.value)
+    assert _released(nodes), ray.available_resources()  # stage 0's actor, placed, was killed

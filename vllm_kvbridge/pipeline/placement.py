@@ -1,0 +1,142 @@
+"""Where a pipeline's stages run: the backends the orchestrator spawns stages through.
+
+A backend places the stages (:meth:`place`: each stage's :class:`NodeInfo`, which decides
+its ``connector: auto`` edges), says where the control socket must listen for the stages to
+reach it (:meth:`control_host`), starts a stage's process (:meth:`spawn`) and releases what it
+holds once every stage stopped (:meth:`close`). :class:`LocalBackend` (the default) runs every
+stage as a child process of the orchestrator; the Ray backend
+(:mod:`vllm_kvbridge.pipeline.ray_backend`) runs each in a Ray actor on the node Ray picks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+import zmq
+
+from vllm_kvbridge.config.locality import NodeInfo, bind_auto_edges, local_node
+from vllm_kvbridge.config.resolve import ResolvedPipeline, ResolvedStage
+from vllm_kvbridge.pipeline.stage_handles import (
+    CONTROL_CURVE_ENV,
+    StageHandle,
+    reap_run_edges,
+    spawn_stage,
+    with_run_curve_keys,
+    with_run_namespaces,
+)
+
+
+class StageBackend(Protocol):
+    def control_host(self) -> str:
+        """The address the orchestrator's control socket binds (the stages connect to it)."""
+
+    def place(self, stages: Sequence[ResolvedStage]) -> dict[int, NodeInfo]:
+        """Reserve where each stage runs; raises :class:`StageError` for one that cannot be."""
+
+    def spawn(
+        self, stage: ResolvedStage, address: str, log_path: Path, env: Mapping[str, str], heartbeat_s: float
+    ) -> StageHandle:
+        """Start ``stage``'s process where it was placed (again, after a loss)."""
+
+    def reap(self, stages: Sequence[ResolvedStage]) -> None:
+        """Remove what the stopped stages' processes left on the run's edges, on every node."""
+
+    def close(self) -> None:
+        """Release every placement (after the stages stopped). Idempotent."""
+
+
+class LocalBackend:
+    """Every stage a child process of the orchestrator on this host, over loopback."""
+
+    def control_host(self) -> str:
+        return "127.0.0.1"
+
+    def place(self, stages: Sequence[ResolvedStage]) -> dict[int, NodeInfo]:
+        node = local_node()
+        return {s.stage_id: node for s in stages}
+
+    def spawn(
+        self, stage: ResolvedStage, address: str, log_path: Path, env: Mapping[str, str], heartbeat_s: float
+    ) -> StageHandle:
+        return spawn_stage(stage, address, log_path, {**os.environ, **env}, heartbeat_s)
+
+    def reap(self, stages: Sequence[ResolvedStage]) -> None:
+        reap_run_edges(stages)
+
+    def close(self) -> None:
+        pass
+
+
+def make_backend(plan: ResolvedPipeline, run_id: str, ray_address: str | None = None) -> StageBackend:
+    """The backend ``plan`` asks for (``ray_address`` overrides the config's and selects Ray)."""
+    if ray_address is None and plan.backend != "ray":
+        return LocalBackend()
+    from vllm_kvbridge.pipeline.ray_backend import RayBackend
+
+    return RayBackend(ray_address or plan.ray_address or "auto", run_id)
+
+
+def place_stages(
+    plan: ResolvedPipeline, backend: StageBackend, run_id: str, progress: Callable[[str], None]
+) -> ResolvedPipeline:
+    """Place ``plan``'s stages, bind their ``auto`` edges to what the placement allows (each
+    choice reported through ``progress``), and give the run's edges their own namespaces
+    and CURVE keys (:func:`with_run_scope`): the plan the stages are started with."""
+    external = frozenset(s.stage_id for s in plan.stages if s.url is not None)
+    nodes = backend.place([s for s in plan.stages if s.url is None])
+    nodes.update({sid: local_node() for sid in external})  # a server the config points at
+    plan = bind_auto_edges(plan, nodes)
+    for s in plan.stages:
+        for e in s.outputs:
+            why = f" ({e.connector.reason})" if e.connector.reason else ""
+            progress(f"[edge {e.from_stage}->{e.to_stage}] {e.connector.name}{why}")
+    return with_run_scope(plan, run_id)
+
+
+def with_run_scope(plan: ResolvedPipeline, run_id: str) -> ResolvedPipeline:
+    """``plan`` whose shared-memory and Mooncake-store edges have this run's namespace and
+    whose ZMQ edges bound beyond loopback have this run's CURVE keys (edges that have
+    theirs, or touch a server the config points at, are left as they are: so it can be
+    applied again once the ``auto`` edges are bound)."""
+    external = frozenset(s.stage_id for s in plan.stages if s.url is not None)
+    stages = [with_run_namespaces(s, run_id, external) for s in plan.stages]
+    return msgspec.structs.replace(plan, stages=with_run_curve_keys(stages, external))
+
+
+class ControlSocket:
+    """The orchestrator's ROUTER socket every stage process connects to (see orchestrator.py).
+
+    Bound on ``host`` (the backend's :meth:`~StageBackend.control_host`). Where that is
+    beyond loopback (the Ray backend: stages on other nodes reach it), it is a CURVE server
+    admitting one keypair made for this run, which is put in ``env`` (the stages'
+    environment, never a config or a log): the stage processes connect with it
+    (``stage_process``), anyone else is refused before a message is read."""
+
+    def __init__(self, host: str, env: dict[str, str]) -> None:
+        from vllm_kvbridge.connectors.zmq_curve import CurveKeys
+        from vllm_kvbridge.pipeline.stage_handles import binds_beyond_loopback
+
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A restarted stage connects under its predecessor's identity: it takes over.
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._auth: Any = None
+        if binds_beyond_loopback({"host": host}):
+            public, secret = zmq.curve_keypair()
+            env[CONTROL_CURVE_ENV] = json.dumps({"public": public.decode(), "secret": secret.decode()})
+            keys = CurveKeys(public, secret, public, frozenset({public}))
+            self._auth = keys.secure_server(self.ctx, self.sock)
+        self.address = f"tcp://{host}:{self.sock.bind_to_random_port(f'tcp://{host}')}"
+
+    def close(self) -> None:
+        self.sock.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+        self.ctx.term()
