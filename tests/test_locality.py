@@ -173,3 +173,19 @@ def test_the_ray_backend_without_ray_says_how_to_install_it(monkeypatch: pytest.
     with pytest.raises(PipelineError, match=r"the Ray backend needs Ray: pip install 'vllm-kvbridge\[ray\]'"):
         make_backend(plan, "rtest")
     assert isinstance(make_backend(_plan(), "rtest"), LocalBackend)
+
+
+def test_run_on_ray_without_a_cluster_fails_clearly(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+
+    # an empty Ray temp dir and no RAY_ADDRESS: `auto` finds no cluster to join
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(tmp_path)}
+    argv = [sys.executable, "-m", "vllm_kvbridge.cli.main", "run", "--ray-address", "auto"]
+    argv += ["--stage-config", str(ROOT / "stage_configs/ar_to_dit_ray.yaml"), "--prompt", "a cat"]
+    argv += ["--model", str(ensure_tiny_model()), "--output-dir", str(tmp_path / "out")]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "error: cannot join the Ray cluster at 'auto'" in proc.stderr, proc.stderr
