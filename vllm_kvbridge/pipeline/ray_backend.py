@@ -281,8 +281,10 @@ class RayBackend:
         ray = self._ray
         payload = msgspec.json.encode(list(stages))
         refs = [runs[-1][0].reap.remote(payload) for runs in self._actors.values()]
-        with contextlib.suppress(ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-            ray.get(refs, timeout=ACTOR_CALL_S)
+        deadline = time.monotonic() + ACTOR_CALL_S
+        for ref in refs:  # one by one: a dead actor's error must not cut the others short
+            with contextlib.suppress(ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
         reap_run_edges(stages)
 
     def close(self) -> None:
