@@ -129,6 +129,9 @@ def test_stages_on_one_node_pick_shared_memory(nodes: RayNodes, tmp_path: Path) 
     edge = plan.stage(0).outputs[0].connector
     assert edge.name == "SharedMemoryConnector" and "on one node" in edge.reason, edge
     assert _released(nodes), ray.available_resources()
+    # nothing of the run's edge is left in /dev/shm (its segments live in the run's namespace)
+    namespace = edge.config["namespace"]
+    assert namespace.endswith("-0-1") and not [n for n in os.listdir("/dev/shm") if namespace in n]
     # what `vllm-kvbridge run` writes: the edge's connector and each stage's node
     record = write_outputs([result], plan, tmp_path / "out", time.time())["requests"][0]
     assert [t["connector"] for t in record["transfers"]] == ["SharedMemoryConnector"]
