@@ -166,6 +166,7 @@ def test_serve_on_ray_answers_and_fails_the_request_of_a_killed_stage_actor(
         assert r.status_code == 200 and r.json()["data"], r.text
         stages = httpx.get(srv.url + "/health", timeout=30).json()["stages"]
         assert [s["status"] for s in stages] == ["ready", "ready"], stages
+        assert [s["node_id"] for s in stages] == [nodes.node_a, nodes.node_b]
 
         (gates / "forwarding").unlink()  # the first request's forward touched it
         (gates / "hold").touch()  # the next request stays in the DiT's forward

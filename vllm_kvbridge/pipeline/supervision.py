@@ -183,7 +183,7 @@ def stage_status(
     stage: ResolvedStage, h: StageHandle | None, sup: StageSupervision, pipeline_failed: bool
 ) -> dict[str, Any]:
     """One stage's health: id, kind, ``status`` (``not_started`` | ``starting`` | ``ready`` |
-    ``recovering`` | ``failed`` | ``stopped``), pid, ``restarts`` so far and, unless it is
+    ``recovering`` | ``failed`` | ``stopped``), pid, ``node_id``, ``restarts`` so far and, unless it is
     ready or starting, its error (for ``recovering``: why it was lost); ``counters``: its
     connectors' (``StageStats``) once it reported them."""
     entry: dict[str, Any] = {"stage_id": stage.stage_id, "kind": stage.kind, "restarts": sup.restarts}
@@ -197,6 +197,8 @@ def stage_status(
         entry.update(status="stopped", pid=h.proc.pid, error=f"exited with status {h.proc.poll()}")
     else:
         entry.update(status="ready" if h.ready_at else "starting", pid=h.proc.pid)
+    if h is not None:
+        entry["node_id"] = h.proc.node.node_id  # a Ray node id; "local" on the local backend
     if h is not None and h.counters:
         entry["counters"] = dict(h.counters)
     return entry
