@@ -45,11 +45,10 @@ from vllm_kvbridge.config.resolve import ResolvedStage
 from vllm_kvbridge.pipeline.results import PipelineError, StageError
 from vllm_kvbridge.pipeline.stage_handles import (
     LOG_TAIL_LINES,
+    LocalStageProcess,
     StageHandle,
-    kill_stage_group,
     log_tail,
     reap_run_edges,
-    shm_mapped_by_group,
     stage_env,
     start_stage_process,
 )
@@ -72,7 +71,9 @@ class StageHost:
         self._dir = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / f"kvbridge-{run_id}"
         self._dir.mkdir(parents=True, exist_ok=True)
         self.log_path = self._dir / f"stage_{stage_id}.log"
-        self._proc: subprocess.Popen | None = None
+        # The stage process is a child of this actor: driven here as the local backend
+        # drives its children.
+        self._proc: LocalStageProcess | None = None
 
     def node(self) -> tuple[str, str, str]:
         import ray
@@ -84,9 +85,8 @@ class StageHost:
     ) -> tuple[int, str]:
         stage = msgspec.json.decode(stage_json, type=ResolvedStage)
         full_env = stage_env(stage, {**os.environ, **env})
-        self._proc = start_stage_process(
-            stage_json, stage.stage_id, address, self.log_path, full_env, heartbeat_s
-        )
+        popen = start_stage_process(stage_json, stage.stage_id, address, self.log_path, full_env, heartbeat_s)
+        self._proc = LocalStageProcess(popen, self.log_path)
         return self._proc.pid, str(self.log_path)
 
     def wait(self) -> int:
@@ -95,19 +95,18 @@ class StageHost:
 
     def terminate(self) -> None:
         if self._proc is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self._proc.pid, signal.SIGTERM)
+            self._proc.terminate_group()
 
     def kill(self, known: list[str]) -> list[str]:
         if self._proc is None:
             return []
-        removed = kill_stage_group(self._proc.pid, set(known))
+        removed = self._proc.kill_group(set(known))
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self._proc.wait(timeout=5)
+            self._proc.wait(timeout=5)  # reap it
         return removed
 
     def mapped_shm(self) -> list[str]:
-        return sorted(shm_mapped_by_group(self._proc.pid)) if self._proc is not None else []
+        return sorted(self._proc.mapped_shm()) if self._proc is not None else []
 
     def log_tail(self, lines: int) -> str:
         return log_tail(self.log_path, lines)

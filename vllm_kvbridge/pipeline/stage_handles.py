@@ -315,7 +315,7 @@ def with_run_namespaces(
 ZMQ_CONNECTOR = "ZmqConnector"
 CURVE_ENV_PREFIX = "KVBRIDGE_CURVE_"
 #: The environment variable that hands the stages the control socket's CURVE keypair
-#: (``placement.secure_control``).
+#: (``placement.ControlSocket``).
 CONTROL_CURVE_ENV = "KVBRIDGE_CONTROL_CURVE"
 
 

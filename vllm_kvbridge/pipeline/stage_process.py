@@ -61,7 +61,7 @@ def _watch_parent(parent_pid: int) -> None:
 
 def _connect(sock: zmq.Socket, address: str) -> None:
     """Connect to the orchestrator, with the run's CURVE keys where it listens beyond
-    loopback (it put them in our environment: ``placement.secure_control``)."""
+    loopback (it put them in our environment: ``placement.ControlSocket``)."""
     if os.environ.get(CONTROL_CURVE_ENV):
         from vllm_kvbridge.connectors.zmq_curve import CurveKeys
 
