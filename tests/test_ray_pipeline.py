@@ -186,7 +186,8 @@ def test_serve_on_ray_answers_and_fails_the_request_of_a_killed_stage_actor(
 
 def test_a_stage_no_node_can_take_fails_the_start_naming_it(nodes: RayNodes, tmp_path: Path) -> None:
     config = _config(tmp_path, [{"node_a": 1}, {"node_z": 1}], start_timeout=3)
-    pipe = Pipeline.from_config(config, model=str(ensure_tiny_model()), ray_address=nodes.address)
+    model = str(ensure_tiny_model())
+    pipe = Pipeline.from_config(config, model=model, ray_address=nodes.address, log_dir=tmp_path / "logs")
     with pytest.raises(StageError) as info:
         pipe.start()
     assert info.value.stage_id == 1
