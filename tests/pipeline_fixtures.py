@@ -143,6 +143,32 @@ def load_dump(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
+def dumped_kv(path: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The per-layer (K, V) of a DiT stage's KV dump (``runtime.debug_dump_dir``)."""
+    dumped = load_dump(path)
+    layers = len([k for k in dumped if k.endswith(".k")])
+    return [(dumped[f"layer{i}.k"], dumped[f"layer{i}.v"]) for i in range(layers)]
+
+
+def check_kv_is_greedy_transformers_kv(
+    model_dir: str | Path, prompt: str, kv: list[tuple[torch.Tensor, torch.Tensor]], max_tokens: int
+) -> None:
+    """``kv`` (a DiT's consumed KV) is transformers' KV of ``prompt`` and the LLM stage's greedy
+    continuation, for callers that see no token ids (a served request, result.json); vLLM's
+    greedy equals transformers' (test_foundation_engine.py)."""
+    from transformers import AutoTokenizer
+
+    prompt_ids = AutoTokenizer.from_pretrained(str(model_dir))(prompt).input_ids
+    tokens = prompt_ids + hf_greedy(model_dir, prompt_ids, max_tokens)
+    seq = kv[0][0].shape[0]
+    assert len(tokens) - 1 <= seq <= len(tokens)  # the last sampled token may have no KV
+    ref, _ = hf_reference(model_dir, tokens[:seq])
+    assert len(kv) == len(ref)
+    for i, ((k, v), (rk, rv)) in enumerate(zip(kv, ref)):
+        assert (k - rk).abs().max().item() <= 1e-4, f"layer {i} K"
+        assert (v - rv).abs().max().item() <= 1e-4, f"layer {i} V"
+
+
 def check_dumped_kv_is_transformers_kv(
     model_dir: str | Path, result: Any, dump_dir: Path, dit_kwargs: dict[str, Any], num_steps: int = 8
 ) -> None:

@@ -116,6 +116,29 @@ def test_the_local_backend_binds_auto_edges_to_shared_memory_in_the_run_namespac
     assert local_node().shares_memory_with(local_node())
 
 
+class TwoNodes(LocalBackend):
+    """Stage 0 on node A, stage 1 on node B: what Ray's placement reports for the AR -> DiT
+    pipeline of tests/test_ray_pipeline.py (which runs it on a real cluster)."""
+
+    def place(self, stages):  # type: ignore[no-untyped-def]
+        return {s.stage_id: (A, B)[s.stage_id] for s in stages}
+
+
+def test_an_edge_across_nodes_binds_the_senders_node_address_with_curve_keys_for_the_run() -> None:
+    lines: list[str] = []
+    plan = place_stages(_plan(), TwoNodes(), "rtest", lines.append)
+    send, recv = _ends(plan)
+    assert send.name == recv.name == "ZmqConnector"
+    assert send.config["host"] == "10.0.0.2"  # node A's address, not loopback
+    # beyond loopback the edge gets a keypair made for this run, in both stages' environment
+    var = send.config["curve_keys_env"]
+    assert var == recv.config["curve_keys_env"] and var.startswith("KVBRIDGE_CURVE_")
+    keys = json.loads(plan.stage(0).env[var])
+    assert keys == json.loads(plan.stage(1).env[var]) and len(keys["public"]) == len(keys["secret"]) == 40
+    assert lines == [f"[edge 0->1] ZmqConnector ({send.reason})"]
+    assert "stage 0 on node node-a (10.0.0.2)" in lines[0]
+
+
 def test_check_config_says_what_auto_becomes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     from vllm_kvbridge.cli.main import main
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from pipeline_fixtures import ROOT, hf_greedy, hf_reference, load_dump, processes_using
+from pipeline_fixtures import ROOT, check_kv_is_greedy_transformers_kv, dumped_kv, processes_using
 
 from vllm_kvbridge.cli.main import main as cli_main
 from vllm_kvbridge.cli.run import use_mooncake_master, uses_mooncake
@@ -38,12 +38,6 @@ DIT_KWARGS = {"image_size": 32, "patch_size": 4, "hidden": 64, "depth": 2, "kv_h
 
 def _expected_image(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     return denoise(TinyKVDiT(**DIT_KWARGS, seed=0).eval(), kv, num_steps=8, seed=0)[0]
-
-
-def _dumped_kv(path: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    dumped = load_dump(path)
-    layers = len([k for k in dumped if k.endswith(".k")])
-    return [(dumped[f"layer{i}.k"], dumped[f"layer{i}.v"]) for i in range(layers)]
 
 
 @pytest.mark.engine
@@ -92,11 +86,9 @@ def test_run_starts_and_stops_its_own_mooncake_master() -> None:
         os.kill(int(started.group(1)), 0)
     assert (out_dir / "logs" / "mooncake_master.log").stat().st_size > 0
     import numpy as np
-    from transformers import AutoTokenizer
 
     from vllm_kvbridge.pipeline.images import encode_png
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
     max_tokens = resolve(CONFIG, env={}).stages[0].default_sampling_params["max_tokens"]
     reqs = json.loads((out_dir / "result.json").read_text())["requests"]
     assert [r["prompt"] for r in reqs] == prompts
@@ -104,19 +96,9 @@ def test_run_starts_and_stops_its_own_mooncake_master() -> None:
     for req in reqs:
         assert req["error"] is None and req["image_shape"] == [3, 32, 32]
         assert req["transfers"][0]["what"] == "kv" and req["transfers"][0]["bytes"] > 0
-        kv = _dumped_kv(out_dir / "dump" / f"stage1_{encode_request_id(req['request_id'])}_kv.safetensors")
-        # the KV the DiT consumed is transformers' KV of the same tokens: the prompt and the
-        # LLM stage's greedy continuation (result.json does not carry that stage's tokens;
-        # vLLM's greedy equals transformers', test_foundation_engine.py)
-        prompt_ids = tokenizer(req["prompt"]).input_ids
-        tokens = prompt_ids + hf_greedy(model, prompt_ids, max_tokens)
-        seq = kv[0][0].shape[0]
-        assert len(tokens) - 1 <= seq <= len(tokens)
-        ref, _ = hf_reference(model, tokens[:seq])
-        assert len(kv) == len(ref)
-        for i, ((k, v), (rk, rv)) in enumerate(zip(kv, ref)):
-            assert (k - rk).abs().max().item() <= 1e-4, f"layer {i} K"
-            assert (v - rv).abs().max().item() <= 1e-4, f"layer {i} V"
+        kv = dumped_kv(out_dir / "dump" / f"stage1_{encode_request_id(req['request_id'])}_kv.safetensors")
+        # result.json does not carry the LLM stage's tokens: its greedy continuation is computed
+        check_kv_is_greedy_transformers_kv(model, req["prompt"], kv, max_tokens)
         pngs.append(Path(req["outputs"][0]).read_bytes())
         assert pngs[-1] == encode_png(np.asarray(_expected_image(kv)))
     assert pngs[0] != pngs[1]

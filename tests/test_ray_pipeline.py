@@ -5,11 +5,13 @@ told apart by custom resources ``node_a`` / ``node_b``; their node ids differ, s
 locality rule they are two nodes even though they share this machine's /dev/shm. The AR
 -> DiT pipeline of ``stage_configs/ar_to_dit_ray.yaml`` runs with real engines:
 
-* stage 0 pinned to node A, stage 1 to node B: the ``auto`` edge becomes ZMQ over TCP on
-  the node's address (CURVE on), and the DiT's KV is transformers' KV of the prompt;
-* both stages on node A: the same edge becomes shared memory;
-* ``vllm-kvbridge serve --ray-address`` answers image requests, and killing stage 1's
-  actor fails the request in it, naming the stage, without a hang.
+* ``vllm-kvbridge serve --ray-address`` with stage 0 pinned to node A and stage 1 to node
+  B: the ``auto`` edge becomes ZMQ over TCP on the node's address, the DiT's KV is
+  transformers' KV of the request, and killing stage 1's actor fails the request in it,
+  naming the stage, without a hang (one server for both: each pipeline start costs two
+  engine starts);
+* both stages on node A (``Pipeline``): the same edge becomes shared memory;
+* a stage no node can take fails the start, naming it.
 
 Only the cluster this module started is stopped (never ``ray stop``).
 """
@@ -26,7 +28,13 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from pipeline_fixtures import AR_TO_DIT_KWARGS, TESTS_DIR, check_dumped_kv_is_transformers_kv
+from pipeline_fixtures import (
+    AR_TO_DIT_KWARGS,
+    TESTS_DIR,
+    check_dumped_kv_is_transformers_kv,
+    check_kv_is_greedy_transformers_kv,
+    dumped_kv,
+)
 from serve_fixtures import ROOT, free_port, post_images, start_process, stop, wait_for
 
 from vllm_kvbridge.cli.run import write_outputs
@@ -104,26 +112,11 @@ def _released(nodes: RayNodes) -> bool:
     return bool(wait_for(lambda: nodes.free("node_a") == 1 and nodes.free("node_b") == 1, 30))
 
 
-def test_stages_on_two_nodes_move_kv_over_tcp(nodes: RayNodes, tmp_path: Path) -> None:
-    result, plan, held = _run(nodes, CONFIG, tmp_path)
-    edge = plan.stage(0).outputs[0].connector
-    # each stage's log, written on its node, was copied into the run's log directory
-    assert "vLLM" in (tmp_path / "logs/stage_0.log").read_text(errors="replace")
-    assert [s.node_id for s in result.stages] == [nodes.node_a, nodes.node_b]
-    assert held == (0, 0)  # each stage's actor holds its node's resource while it runs
-    assert edge.name == "ZmqConnector" and "stage 0 on node" in edge.reason, edge
-    # the sender serves on its node's address (not loopback), CURVE keys made for the run
-    host = edge.config["host"]
-    assert not host.startswith("127.") and host == ray.util.get_node_ip_address()
-    assert edge.config["curve_keys_env"].startswith("KVBRIDGE_CURVE_")
-    transfers = {(t.from_stage, t.to_stage, t.what) for t in result.transfers}
-    assert (0, 1, "kv") in transfers, result.transfers
-    assert _released(nodes), ray.available_resources()
-
-
 def test_stages_on_one_node_pick_shared_memory(nodes: RayNodes, tmp_path: Path) -> None:
     half = {"node_a": 0.5}  # node A has one unit of node_a: room for both stages
     result, plan, held = _run(nodes, _config(tmp_path, [half, half]), tmp_path)
+    # each stage's log, written on its node, was copied into the run's log directory
+    assert "vLLM" in (tmp_path / "logs/stage_0.log").read_text(errors="replace")
     assert [s.node_id for s in result.stages] == [nodes.node_a, nodes.node_a]
     assert held == (0, 1)
     edge = plan.stage(0).outputs[0].connector
@@ -145,20 +138,21 @@ def _stage_actor(stage_id: int):  # type: ignore[no-untyped-def]
     return ray.get_actor(mine["name"], namespace=mine["namespace"])
 
 
-def test_serve_on_ray_answers_and_fails_the_request_of_a_killed_stage_actor(
+def test_serve_on_two_nodes_moves_kv_over_tcp_and_fails_the_request_of_a_killed_stage_actor(
     nodes: RayNodes, tmp_path: Path
 ) -> None:
-    gates = tmp_path / "gates"
+    gates, dump = tmp_path / "gates", tmp_path / "dump"
     gates.mkdir()
     env = {"PYTHONPATH": str(TESTS_DIR), "KVBRIDGE_TEST_GATES": str(gates)}
     config = _config(tmp_path, [{"node_a": 1}, {"node_b": 1}], env=env)
     spec = yaml.safe_load(config.read_text())
     spec["stages"][1]["diffusion"]["class_path"] = "pipeline_fixtures.GatedDiT"
+    spec["runtime"]["debug_dump_dir"] = str(dump)
     config.write_text(yaml.safe_dump(spec))
-    port = free_port()
+    model, port = ensure_tiny_model(), free_port()
     argv = [
         sys.executable, "-m", "vllm_kvbridge.cli.main", "serve", "--stage-config", str(config),
-        "--port", str(port), "--model", str(ensure_tiny_model()), "--ray-address", nodes.address,
+        "--port", str(port), "--model", str(model), "--ray-address", nodes.address,
     ]  # fmt: skip
     srv = start_process(argv, tmp_path / "serve.log", f"http://127.0.0.1:{port}", "/health", 300)
     try:
@@ -167,6 +161,15 @@ def test_serve_on_ray_answers_and_fails_the_request_of_a_killed_stage_actor(
         stages = httpx.get(srv.url + "/health", timeout=30).json()["stages"]
         assert [s["status"] for s in stages] == ["ready", "ready"], stages
         assert [s["node_id"] for s in stages] == [nodes.node_a, nodes.node_b]
+        assert (nodes.free("node_a"), nodes.free("node_b")) == (0, 0)  # each actor holds its node's
+        # the auto edge became ZMQ served on node A's address, not loopback (its CURVE keys:
+        # test_locality.py); the DiT on node B consumed transformers' KV of the request
+        ip = ray.util.get_node_ip_address()
+        assert not ip.startswith("127.")
+        assert f"[edge 0->1] ZmqConnector (auto: stage 0 on node {nodes.node_a[:12]} ({ip})" in srv.log()
+        [kv_file] = dump.glob("stage1_*_kv.safetensors")
+        max_tokens = yaml.safe_load(CONFIG.read_text())["stages"][0]["default_sampling_params"]["max_tokens"]
+        check_kv_is_greedy_transformers_kv(model, "a cat", dumped_kv(kv_file), max_tokens)
 
         (gates / "forwarding").unlink()  # the first request's forward touched it
         (gates / "hold").touch()  # the next request stays in the DiT's forward
