@@ -10,8 +10,11 @@ from vllm_kvbridge.errors import (
     TransferRefused,
     TransferTimeout,
 )
+from vllm_kvbridge.logs import configure_logging
 
 __version__ = "0.1.0"
+
+configure_logging()
 
 __all__ = [
     "ConfigError",
