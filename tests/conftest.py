@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-# vLLM on CPU sizes its KV cache from this (GiB); the default would take a large share
-# of the machine's memory per engine, and tests start several engines.
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# No VLLM_CPU_KVCACHE_SPACE here: it would override the KV cache size every stage gets
+# (config/cpu_kv_cache.py); engines a test starts itself size theirs the same way.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from vllm_kvbridge.config.cpu_kv_cache import with_cpu_kv_cache
+
 VOCAB_LOW, VOCAB_HIGH = 5, 500
 
 
@@ -65,9 +67,9 @@ def start_engine(model_dir: Path, settings: dict[str, Any], **extra: Any) -> Any
 
     from vllm_kvbridge.runner.worker import engine_kwargs
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     kwargs = {"dtype": "float32", "enforce_eager": True, "max_model_len": 512, "seed": 0, "block_size": 32}
     kwargs.update(extra)
+    kwargs = with_cpu_kv_cache(str(model_dir), kwargs, int(kwargs.get("tensor_parallel_size", 1)))
     return LLM(model=str(model_dir), **kwargs, **engine_kwargs(settings, platform="cpu"))
 
 

@@ -24,7 +24,6 @@ from vllm_kvbridge.pipeline.stage_handles import kill_stage_group, shm_mapped_by
 TESTS_DIR = Path(__file__).resolve().parent
 ROOT = TESTS_DIR.parent
 SERVER_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")])),
 }

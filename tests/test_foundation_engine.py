@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 from pipeline_fixtures import hf_greedy
 
+from vllm_kvbridge.config.cpu_kv_cache import with_cpu_kv_cache
+
 PROMPTS = ["A cute cat", "The quick brown fox jumps over the lazy dog and"]
 MAX_TOKENS = 24
 
@@ -15,7 +17,8 @@ MAX_TOKENS = 24
 def test_vllm_greedy_is_deterministic_and_matches_transformers(tiny_model_dir: Path) -> None:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(tiny_model_dir), dtype="float32", enforce_eager=True, max_model_len=512, seed=0)
+    args = with_cpu_kv_cache(str(tiny_model_dir), {"max_model_len": 512})
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", enforce_eager=True, seed=0, **args)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     try:
         batched = llm.generate(PROMPTS, params, use_tqdm=False)

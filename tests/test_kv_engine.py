@@ -8,11 +8,12 @@ import kv_fixtures  # noqa: F401  (worker extension + pytest-forked fix)
 import pytest
 import torch
 
+from vllm_kvbridge.config.cpu_kv_cache import cpu_kv_cache_bytes
+
 
 @pytest.mark.engine
 @pytest.mark.forked
 def test_gather_from_real_engine_matches_transformers(tiny_model_dir) -> None:
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
     tests_dir = os.path.dirname(__file__)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))
     from transformers import AutoModelForCausalLM
@@ -27,6 +28,7 @@ def test_gather_from_real_engine_matches_transformers(tiny_model_dir) -> None:
         max_model_len=512,
         worker_extension_cls="kv_fixtures.KVProbeExtension",
         seed=0,
+        kv_cache_memory_bytes=cpu_kv_cache_bytes(str(tiny_model_dir), {"max_model_len": 512}),
     )
     try:
         info = llm.collective_rpc("kvb_layout")[0]

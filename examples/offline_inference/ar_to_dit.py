@@ -6,7 +6,6 @@ python examples/offline_inference/ar_to_dit.py [--config stage_configs/ar_to_dit
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from vllm_kvbridge.cli.run import encode_png
@@ -19,7 +18,6 @@ def main() -> None:
     parser.add_argument("--config", default="stage_configs/ar_to_dit_shm.yaml")
     parser.add_argument("--out", default="kvbridge-example")
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     out = Path(args.out)
     out.mkdir(exist_ok=True)
     with Pipeline.from_config(args.config, model=str(ensure_tiny_model()), progress=print) as pipe:

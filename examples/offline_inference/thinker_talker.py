@@ -13,7 +13,6 @@ chunk by chunk (one WAV per prompt here).
 from __future__ import annotations
 
 import argparse
-import os
 
 from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
 from vllm_kvbridge.pipeline import Pipeline
@@ -24,7 +23,6 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="stage_configs/thinker_talker_full_payload.yaml")
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     with Pipeline.from_config(args.config, model=str(ensure_tiny_model()), progress=print) as pipe:
         for r in pipe.generate(["A cute cat", "Once upon a time"]):
             thinker = r.stages[0].output

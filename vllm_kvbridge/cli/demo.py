@@ -6,7 +6,6 @@ A quick check that vLLM works on this machine, and the smallest useful job.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 
@@ -19,8 +18,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    # On CPU vLLM sizes its KV cache in host memory; 1 GiB is plenty for the tiny model.
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm_kvbridge.config.cpu_kv_cache import with_cpu_kv_cache
     from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
 
     model = args.model or str(ensure_tiny_model())
@@ -28,7 +26,9 @@ def _run(args: argparse.Namespace) -> int:
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, seed=0)
+    # On CPU vLLM sizes its KV cache in host memory: what the model can use, like a stage.
+    args = with_cpu_kv_cache(model, {"max_model_len": 512})
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, seed=0, **args)
     t1 = time.perf_counter()
     outputs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
     t2 = time.perf_counter()

@@ -38,6 +38,7 @@ from typing import Any
 
 import msgspec
 
+from vllm_kvbridge.config.cpu_kv_cache import with_cpu_kv_cache
 from vllm_kvbridge.config.resolve import ResolvedStage
 from vllm_kvbridge.config.runner_settings import runner_settings
 from vllm_kvbridge.errors import RequestRejected
@@ -111,9 +112,12 @@ class LLMStageEngine(StageEngine):
                     async_scheduling=stage.engine_args.get("async_scheduling"),
                 )
             )
-        self.llm = LLM(
-            model=builtin_model(stage.model), tensor_parallel_size=stage.tensor_parallel_size, **kwargs
-        )
+        model = builtin_model(stage.model)
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            kwargs = with_cpu_kv_cache(model, kwargs, stage.tensor_parallel_size)
+        self.llm = LLM(model=model, tensor_parallel_size=stage.tensor_parallel_size, **kwargs)
         self.engine = self.llm.llm_engine
         self.dump_dir = Path(stage.debug_dump_dir) if stage.debug_dump_dir else None
         self._receivers: dict[int, Any] = {}

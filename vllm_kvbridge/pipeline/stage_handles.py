@@ -117,7 +117,6 @@ class StageHandle:
 def stage_env(stage: ResolvedStage, env: Mapping[str, str]) -> dict[str, str]:
     """``env`` (the host's environment and the pipeline's) with what ``stage`` sets."""
     env = {**env, **stage.env}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     # vLLM-CPU pins each engine's OpenMP threads to cores ("auto"): the stages of one host
     # are several engines, each pinned to the same cores, and a worker busy-polls its
