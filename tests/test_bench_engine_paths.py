@@ -29,9 +29,13 @@ AR = {"requests": 4, "prompt_len": 16, "max_tokens": 8}
 
 
 def _cli(argv: list[str]) -> str:
+    before = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(argv) == 0
+    # A bench run in-process sizes its engines' KV cache by argument: a VLLM_CPU_KVCACHE_SPACE
+    # left behind would size the KV cache of every engine this process starts later.
+    assert os.environ.get("VLLM_CPU_KVCACHE_SPACE") == before
     return out.getvalue()
 
 

@@ -49,6 +49,8 @@ PLAIN, KVBRIDGE = "plain", "kvbridge"
 def _engine(model: str, extra: dict[str, Any], args: argparse.Namespace) -> Any:
     from vllm import LLM
 
+    from vllm_kvbridge.bench.kv_model import cpu_kv_cache_args
+
     return LLM(
         model=model,
         dtype=args.dtype,
@@ -56,6 +58,7 @@ def _engine(model: str, extra: dict[str, Any], args: argparse.Namespace) -> Any:
         max_model_len=args.prompt_len + args.max_tokens + 16,
         seed=0,
         block_size=args.block_size,
+        **cpu_kv_cache_args(args.kv_cache_gib),
         **extra,
     )
 
@@ -170,7 +173,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     layers = model_layers(model)
     tokens_per_batch = args.requests * (args.prompt_len + args.max_tokens)
     need = 2 * kv_bytes(tokens_per_batch, layers, args.dtype) / (1 << 30)  # two batches' worth
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib or max(1, round(need + 0.5))))
+    args.kv_cache_gib = args.kv_cache_gib or max(1, round(need + 0.5))
 
     ns = f"arov{os.getpid()}"
     edge = {"connector": "SharedMemoryConnector", "connector_config": {"namespace": ns}}
@@ -249,7 +252,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--dtype", default="float32")
     p.add_argument(
-        "--kv-cache-gib", type=int, help="VLLM_CPU_KVCACHE_SPACE per engine (default: fits the batch)"
+        "--kv-cache-gib", type=int, help="KV cache on CPU per engine, GiB (default: fits the batch)"
     )
     p.add_argument("--json", metavar="OUT", help="also write samples and summary as JSON to OUT")
 

@@ -67,3 +67,13 @@ __all__ = [
     "kv_heavy_spec",
     "model_layers",
 ]
+
+
+def cpu_kv_cache_args(gib: int) -> dict[str, int]:
+    """Engine arguments that give a bench engine ``gib`` GiB of KV cache on CPU (none on GPU,
+    where vLLM sizes it from the device). An argument, not ``VLLM_CPU_KVCACHE_SPACE``: a
+    bench run inside another process (a test) must not change the KV cache of every engine
+    that process starts later (the variable wins over any stage's own size)."""
+    from vllm.platforms import current_platform
+
+    return {"kv_cache_memory_bytes": gib << 30} if current_platform.is_cpu() else {}

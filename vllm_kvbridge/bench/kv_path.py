@@ -172,14 +172,14 @@ def _put_counters(llm: Any, at_least: float = math.nan, wait_s: float = 10.0) ->
 
 
 def _measure(
-    name: str, args: argparse.Namespace, model: str, layers: int, tokens_list: list[int]
+    name: str, args: argparse.Namespace, model: str, layers: int, tokens_list: list[int], kv_cache_gib: int
 ) -> list[Row]:
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from vllm_kvbridge.bench.gather_probe import GatherProbe, engine_layout
-    from vllm_kvbridge.bench.kv_model import kv_bytes
+    from vllm_kvbridge.bench.kv_model import cpu_kv_cache_args, kv_bytes
     from vllm_kvbridge.kv.config import KVTransferConfig
     from vllm_kvbridge.kv.manager import KVTransferManager
     from vllm_kvbridge.runner.worker import engine_env, engine_kwargs
@@ -220,6 +220,7 @@ def _measure(
                 max_model_len=max(tokens_list) + 16,
                 seed=0,
                 block_size=args.block_size,
+                **cpu_kv_cache_args(kv_cache_gib),
                 **engine_kwargs(settings),
             )
         for tokens in tokens_list:
@@ -316,13 +317,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     layers = model_layers(model)
     # The engine's paged cache holds the largest prompt, kept for its repeats, with room.
     need = 1.5 * kv_bytes(max(tokens_list), layers, args.dtype) / (1 << 30)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib or max(1, math.ceil(need))))
+    kv_cache_gib = args.kv_cache_gib or max(1, math.ceil(need))
     rows: list[Row] = []
     skipped: dict[str, str] = {}
     failed: dict[str, str] = {}
     for name in connectors:
         try:
-            rows += _measure(name, args, model, layers, tokens_list)
+            rows += _measure(name, args, model, layers, tokens_list, kv_cache_gib)
         except Unavailable as exc:
             skipped[name] = str(exc)
         except Exception as exc:  # reported (and the exit code says so); the others still run
@@ -360,9 +361,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--settle-s", type=float, default=1.5, help="idle seconds before the memcpy samples (default 1.5)"
     )
-    p.add_argument(
-        "--kv-cache-gib", type=int, help="VLLM_CPU_KVCACHE_SPACE (default: fits the largest prompt)"
-    )
+    p.add_argument("--kv-cache-gib", type=int, help="KV cache on CPU, GiB (default: fits the largest prompt)")
     p.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
 
 
