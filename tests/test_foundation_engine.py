@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,3 +36,13 @@ def test_vllm_greedy_is_deterministic_and_matches_transformers(tiny_model_dir: P
         assert tokens == hf_greedy(tiny_model_dir, list(out.prompt_token_ids), MAX_TOKENS, ignore_eos=True), (
             out.prompt
         )
+
+
+@pytest.mark.engine
+def test_the_generate_command_generates_with_a_sized_kv_cache(tiny_model_dir: Path) -> None:
+    """`vllm-kvbridge generate`: one engine on the tiny model, its KV cache sized like a stage's."""
+    argv = [sys.executable, "-m", "vllm_kvbridge.cli.main", "generate", "--model", str(tiny_model_dir)]
+    proc = subprocess.run([*argv, "--max-tokens", "4"], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "prompt 'A cute cat'" in proc.stdout and "token ids [" in proc.stdout, proc.stdout
+    assert f"KV cache on CPU: kv_cache_memory_bytes={128 << 20} " in proc.stderr

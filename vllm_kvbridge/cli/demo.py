@@ -18,8 +18,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from vllm_kvbridge.config.cpu_kv_cache import with_cpu_kv_cache
     from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+    from vllm_kvbridge.pipeline.llm_engine import with_platform_kv_cache
 
     model = args.model or str(ensure_tiny_model())
     prompts = args.prompt or ["A cute cat"]
@@ -27,8 +27,8 @@ def _run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     # On CPU vLLM sizes its KV cache in host memory: what the model can use, like a stage.
-    args = with_cpu_kv_cache(model, {"max_model_len": 512})
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, seed=0, **args)
+    engine_args = with_platform_kv_cache(model, {"max_model_len": 512})
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, seed=0, **engine_args)
     t1 = time.perf_counter()
     outputs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
     t2 = time.perf_counter()

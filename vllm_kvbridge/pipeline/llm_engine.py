@@ -94,6 +94,17 @@ def _payload_meta(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def with_platform_kv_cache(
+    model: str, kwargs: dict[str, Any], tensor_parallel_size: int = 1
+) -> dict[str, Any]:
+    """``kwargs`` with a KV cache size on CPU where the user set none
+    (:func:`~vllm_kvbridge.config.cpu_kv_cache.with_cpu_kv_cache`); as they are on GPU,
+    where vLLM sizes the cache from the device's free memory."""
+    from vllm.platforms import current_platform
+
+    return with_cpu_kv_cache(model, kwargs, tensor_parallel_size) if current_platform.is_cpu() else kwargs
+
+
 class LLMStageEngine(StageEngine):
     def __init__(self, stage: ResolvedStage) -> None:
         super().__init__(stage)
@@ -113,10 +124,7 @@ class LLMStageEngine(StageEngine):
                 )
             )
         model = builtin_model(stage.model)
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu():
-            kwargs = with_cpu_kv_cache(model, kwargs, stage.tensor_parallel_size)
+        kwargs = with_platform_kv_cache(model, kwargs, stage.tensor_parallel_size)
         self.llm = LLM(model=model, tensor_parallel_size=stage.tensor_parallel_size, **kwargs)
         self.engine = self.llm.llm_engine
         self.dump_dir = Path(stage.debug_dump_dir) if stage.debug_dump_dir else None
