@@ -20,8 +20,15 @@ BLOCK = 16
 
 
 def make_scheduler(
-    model_dir: Path, settings: dict[str, Any], *, num_blocks: int, block_size: int = BLOCK, **engine_args: Any
+    model_dir: Path,
+    settings: dict[str, Any],
+    *,
+    num_blocks: int,
+    block_size: int = BLOCK,
+    scheduler_cls: type | None = None,
+    **engine_args: Any,
 ) -> Any:
+    """vLLM's ``Scheduler`` (or ``scheduler_cls``, e.g. ``AsyncScheduler``) for the tiny model."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -44,7 +51,8 @@ def make_scheduler(
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
     )
-    return Scheduler(config, kv_cache_config, StructuredOutputManager(config), block_size=block_size)
+    cls = scheduler_cls or Scheduler
+    return cls(config, kv_cache_config, StructuredOutputManager(config), block_size=block_size)
 
 
 def add_request(scheduler: Any, rid: str, prompt: list[int], max_tokens: int, **kvbridge: Any) -> None:

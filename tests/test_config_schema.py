@@ -359,10 +359,11 @@ def test_model_override_and_empty_env_model() -> None:
     assert plan.with_model("/m").stage(0).model == "/pinned"
 
 
-def test_workers_per_stage_and_capture_stages_adapted_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_workers_per_stage_and_only_fed_stages_adapted_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 12: a KV-only stage runs vLLM's stock worker (worker_cls None), a payload stage the
-    kvbridge worker; on GPU a capture stage gets V1 and synchronous scheduling (what its hooks
-    need), a setting its config makes itself wins, and other stages are left alone."""
+    kvbridge worker. On GPU a capture stage keeps vLLM's defaults (Model Runner V2, async
+    scheduling: capture works on both); a stage fed per step gets V1 (V2 has no hook to feed
+    its model), a setting its config makes itself wins, and other stages are left alone."""
     import yaml
 
     kv_only = resolve_spec(spec_from_dict(copy.deepcopy(BASE)))
@@ -371,10 +372,12 @@ def test_workers_per_stage_and_capture_stages_adapted_on_gpu(monkeypatch: pytest
     talk = yaml.safe_load((ROOT / "stage_configs/thinker_talker_full_payload.yaml").read_text())
     thinker, talker = resolve_spec(spec_from_dict(copy.deepcopy(talk))).stages
     assert thinker.worker_cls == "vllm_kvbridge.runner.worker.KVBridgeGPUWorker"
-    assert thinker.engine_args["async_scheduling"] is False
-    assert thinker.env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert "async_scheduling" not in thinker.engine_args and "VLLM_USE_V2_MODEL_RUNNER" not in thinker.env
     assert "async_scheduling" not in talker.engine_args and "VLLM_USE_V2_MODEL_RUNNER" not in talker.env
     kv_only = resolve_spec(spec_from_dict(copy.deepcopy(BASE)))
     assert kv_only.stages[0].worker_cls is None and "async_scheduling" not in kv_only.stages[0].engine_args
-    talk["stages"][0]["env"] = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
-    assert resolve_spec(spec_from_dict(talk)).stages[0].env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    fed = yaml.safe_load((ROOT / "stage_configs/thinker_talker_async_chunk.yaml").read_text())
+    thinker, talker = resolve_spec(spec_from_dict(copy.deepcopy(fed))).stages[:2]
+    assert talker.env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and "VLLM_USE_V2_MODEL_RUNNER" not in thinker.env
+    fed["stages"][1]["env"] = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    assert resolve_spec(spec_from_dict(fed)).stages[1].env["VLLM_USE_V2_MODEL_RUNNER"] == "1"

@@ -1,7 +1,8 @@
 """A user's custom model runner in a real pipeline (issue 12, item 5).
 
-``examples/custom_runner/step_logits_runner.py`` subclasses the kvbridge CPU runner and adds
-``logits`` to every captured step; the stage config names it (``runner_cls``). The talker
+``examples/custom_runner/step_logits_runner.py`` adds ``logits`` to every captured step, as
+a mixin the kvbridge worker composes onto the AR runner in use; the stage config names it
+(``runner_cls``). The talker
 receives the payload; its dump must hold, besides the hidden states, logits that equal
 transformers' next-token logits at every captured position, and whose argmax at the
 positions the thinker sampled from is what it sampled (greedy).
@@ -25,7 +26,8 @@ from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
 from vllm_kvbridge.pipeline import Pipeline
 
 EXAMPLE_DIR = ROOT / "examples" / "custom_runner"
-RUNNER = "step_logits_runner.CPUStepLogitsRunner"
+#: The mixin form: the worker composes it onto the runner in use (a subclass works too).
+RUNNER = "step_logits_runner.StepLogits"
 
 
 def _hf_logits(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
@@ -77,7 +79,7 @@ def test_a_runner_cls_that_does_not_subclass_the_runner_in_use_is_refused() -> N
     worker.device = torch.device("cpu")
     for name, why in (
         ("step_logits_runner.GPUStepLogitsRunner", "must subclass .*KVBridgeCPUModelRunner"),
-        ("builtins.dict", "must subclass"),
+        ("builtins.dict", "must subclass .* or be a mixin that overrides kvbridge hooks"),
         ("no_such_module.Runner", "cannot load"),
     ):
         settings = {"stage_id": 0, "runner_cls": name}
@@ -87,6 +89,21 @@ def test_a_runner_cls_that_does_not_subclass_the_runner_in_use_is_refused() -> N
         )
         with pytest.raises(ConfigError, match=why):
             worker._kvbridge_make_runner()
+
+
+def test_a_mixin_runner_cls_is_composed_onto_the_runner_in_use() -> None:
+    """One mixin serves every runner: the worker composes it before the kvbridge runner of
+    the vLLM runner in use (CPU here; V1 GPU and Model Runner V2 by the same function)."""
+    from step_logits_runner import StepLogits
+
+    from vllm_kvbridge.runner.ar_runner import KVBridgeARModelRunner, KVBridgeCPUModelRunner
+    from vllm_kvbridge.runner.ar_runner_v2 import KVBridgeV2ARModelRunner
+    from vllm_kvbridge.runner.worker import _compose_runner
+
+    for base in (KVBridgeCPUModelRunner, KVBridgeARModelRunner, KVBridgeV2ARModelRunner):
+        cls = _compose_runner(StepLogits, base, RUNNER)
+        assert issubclass(cls, base) and cls.__mro__[1] is StepLogits
+        assert cls.kvbridge_step_extras is StepLogits.kvbridge_step_extras
 
 
 @pytest.fixture(autouse=True)

