@@ -227,6 +227,7 @@ def run_ar_to_dit_over(config: Path, connector: str) -> dict[str, Any]:
     with pipe:
         pids = pipe.stage_pids()
         results = pipe.generate(prompts)
+    assert not pipe.log_dir.exists()  # the run's own log directory goes with a clean run
     for r in results:
         assert r.error is None and r.image.shape == (3, 32, 32)
         kv = [t for t in r.transfers if t.what == "kv"]

@@ -93,15 +93,18 @@ def start_serve(
     argv = [
         sys.executable, "-m", "vllm_kvbridge.cli.main", "serve",
         "--stage-config", str(config), "--port", str(port), "--model", str(model),
-        "--output-dir", str(tmp / "images"), "--drain-timeout", "5", *extra,
+        "--output-dir", str(tmp / "images"), "--log-dir", str(tmp / "logs"), "--drain-timeout", "5",
+        *extra,
     ]  # fmt: skip
     scheme, verify = "http", True
     if tls is not None:
         argv += ["--ssl-keyfile", str(tls[0]), "--ssl-certfile", str(tls[1])]
         scheme, verify = "https", ssl.create_default_context(cafile=str(tls[1]))
-    return start_process(
+    server = start_process(
         argv, tmp / "serve.log", f"{scheme}://127.0.0.1:{port}", "/health", timeout_s, verify
     )
+    assert list((tmp / "logs").glob("stage_*.log"))  # --log-dir: the stages log there
+    return server
 
 
 @contextlib.contextmanager

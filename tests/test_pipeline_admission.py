@@ -38,3 +38,4 @@ def test_the_pipeline_refuses_before_starting_a_stage() -> None:
     with pytest.raises(ValueError, match="n=2"):
         pipe.submit("A cute cat", {"n": 2})
     assert pipe.stage_pids() == {}
+    assert pipe.log_dir is None  # a run never started makes no log directory

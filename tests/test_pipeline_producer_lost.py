@@ -18,6 +18,7 @@ so no sleep decides what the tests see.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -92,6 +93,10 @@ def zmq_pipe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pipelin
         yield pipe, gates
     finally:
         pipe.close()
+        # A stage was lost: the run's own log directory stays for the post-mortem.
+        kept = (pipe.log_dir / "stage_0.log").exists()
+        shutil.rmtree(pipe.log_dir, ignore_errors=True)
+        assert kept
 
 
 def test_zmq_request_whose_kv_died_with_its_producer_fails_at_once(zmq_pipe) -> None:  # type: ignore[no-untyped-def]

@@ -1,7 +1,8 @@
 """``vllm-kvbridge serve``: serve a pipeline over HTTP (see :mod:`vllm_kvbridge.server.app`).
 
     vllm-kvbridge serve --stage-config FILE [--host 127.0.0.1] [--port 8000] [--model DIR]
-                        [--served-model-name NAME] [--output-dir DIR] [--drain-timeout S]
+                        [--served-model-name NAME] [--output-dir DIR] [--log-dir DIR]
+                        [--drain-timeout S]
                         [--api-key KEY] [--unauthenticated-paths P,...] [--max-in-flight N]
                         [--ssl-keyfile PEM --ssl-certfile PEM]
 
@@ -45,6 +46,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", help="model name clients use (default: the pipeline's name)")
     p.add_argument(
         "--output-dir", help="where images returned as URLs are written (enables response_format=url)"
+    )
+    p.add_argument(
+        "--log-dir",
+        help="where the stages' logs go (stage_<id>.log), kept; default: a temporary directory "
+        "removed at a clean shutdown",
     )
     p.add_argument(
         "--drain-timeout",
@@ -152,6 +158,7 @@ def _serve(args: argparse.Namespace) -> int:
                 model=model,
                 progress=lambda s: print(s, flush=True),
                 ray_address=args.ray_address,
+                log_dir=args.log_dir,
             )
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
@@ -166,6 +173,7 @@ def _serve(args: argparse.Namespace) -> int:
                     model=model,
                     progress=lambda s: print(s, flush=True),
                     ray_address=args.ray_address,
+                    log_dir=args.log_dir,
                 )
             else:
                 raise

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -64,7 +63,7 @@ from vllm_kvbridge.pipeline.results import (  # re-exported: the pipeline's publ
     StageRecord,
     StageRecovering,
 )
-from vllm_kvbridge.pipeline.stage_handles import LOG_TAIL_LINES, StageHandle, stop_stages
+from vllm_kvbridge.pipeline.stage_handles import LOG_TAIL_LINES, RunLogDir, StageHandle, stop_stages
 from vllm_kvbridge.pipeline.supervision import (
     RestartPolicy,
     StageSupervision,
@@ -78,6 +77,11 @@ POLL_S = 0.05
 
 class Pipeline:
     """A running multi-stage pipeline (see the module docstring for the contract).
+
+    Stage logs go to ``log_dir/stage_<id>.log``. Without ``log_dir`` the run makes a
+    temporary directory at :meth:`start` (``log_dir`` is None until then), removed at
+    :meth:`close` after a clean run and kept (its path is reported) when a stage failed or
+    was lost or a request failed.
 
     Use as a context manager, or call :meth:`close`::
 
@@ -99,9 +103,8 @@ class Pipeline:
         self.plan = with_run_scope(plan, self.run_id)
         self._ray_address = ray_address
         self._backend: StageBackend | None = None
-        self._own_log_dir = log_dir is None
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"kvbridge-{self.run_id}-"))
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._logs = RunLogDir(log_dir, self.run_id)  # its own one goes with a clean run
+        self.log_dir = self._logs.path  # made at start() when the run makes its own
         self._progress = progress or (lambda line: None)
         self._env = dict(env or {})
         self._control: ControlSocket | None = None
@@ -114,6 +117,7 @@ class Pipeline:
         # Ids of requests that ended in error: the stages drop their late output and
         # withdraw their late KV for a while, so such an id is not reused meanwhile.
         self._ended_in_error = ExpiringIds(keep_s=ABORTED_KEEP_S)
+        self._request_failures = 0  # requests that failed (not aborted by their caller)
         self._counter = 0
         self._stage_params: dict[str, dict[int, dict[str, Any]]] = {}
         self._companions: dict[str, dict[str, str]] = {}  # CFG companions (pipeline/cfg.py)
@@ -153,6 +157,7 @@ class Pipeline:
         if self._started:
             return
         self._started = True
+        self.log_dir = self._logs.ensure()
         try:
             self._backend = backend = make_backend(self.plan, self.run_id, self._ray_address)
             self.plan = place_stages(self.plan, backend, self.run_id, self._progress)
@@ -202,6 +207,11 @@ class Pipeline:
         if self._control is not None:
             self._control.close()
         self._sock = self._control = None
+        lost = any(h.failure for h in self._stages.values())
+        failed = self.failure or lost or self._request_failures
+        clean = (self._serving or not self._started) and not failed
+        if self._logs.close(clean=clean):
+            self._progress(f"stage logs kept in {self.log_dir}")
 
     def __enter__(self) -> Pipeline:
         self.start()
@@ -273,13 +283,16 @@ class Pipeline:
         assert self._sock is not None
         self._sock.send_multipart([f"stage-{stage_id}".encode(), m.encode(msg)])
 
-    def _finish(self, rid: str, error: str | None = None, lost_stage: int | None = None) -> None:
+    def _finish(
+        self, rid: str, error: str | None = None, lost_stage: int | None = None, *, aborted: bool = False
+    ) -> None:
         r = self._results.get(rid)
         if r is None or r.finished:
             return
         r.error, r.finished, r.lost_stage = error, True, lost_stage
         if error is not None:
             self._ended_in_error.add(rid)
+            self._request_failures += not aborted
         self._deadlines.pop(rid, None)
         self._stage_params.pop(rid, None)
         self._companions.pop(rid, None)
@@ -568,7 +581,7 @@ class Pipeline:
         r = self._results.get(request_id)
         if r is None or r.finished:
             return False
-        self._finish(request_id, reason)
+        self._finish(request_id, reason, aborted=True)
         return True
 
     def in_flight(self) -> list[str]:

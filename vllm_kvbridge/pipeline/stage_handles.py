@@ -35,6 +35,37 @@ from vllm_kvbridge.pipeline.results import StageError
 LOG_TAIL_LINES = 15
 
 
+class RunLogDir:
+    """Where a run's stage logs go: the caller's directory (always kept), or a temporary one
+    the run makes itself. That one is removed at :meth:`close` after a clean run, and kept
+    when something went wrong, where its logs are what explains it."""
+
+    def __init__(self, given: str | Path | None, run_id: str) -> None:
+        self.own = given is None
+        self.run_id = run_id
+        #: None until :meth:`ensure` for the run's own directory (a run never started makes none)
+        self.path: Path | None = None if given is None else Path(given)
+
+    def ensure(self) -> Path:
+        import tempfile
+
+        if self.path is None:
+            self.path = Path(tempfile.mkdtemp(prefix=f"kvbridge-{self.run_id}-"))
+        self.path.mkdir(parents=True, exist_ok=True)
+        return self.path
+
+    def close(self, *, clean: bool) -> bool:
+        """Remove the run's own directory after a ``clean`` run; True when it is kept."""
+        if not self.own or self.path is None:
+            return False
+        if clean:
+            import shutil
+
+            shutil.rmtree(self.path, ignore_errors=True)
+            return False
+        return self.path.exists()
+
+
 class StageProcess(Protocol):
     """One stage's process as the orchestrator drives it, wherever it runs."""
 
