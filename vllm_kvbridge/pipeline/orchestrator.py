@@ -117,7 +117,7 @@ class Pipeline:
         # Ids of requests that ended in error: the stages drop their late output and
         # withdraw their late KV for a while, so such an id is not reused meanwhile.
         self._ended_in_error = ExpiringIds(keep_s=ABORTED_KEEP_S)
-        self._request_failures = 0  # requests that failed (not aborted by their caller)
+        self._request_failed = False  # a request failed (not aborted by its caller): keep the logs
         self._counter = 0
         self._stage_params: dict[str, dict[int, dict[str, Any]]] = {}
         self._companions: dict[str, dict[str, str]] = {}  # CFG companions (pipeline/cfg.py)
@@ -208,7 +208,7 @@ class Pipeline:
             self._control.close()
         self._sock = self._control = None
         lost = any(h.failure for h in self._stages.values())
-        failed = self.failure or lost or self._request_failures
+        failed = self.failure or lost or self._request_failed
         clean = (self._serving or not self._started) and not failed
         if self._logs.close(clean=clean):
             self._progress(f"stage logs kept in {self.log_dir}")
@@ -292,7 +292,7 @@ class Pipeline:
         r.error, r.finished, r.lost_stage = error, True, lost_stage
         if error is not None:
             self._ended_in_error.add(rid)
-            self._request_failures += not aborted
+            self._request_failed |= not aborted
         self._deadlines.pop(rid, None)
         self._stage_params.pop(rid, None)
         self._companions.pop(rid, None)

@@ -125,10 +125,7 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
         settings = RunnerSettings.from_vllm_config(self.vllm_config)
         tp_rank, tp_size, tp_group = tp_position()
         self.kvbridge_init(settings, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
-        payload = settings.payload
-        self._kvb_capture = CaptureState(
-            on=bool(payload.outputs) and (payload.capture_hidden_states or payload.capture_token_ids)
-        )
+        self._kvb_capture = CaptureState(on=settings.payload.captures)
         if self._kvb_capture.on:
             check_capture_supported(self.vllm_config)
         if not isinstance(self, RunnerHost):
@@ -181,6 +178,7 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
         announced = getattr(meta, "capture", None) or {}
         step = StepRows()
         spans: dict[str, tuple[int, int]] = {}
+        hidden_rows = self._kvb.settings.payload.capture_hidden_states
         for req_id, start_row, n, first_pos in batch:
             capture = self._kvbridge_capture_of(req_id, announced.get(req_id))
             if capture is None or n <= 0:
@@ -208,7 +206,6 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
                 logger.exception("kvbridge: kvbridge_step_extras failed for %s", req_id)
                 self._kvbridge_drop_capture(req_id, f"kvbridge_step_extras: {type(exc).__name__}: {exc}")
                 continue
-            hidden_rows = self._kvb.settings.payload.capture_hidden_states
             if hidden_rows:
                 spans[req_id] = (start_row + skip, start_row + n)
             capture.blocks.append(

@@ -258,6 +258,11 @@ class PayloadSettings:
         return bool(self.outputs)
 
     @property
+    def captures(self) -> bool:
+        """The AR runner captures (hidden states or token ids) for payloads it sends."""
+        return self.sends and (self.capture_hidden_states or self.capture_token_ids)
+
+    @property
     def per_step_inputs(self) -> tuple[PayloadEdgeSettings, ...]:
         """Input edges whose rows condition the model per position (runner/conditioning.py)."""
         return tuple(e for e in self.inputs if e.feed == "per_step")

@@ -205,10 +205,6 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._fed: dict[str, Request] = {}
         self._feed_errors: dict[str, str] = {}
         self._feed_dim: int | None = None
-        payload = self.settings.payload
-        self._captures = bool(payload.outputs) and (
-            payload.capture_hidden_states or payload.capture_token_ids
-        )
         self._capturing: dict[str, CapturingRequest] = {}
         #: last updates of requests that ended, for the next step's metadata
         self._capture_tail: dict[str, CaptureUpdate] = {}
@@ -385,7 +381,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         opts = request_options(request.sampling_params)
         if self._feeds is not None and opts.get(CONDITION_OPTION) is not None:
             self._expect_feed(request, opts[CONDITION_OPTION])
-        if self._captures and opts.get("capture") is not False:
+        if self.settings.payload.captures and opts.get("capture") is not False:
             tid = transfer_id_for(request.request_id, request.sampling_params)
             self._capturing[request.request_id] = CapturingRequest(request, tid)
         if not self.settings.sends_kv:
