@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -60,9 +61,12 @@ def kv_sender_settings(namespace: str) -> dict[str, Any]:
     }
 
 
-def start_engine(model_dir: Path, settings: dict[str, Any], **extra: Any) -> Any:
+def start_engine(
+    model_dir: Path, settings: dict[str, Any], *, worker_cls: str | None = None, **extra: Any
+) -> Any:
     """A vLLM engine on the tiny model set up by ``engine_kwargs(settings)`` (vLLM's stock worker
-    for a stage that only sends KV, the kvbridge CPU worker for a payload stage)."""
+    for a stage that only sends KV, the kvbridge CPU worker - or ``worker_cls`` - for a payload
+    stage)."""
     from vllm import LLM
 
     from vllm_kvbridge.runner.worker import engine_kwargs
@@ -70,7 +74,51 @@ def start_engine(model_dir: Path, settings: dict[str, Any], **extra: Any) -> Any
     kwargs = {"dtype": "float32", "enforce_eager": True, "max_model_len": 512, "seed": 0, "block_size": 32}
     kwargs.update(extra)
     kwargs = with_cpu_kv_cache(str(model_dir), kwargs, int(kwargs.get("tensor_parallel_size", 1)))
-    return LLM(model=str(model_dir), **kwargs, **engine_kwargs(settings, platform="cpu"))
+    stage = engine_kwargs(settings, platform="cpu", worker_cls=worker_cls)
+    return LLM(model=str(model_dir), **kwargs, **stage)
+
+
+#: A payload stage's worker that starts in the order vLLM's GPU worker does (below).
+GPU_START_ORDER_WORKER = "runner_fixtures.GPUStartOrderCPUWorker"
+
+
+@functools.cache
+def _gpu_start_order_worker() -> type:
+    from vllm_kvbridge.runner.worker import KVBridgeCPUWorker
+
+    class GPUStartOrderCPUWorker(KVBridgeCPUWorker):
+        """The kvbridge CPU worker, started in the order of vLLM's GPU worker with CUDA graphs on.
+
+        ``GPUWorker.determine_available_memory`` (vllm/v1/worker/gpu_worker.py) calls the
+        runner's ``profile_cudagraph_memory()``, which builds a minimal KV cache through
+        ``initialize_kv_cache(..., is_profiling=True)`` *before* ``initialize_from_config``
+        creates the KV connector, and tears it down again. vLLM's own method runs here (the CPU
+        runner inherits it from ``GPUModelRunner``): eager mode captures no graph, so it
+        builds the minimal cache, cleans it up and returns 0, the same calls our runner sees
+        on a GPU."""
+
+        def determine_available_memory(self) -> int:
+            compilation = self.model_runner.compilation_config
+            # Eager mode leaves the capture size unset; with CUDA graphs on it is a number
+            # (vLLM's default caps it at 512), which the minimal cache's size reads.
+            saved, compilation.max_cudagraph_capture_size = compilation.max_cudagraph_capture_size, 512
+            try:
+                self.model_runner.profile_cudagraph_memory()
+            finally:
+                compilation.max_cudagraph_capture_size = saved
+            return super().determine_available_memory()
+
+    GPUStartOrderCPUWorker.__module__ = __name__
+    GPUStartOrderCPUWorker.__qualname__ = "GPUStartOrderCPUWorker"
+    return GPUStartOrderCPUWorker
+
+
+def __getattr__(name: str) -> Any:
+    # Built on first use: importing vLLM's worker classes costs seconds that most test
+    # modules importing these fixtures do not need.
+    if name == "GPUStartOrderCPUWorker":
+        return _gpu_start_order_worker()
+    raise AttributeError(name)
 
 
 #: Seconds vLLM's client gives the engine core to stop before it SIGKILLs it (vLLM's

@@ -1,10 +1,12 @@
 """Hidden-state payloads captured by a real vLLM engine (kvbridge CPU worker).
 
-One engine, two payload edges from stage 0: ``full`` to stage 1 and ``async_chunk``
-(every 4 steps) to stage 2. This test process is both receivers. The producer's payload
-is checked against vLLM's own output (token ids, bit-exact), against transformers
-(final-norm hidden states, float32 tolerance) and full against the concatenated chunks
-(bit-exact). An aborted request must fail its receivers and leave no state, thread or key.
+One engine, started in the order vLLM's GPU worker starts it (CUDA-graph memory profiling
+builds a minimal KV cache before the KV connector exists), two payload edges from stage 0:
+``full`` to stage 1 and ``async_chunk`` (every 4 steps) to stage 2. This test process is
+both receivers. The producer's payload is checked against vLLM's own output (token ids,
+bit-exact), against transformers (final-norm hidden states, float32 tolerance) and full
+against the concatenated chunks (bit-exact). An aborted request must fail its receivers
+and leave no state, thread or key.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from runner_fixtures import (
+    GPU_START_ORDER_WORKER,
     HFReference,
     prompt_ids,
     shm_entries,
@@ -54,7 +57,8 @@ def engine(tiny_model_dir: Path):
             ],
         },
     }
-    llm = start_engine(tiny_model_dir, settings)
+    # Started as vLLM's GPU worker starts a runner (CUDA-graph memory profiling first).
+    llm = start_engine(tiny_model_dir, settings, worker_cls=GPU_START_ORDER_WORKER)
     conns = [create_connector("SharedMemoryConnector", {"namespace": ns}) for ns in (NS_FULL, NS_CHUNK)]
     full = PayloadReceiver(conns[0], 0, 1, mode="full", recv_timeout_s=60)
     chunks = PayloadReceiver(conns[1], 0, 2, mode="async_chunk", recv_timeout_s=60, stall_timeout_s=60)

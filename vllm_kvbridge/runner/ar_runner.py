@@ -132,8 +132,14 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
             raise ConfigError(f"{type(self).__name__} lacks what the kvbridge hooks read (RunnerHost)")
 
     # -- vLLM overrides ----------------------------------------------------------------------
-    def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> None:
-        super().initialize_kv_cache(*args, **kwargs)
+    def initialize_kv_cache(self, kv_cache_config: Any, is_profiling: bool = False, **kwargs: Any) -> None:
+        super().initialize_kv_cache(kv_cache_config, is_profiling, **kwargs)
+        if is_profiling:
+            # vLLM's GPU worker measures CUDA-graph memory on a throwaway minimal cache
+            # (profile_cudagraph_memory) before initialize_from_config creates the KV
+            # connector, and vLLM registers no cache with a connector for it: nothing of
+            # ours to attach to yet. The real cache comes later, with the connector.
+            return
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
         connector = get_kv_transfer_group() if has_kv_transfer_group() else None
