@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import subprocess
 import sys
@@ -359,7 +360,7 @@ def test_model_override_and_empty_env_model() -> None:
     assert plan.with_model("/m").stage(0).model == "/pinned"
 
 
-def test_workers_per_stage_and_only_fed_stages_adapted_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_workers_per_stage_and_only_fed_stages_adapted_on_gpu() -> None:
     """Issue 12: a KV-only stage runs vLLM's stock worker (worker_cls None), a payload stage the
     kvbridge worker. On GPU a capture stage keeps vLLM's defaults (Model Runner V2, async
     scheduling: capture works on both); a stage fed per step gets V1 (V2 has no hook to feed
@@ -368,16 +369,16 @@ def test_workers_per_stage_and_only_fed_stages_adapted_on_gpu(monkeypatch: pytes
 
     kv_only = resolve_spec(spec_from_dict(copy.deepcopy(BASE)))
     assert kv_only.stages[0].worker_cls is None
-    monkeypatch.setattr(sys.modules["vllm_kvbridge.config.resolve"], "_platform", lambda: "gpu")
+    on_gpu = functools.partial(resolve_spec, platform="cuda")
     talk = yaml.safe_load((ROOT / "stage_configs/thinker_talker_full_payload.yaml").read_text())
-    thinker, talker = resolve_spec(spec_from_dict(copy.deepcopy(talk))).stages
+    thinker, talker = on_gpu(spec_from_dict(copy.deepcopy(talk))).stages
     assert thinker.worker_cls == "vllm_kvbridge.runner.worker.KVBridgeGPUWorker"
     assert "async_scheduling" not in thinker.engine_args and "VLLM_USE_V2_MODEL_RUNNER" not in thinker.env
     assert "async_scheduling" not in talker.engine_args and "VLLM_USE_V2_MODEL_RUNNER" not in talker.env
-    kv_only = resolve_spec(spec_from_dict(copy.deepcopy(BASE)))
+    kv_only = on_gpu(spec_from_dict(copy.deepcopy(BASE)))
     assert kv_only.stages[0].worker_cls is None and "async_scheduling" not in kv_only.stages[0].engine_args
     fed = yaml.safe_load((ROOT / "stage_configs/thinker_talker_async_chunk.yaml").read_text())
-    thinker, talker = resolve_spec(spec_from_dict(copy.deepcopy(fed))).stages[:2]
+    thinker, talker = on_gpu(spec_from_dict(copy.deepcopy(fed))).stages[:2]
     assert talker.env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and "VLLM_USE_V2_MODEL_RUNNER" not in thinker.env
     fed["stages"][1]["env"] = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
-    assert resolve_spec(spec_from_dict(fed)).stages[1].env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert on_gpu(spec_from_dict(fed)).stages[1].env["VLLM_USE_V2_MODEL_RUNNER"] == "1"

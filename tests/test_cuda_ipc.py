@@ -7,12 +7,15 @@ runs here on CPU tensors: byte for byte the host packing at every buffer, decode
 bit-exact as views of the buffer, a KV payload gathered straight into it from a paged
 cache, and a head that does not match the buffer refused. The transfer itself between
 two GPU processes is tests/gpu/test_cuda_ipc_cuda.py's (and the contract suite's, where
-CUDA exists).
+CUDA exists). Also the pure logic of pairing two stages' GPUs (``config/gpu_pairing.py``): a
+receiver given the sender's GPU after its own, found by UUID, and stages that cannot be
+paired refused when the config is resolved, naming the fix.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +23,7 @@ import torch
 from connector_fixtures import same
 
 from vllm_kvbridge.connectors.registry import create_connector
-from vllm_kvbridge.errors import ConfigError, PayloadError
+from vllm_kvbridge.errors import ConfigError, PayloadError, TransferRefused
 from vllm_kvbridge.kv.layout import KEY, VALUE, RequestGather, packed_layout
 from vllm_kvbridge.wire import TORCH_DTYPES, KVCacheTransferData, decode_packed, encode
 from vllm_kvbridge.wire.decode import decode_packed_device
@@ -162,3 +165,88 @@ def test_a_fill_encodes_as_a_tensor_written_where_the_payload_is_packed() -> Non
     data = torch.empty(enc.packed_size(), dtype=torch.uint8)
     got = decode_packed_device(pack_into_device(enc, data), data)
     assert torch.equal(got["x"], src) and got["x"].data_ptr() == written[-1]
+
+
+# -- pairing the GPUs of two stages (issue item 3) ---------------------------------------
+# A receiver opens the sender's buffer on the sender's GPU, so its process must see that
+# GPU; stages pin GPUs with `devices` (their CUDA_VISIBLE_DEVICES), so the resolver gives a
+# CUDA-IPC receiver the sender's GPU(s) after its own, and refuses at config time where it
+# cannot (never one failed request after another).
+
+
+def test_the_receiver_sees_its_own_gpus_first_and_the_senders_after() -> None:
+    from vllm_kvbridge.config.gpu_pairing import cuda_ipc_visible_devices
+
+    assert cuda_ipc_visible_devices("1", "0") == "1,0"  # its cuda:0 stays its own GPU
+    assert cuda_ipc_visible_devices("2,3", "0,1") == "2,3,0,1"  # TP on both sides
+    assert cuda_ipc_visible_devices(" 1 ", "1, 0") == "1,0"
+    assert cuda_ipc_visible_devices("0", "0") == "0"  # one GPU: nothing to add
+    assert cuda_ipc_visible_devices(None, "1") is None  # it sees every GPU already
+    assert cuda_ipc_visible_devices(None, None) is None
+    uuids = ("GPU-8932f937-d72c-4106-c12f-20bd9faed9f6", "GPU-a1b2c3d4-0000-1111-2222-333344445555")
+    assert cuda_ipc_visible_devices(uuids[1], uuids[0]) == f"{uuids[1]},{uuids[0]}"
+
+
+def test_stages_whose_gpus_cannot_be_paired_are_refused_at_config_time_naming_the_fix() -> None:
+    from vllm_kvbridge.config.gpu_pairing import cuda_ipc_visible_devices
+
+    with pytest.raises(ConfigError, match=r"stage 1.*stage 0.*sets no devices.*devices: \"0\""):
+        cuda_ipc_visible_devices("1", None, receiver="stage 1", sender="stage 0")
+    with pytest.raises(ConfigError, match=r"hides every GPU"):
+        cuda_ipc_visible_devices("", "0")
+    with pytest.raises(ConfigError, match=r"one form"):
+        cuda_ipc_visible_devices("1", "GPU-8932f937-d72c-4106-c12f-20bd9faed9f6")
+    with pytest.raises(ConfigError, match=r"MIG.*SharedMemoryConnector"):
+        cuda_ipc_visible_devices("MIG-aaaa", "MIG-bbbb")
+    assert cuda_ipc_visible_devices("MIG-aaaa", "MIG-aaaa") == "MIG-aaaa"
+
+
+def _cuda_ipc_config(tmp_path, devices: dict[int, str]) -> str:  # type: ignore[no-untyped-def]
+    """The shipped CUDA-IPC stage config with ``devices`` set on the given stages."""
+    import yaml
+
+    doc = yaml.safe_load(CUDA_IPC_CONFIG.read_text())
+    for stage in doc["stages"]:
+        if stage["stage_id"] in devices:
+            stage["devices"] = devices[stage["stage_id"]]
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+CUDA_IPC_CONFIG = Path(__file__).resolve().parent.parent / "stage_configs" / "ar_to_dit_cuda_ipc.yaml"
+
+
+def test_a_resolved_pipeline_gives_the_receiving_stage_the_senders_gpu(tmp_path) -> None:
+    from vllm_kvbridge.config.gpu_pairing import pair_cuda_ipc_devices
+    from vllm_kvbridge.config.resolve import resolve
+
+    plan = resolve(_cuda_ipc_config(tmp_path, {0: "0", 1: "1"}))  # the resolver pairs them
+    assert [s.devices for s in plan.stages] == ["0", "1,0"]
+    assert [s.devices for s in pair_cuda_ipc_devices(plan.stages)] == ["0", "1,0"]  # idempotent
+    unpinned = resolve(_cuda_ipc_config(tmp_path, {}))  # the shipped config: one GPU
+    assert [s.devices for s in unpinned.stages] == [None, None]
+    with pytest.raises(ConfigError, match=r"stage 1.*stage 0.*sets no devices"):
+        resolve(_cuda_ipc_config(tmp_path, {1: "1"}))
+
+
+def test_the_senders_gpu_is_found_by_uuid_and_a_missing_one_names_the_fix() -> None:
+    from vllm_kvbridge.connectors.cuda_ipc_devices import local_gpu_index
+
+    visible = ["a1b2c3d4-0000-1111-2222-333344445555", "8932f937-d72c-4106-c12f-20bd9faed9f6"]
+    # Another process numbers the GPUs otherwise: the UUID, not the index, says which.
+    assert local_gpu_index("k", "8932f937-d72c-4106-c12f-20bd9faed9f6", visible) == 1
+    assert local_gpu_index("k", "GPU-8932F937-D72C-4106-C12F-20BD9FAED9F6", visible) == 1
+    with pytest.raises(TransferRefused, match=r"not visible.*devices.*cuda_ipc_visible_devices"):
+        local_gpu_index("k", "ffffffff-d72c-4106-c12f-20bd9faed9f6", visible)
+
+
+def test_the_cuda_ipc_stage_config_carries_no_cpu_only_engine_defaults() -> None:
+    """fp32, eager mode and a short context are the CPU build's needs (the resolver adds
+    them there); on a GPU they would only slow the LLM stage down."""
+    import yaml
+
+    doc = yaml.safe_load(CUDA_IPC_CONFIG.read_text())
+    for stage in doc["stages"]:
+        args = stage.get("engine_args") or {}
+        assert not set(args) & {"enforce_eager", "dtype", "max_model_len"}, stage["stage_id"]

@@ -17,7 +17,10 @@ core's batch queue (step ``k + 1`` is scheduled before step ``k``'s output arriv
 request that samples its stop token still runs one more forward: its row and token must not
 reach the payload. Preemption (few blocks) and chunked prefill (small token budget) make
 rows be recomputed and split. Each request's payload (full, and async chunks) must be
-exactly its rows for positions ``0 .. prompt + generated - 2`` and its generated tokens.
+exactly its rows for positions ``0 .. prompt + generated - 2`` and its generated tokens,
+also when the step's ``wait_for_save`` (where the connector hands the scheduler's tokens
+to the runner) runs in vLLM 0.33's ``finalize_step`` after ``post_forward(...,
+defer_finalize=True)`` (``test_runner_v2_connector.end_step``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import pytest
 import torch
 from runner_fixtures import shm_entries, shm_namespace
 from scheduler_fixtures import make_scheduler
+from test_runner_v2_connector import FINALIZE, end_step
 
 NS_FULL, NS_CHUNK = shm_namespace("v2f"), shm_namespace("v2c")
 CHUNK = 3
@@ -96,10 +100,11 @@ def _add(scheduler, rid: str) -> None:
     scheduler.add_request(Request(rid, prompt, params, None))
 
 
-def _execute(scheduler, out, runner, active, reached: dict[str, int]):
+def _execute(scheduler, out, runner, active, reached: dict[str, int], finalize: str = "post_forward"):
     """What V2's execute_model + sample_tokens do around our hook, for one step; returns
     the ModelRunnerOutput the engine core hands the scheduler (now or a step later).
-    ``reached``: per request, the end of the furthest forward it ran."""
+    ``reached``: per request, the end of the furthest forward it ran. ``finalize``: how the
+    step ends its connector work (``test_runner_v2_connector.end_step``)."""
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
     from vllm.v1.worker.gpu.model_runner import ExecuteModelState, sort_batch_req_ids
@@ -139,14 +144,20 @@ def _execute(scheduler, out, runner, active, reached: dict[str, int]):
     result = ModelRunnerOutput(
         req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
     )
-    result.kv_connector_output = active.post_forward(out.finished_req_ids)
+    result.kv_connector_output = end_step(active, out.finished_req_ids, finalize)
     return result
 
 
 class _Harness:
     """vLLM's scheduler + V2's connector wrapper + our V2 runner + two payload receivers."""
 
-    def __init__(self, model_dir: Path, async_scheduling: bool, runner_cls: type | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        async_scheduling: bool,
+        runner_cls: type | None = None,
+        finalize: str = "post_forward",
+    ) -> None:
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -158,6 +169,7 @@ class _Harness:
         from vllm_kvbridge.runner.vllm_connector import KVBridgeConnector
 
         self.async_scheduling = async_scheduling
+        self.finalize = finalize
         self.scheduler = make_scheduler(
             model_dir,
             SETTINGS,
@@ -205,7 +217,8 @@ class _Harness:
             if scheduler.has_requests() and len(queue) < depth:
                 out = scheduler.schedule()
                 self.preempted += len(out.preempted_req_ids or ())
-                queue.append((out, _execute(scheduler, out, self.runner, self.active, self.reached)))
+                result = _execute(scheduler, out, self.runner, self.active, self.reached, self.finalize)
+                queue.append((out, result))
                 if len(queue) < depth and scheduler.has_requests():
                     continue
             done_out, result = queue.popleft()
@@ -231,11 +244,12 @@ def _expected(rid: str) -> tuple[list[int], torch.Tensor]:
     return generated, torch.stack([_row(rid, p) for p in range(prompt_len + len(generated) - 1)])
 
 
+@pytest.mark.parametrize("finalize", FINALIZE)
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_v2_capture_pairs_rows_with_the_schedulers_tokens(
-    tiny_model_dir: Path, async_scheduling: bool
+    tiny_model_dir: Path, async_scheduling: bool, finalize: str
 ) -> None:
-    h = _Harness(tiny_model_dir, async_scheduling)
+    h = _Harness(tiny_model_dir, async_scheduling, finalize=finalize)
     try:
         h.run()
         assert h.preempted > 0  # rows were recomputed after a preemption
@@ -260,7 +274,8 @@ def test_v2_capture_pairs_rows_with_the_schedulers_tokens(
     assert shm_entries(NS_FULL) == [] and shm_entries(NS_CHUNK) == []
 
 
-def test_a_capture_that_cannot_complete_fails_its_request_alone(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("finalize", FINALIZE)
+def test_a_capture_that_cannot_complete_fails_its_request_alone(tiny_model_dir: Path, finalize: str) -> None:
     """A subclass hook that raises for one request, scheduler tokens that never reach the
     runner for two others (a middle update, the last one), and a last row that never comes
     out of the forward for the fourth: each fails its own payload with its own reason
@@ -284,7 +299,7 @@ def test_a_capture_that_cannot_complete_fails_its_request_alone(tiny_model_dir: 
             # "long"'s last row (position 150 + 9 - 2) never comes out of the forward.
             super()._kvbridge_capture_rows(hidden, [b for b in batch if b[0] != "long" or b[3] != 157])
 
-    h = _Harness(tiny_model_dir, True, Faulty)
+    h = _Harness(tiny_model_dir, True, Faulty, finalize)
     try:
         h.run()
         for rid, why in (

@@ -6,20 +6,27 @@ sender's budget comes back when the receiver acknowledges; a full budget answers
 and has room again after the read; a KV send gathers from a CUDA-layout paged cache
 straight into the lent device buffer (no staging pool) and the receiver's KV equals a CPU
 reference; 1,000 transfers leave no lent bytes, no shared-memory names and no device
-memory behind. The connector's whole contract suite runs on it too
+memory behind. Across two GPUs (a receiver given the sender's GPU after its own, as the
+resolver pairs them) the payload lands on the receiver's own GPU; and a receive does not
+wait for unrelated work queued on the receiver's current stream (a prefetch overlaps the
+denoising). The connector's whole contract suite runs on it too
 (tests/test_connector_contract.py lists it where CUDA exists).
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import time
 import uuid
+from collections.abc import Iterator
 
 import pytest
 import torch
 
+from vllm_kvbridge.config.gpu_pairing import cuda_ipc_visible_devices
+from vllm_kvbridge.connectors.cuda_ipc_devices import normalize_gpu_uuid
 from vllm_kvbridge.connectors.registry import create_connector
 
 pytestmark = [
@@ -41,25 +48,46 @@ def _names(token: str) -> list[str]:
     return sorted(n for n in os.listdir("/dev/shm") if f".{token}." in n)
 
 
-def _child_get(token: str, key: str, seed: int, out) -> None:  # type: ignore[no-untyped-def]
+def _gpu_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _child_get(token: str, key: str, seed: int, out, detail: bool = False) -> None:  # type: ignore[no-untyped-def]
     with create_connector("CudaIpcConnector", {"namespace": token}) as conn:
         got = conn.get(0, 1, key, deadline=time.monotonic() + 60)
         want = _payload(seed)
-        out.put(
-            (
-                got["k"].device.type,
-                torch.equal(got["k"].cpu(), want["k"].cpu()),
-                torch.equal(got["ids"].cpu(), want["ids"].cpu()),
-                got["meta"],
-            )
+        result = (
+            got["k"].device.type,
+            torch.equal(got["k"].cpu(), want["k"].cpu()),
+            torch.equal(got["ids"].cpu(), want["ids"].cpu()),
+            got["meta"],
         )
+        if detail:  # which GPU it landed on, and the senders' GPUs this process holds a context on
+            result += (_gpu_uuid(got["k"].device.index), conn.health()["peer_gpus"])
+        out.put(result)
 
 
-def _receive_in_child(token: str, key: str, seed: int) -> tuple:
+@contextlib.contextmanager
+def _child_env(**env: str) -> Iterator[None]:
+    """``env`` for the processes spawned within (CUDA in this one is set up already)."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _receive_in_child(token: str, key: str, seed: int, *, detail: bool = False, **env: str) -> tuple:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    child = ctx.Process(target=_child_get, args=(token, key, seed, out))
-    child.start()
+    child = ctx.Process(target=_child_get, args=(token, key, seed, out, detail))
+    with _child_env(**env):
+        child.start()
     try:
         return out.get(timeout=120)
     finally:
@@ -74,6 +102,76 @@ def test_a_payload_crosses_to_another_process_on_the_device_and_the_budget_comes
         assert sender.health()["held_bytes"] == result.nbytes > 0
         assert _receive_in_child(token, "req0.kv", 1) == ("cuda", True, True, {"seed": 1})
         assert sender.health()["held_bytes"] == 0 and sender.health()["lent"] == 0
+    assert _names(token) == []
+
+
+def test_on_one_gpu_the_receiver_lands_on_the_senders_gpu_with_no_extra_context() -> None:
+    token = "t" + uuid.uuid4().hex[:12]
+    with create_connector("CudaIpcConnector", {"namespace": token}) as sender:
+        assert sender.put(0, 1, "one.kv", _payload(4)).ok
+        got = _receive_in_child(token, "one.kv", 4, detail=True)
+        assert got == ("cuda", True, True, {"seed": 4}, _gpu_uuid(torch.cuda.current_device()), [])
+        assert sender.health()["held_bytes"] == 0
+    assert _names(token) == []
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+def test_across_two_gpus_the_payload_lands_on_the_receivers_own_gpu() -> None:
+    """The sender on GPU 0, the receiver pinned to GPU 1 and given GPU 0 after it (what the
+    resolver does for a CUDA-IPC edge): found by UUID, copied peer to peer onto GPU 1, and
+    the context it opens on GPU 0 reported."""
+    token = "t" + uuid.uuid4().hex[:12]
+    own, theirs = (f"GPU-{normalize_gpu_uuid(_gpu_uuid(i))}" for i in (1, 0))  # as CUDA takes them
+    visible = cuda_ipc_visible_devices(own, theirs)
+    assert visible == f"{own},{theirs}"
+    with torch.cuda.device(0), create_connector("CudaIpcConnector", {"namespace": token}) as sender:
+        result = sender.put(0, 1, "two.kv", _payload(3))
+        assert result.ok, result.error
+        got = _receive_in_child(token, "two.kv", 3, detail=True, CUDA_VISIBLE_DEVICES=visible)
+        assert got == ("cuda", True, True, {"seed": 3}, _gpu_uuid(1), [_gpu_uuid(0)])
+        assert sender.health()["held_bytes"] == 0 and sender.health()["lent"] == 0
+    assert _names(token) == []
+
+
+#: Cycles of the unrelated kernel queued before the receive (a few seconds on any GPU).
+_SLEEP_CYCLES = 5_000_000_000
+
+
+def _child_get_behind_sleep(token: str, out) -> None:  # type: ignore[no-untyped-def]
+    with create_connector("CudaIpcConnector", {"namespace": token}) as conn:
+        warm = conn.get(0, 1, "warm.kv", deadline=time.monotonic() + 60)  # streams, allocator
+        del warm
+        torch.cuda.synchronize()
+        torch.cuda._sleep(_SLEEP_CYCLES)  # the DiT's denoising, say, on the current stream
+        slept = torch.cuda.Event()
+        slept.record()
+        got = conn.get(0, 1, "late.kv", deadline=time.monotonic() + 60)
+        # The receive returned while the kernel queued before it still runs: it did not wait
+        # for it (the old receive synchronized the current stream, so the kernel was done).
+        overlapped = not slept.query()
+        x = got["x"]  # complete when get returned: read on the copy's own stream
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            first, last = float(x[0]), float(x[-1])
+        out.put((overlapped, slept.query(), first, last))
+        torch.cuda.synchronize()
+
+
+def test_a_receive_does_not_wait_for_work_queued_on_the_receivers_current_stream() -> None:
+    token = "t" + uuid.uuid4().hex[:12]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_child_get_behind_sleep, args=(token, out))
+    with create_connector("CudaIpcConnector", {"namespace": token}) as sender:
+        for key, value in (("warm.kv", 1.0), ("late.kv", 2.0)):
+            assert sender.put(0, 1, key, {"x": torch.full((1 << 20,), value, device="cuda")}).ok
+        child.start()
+        try:
+            overlapped, slept_before_read, first, last = out.get(timeout=120)
+        finally:
+            child.join(timeout=60)
+        assert overlapped and not slept_before_read
+        assert (first, last) == (2.0, 2.0)
     assert _names(token) == []
 
 

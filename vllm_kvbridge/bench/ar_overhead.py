@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_kvbridge.config.platform import detect_platform, platform_engine_args
+
 logger = logging.getLogger(__name__)
 
 PLAIN, KVBRIDGE = "plain", "kvbridge"
@@ -51,13 +53,16 @@ def _engine(model: str, extra: dict[str, Any], args: argparse.Namespace) -> Any:
 
     from vllm_kvbridge.bench.kv_model import cpu_kv_cache_args
 
+    # The platform's defaults as a stage gets them (eager on CPU only), under the bench's
+    # own dtype and sizes.
+    own = {
+        "dtype": args.dtype,
+        "max_model_len": args.prompt_len + args.max_tokens + 16,
+        "block_size": args.block_size,
+    }
     return LLM(
         model=model,
-        dtype=args.dtype,
-        enforce_eager=True,
-        max_model_len=args.prompt_len + args.max_tokens + 16,
-        seed=0,
-        block_size=args.block_size,
+        **platform_engine_args(detect_platform(), own),
         **cpu_kv_cache_args(args.kv_cache_gib),
         **extra,
     )

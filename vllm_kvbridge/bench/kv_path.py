@@ -51,6 +51,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_kvbridge.config.platform import detect_platform, platform_engine_args
+
 logger = logging.getLogger(__name__)
 
 #: Short names accepted by ``--connectors`` (the registry's aliases, spelled as the other benches).
@@ -213,13 +215,12 @@ def _measure(
     rows = []
     try:
         with engine_env():
+            # The platform's defaults as a stage gets them (eager on CPU only), under the
+            # bench's own dtype and sizes.
+            own = {"dtype": args.dtype, "max_model_len": max(tokens_list) + 16, "block_size": args.block_size}
             llm = LLM(
                 model=model,
-                dtype=args.dtype,
-                enforce_eager=True,
-                max_model_len=max(tokens_list) + 16,
-                seed=0,
-                block_size=args.block_size,
+                **platform_engine_args(detect_platform(), own),
                 **cpu_kv_cache_args(kv_cache_gib),
                 **engine_kwargs(settings),
             )

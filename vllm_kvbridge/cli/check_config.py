@@ -2,7 +2,9 @@
 
 Exit status 0 when the file is valid, 1 with a one-line ``error: <key path>: <why>``
 otherwise. ``--json`` prints the resolved plan (including each LLM stage's runner
-settings) as JSON instead of text.
+settings) as JSON instead of text. ``--platform cpu|cuda`` resolves for that platform
+instead of this host's: each LLM stage's ``engine_args`` line is what its engine really
+gets there (:mod:`vllm_kvbridge.config.platform`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import msgspec
 
 from vllm_kvbridge.config.locality import bind_auto_edges, describe_auto, local_node
+from vllm_kvbridge.config.platform import CPU, PLATFORMS
 from vllm_kvbridge.config.resolve import (
     AUTO_CONNECTOR,
     ResolvedEdge,
@@ -34,6 +37,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("file", help="stage config (YAML)")
     p.add_argument("--json", action="store_true", help="print the resolved plan as JSON")
+    p.add_argument(
+        "--platform",
+        choices=PLATFORMS,
+        default=None,
+        help="resolve for this platform (default: this host's): each LLM stage's engine_args are "
+        "what its engine really gets there (cpu: eager, float32, 512 tokens; cuda: vLLM's defaults)",
+    )
     p.set_defaults(func=_run)
 
 
@@ -61,6 +71,14 @@ def _stage_lines(s: ResolvedStage, plan: ResolvedPipeline) -> list[str]:
         if s.runner_cls:
             lines.append(f"  runner_cls: {s.runner_cls}")
         lines.append(f"  engine_args: {json.dumps(s.engine_args, sort_keys=True)}")
+        if s.platform == CPU:
+            lines.append("  kv cache: sized at start for a full batch of max_model_len tokens (<= 1 GiB)")
+        else:
+            lines.append("  vLLM defaults: CUDA graphs, the model's dtype, Model Runner V2, async scheduling")
+        if s.env:
+            lines.append(f"  env: {json.dumps(s.env, sort_keys=True)}")
+        if s.platform != plan.platform:
+            lines.append(f"  platform: {s.platform} (placed by Ray on a GPU)")
         if s.default_sampling_params:
             lines.append(f"  sampling: {json.dumps(s.default_sampling_params, sort_keys=True)}")
     elif s.vocoder is not None:
@@ -126,6 +144,7 @@ def format_plan(plan: ResolvedPipeline) -> str:
     lines = [f"pipeline {plan.name!r}" + (f" ({plan.source})" if plan.source else "")]
     if plan.description:
         lines.append(f"  {plan.description}")
+    lines.append(f"platform: {plan.platform}")
     for s in plan.stages:
         lines.extend(_stage_lines(s, plan))
     where = f"ray ({plan.ray_address or '--ray-address'})" if plan.backend == "ray" else "local (this host)"
@@ -156,7 +175,7 @@ def plan_as_json(plan: ResolvedPipeline) -> dict[str, Any]:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        plan = resolve(args.file)
+        plan = resolve(args.file, platform=args.platform)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

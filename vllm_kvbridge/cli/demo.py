@@ -18,6 +18,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from vllm_kvbridge.config.platform import detect_platform, platform_engine_args
     from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
     from vllm_kvbridge.pipeline.llm_engine import with_platform_kv_cache
 
@@ -26,9 +27,10 @@ def _run(args: argparse.Namespace) -> int:
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    # On CPU vLLM sizes its KV cache in host memory: what the model can use, like a stage.
-    engine_args = with_platform_kv_cache(model, {"max_model_len": 512})
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, seed=0, **engine_args)
+    # The platform's defaults, as a stage gets them (CPU: eager, float32, 512 tokens and a KV
+    # cache in host memory sized for what the model can use; GPU: vLLM's own).
+    engine_args = with_platform_kv_cache(model, platform_engine_args(detect_platform(), {}))
+    llm = LLM(model=model, **engine_args)
     t1 = time.perf_counter()
     outputs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
     t2 = time.perf_counter()

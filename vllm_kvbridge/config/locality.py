@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from vllm_kvbridge.config.gpu_pairing import pair_cuda_ipc_devices
 from vllm_kvbridge.config.resolve import AUTO_CONNECTOR as AUTO
 from vllm_kvbridge.config.resolve import ResolvedConnector, ResolvedPipeline, ResolvedStage
 
@@ -105,7 +106,8 @@ def bind_auto_edges(plan: ResolvedPipeline, nodes: dict[int, NodeInfo]) -> Resol
 
         return msgspec.structs.replace(s, inputs=fix(s.inputs), outputs=fix(s.outputs))
 
-    return msgspec.structs.replace(plan, stages=[bind(s) for s in plan.stages])
+    # An auto edge may become CUDA IPC (runtime.same_node_connector): pair its stages' GPUs.
+    return msgspec.structs.replace(plan, stages=pair_cuda_ipc_devices([bind(s) for s in plan.stages]))
 
 
 def _short(node_id: str) -> str:

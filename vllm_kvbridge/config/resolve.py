@@ -21,25 +21,31 @@ from typing import Any
 
 import msgspec
 
+from vllm_kvbridge.config.engine_support import EngineFeatures, check_engine_supported
+from vllm_kvbridge.config.gpu_pairing import pair_cuda_ipc_devices
 from vllm_kvbridge.config.loader import load_spec
+from vllm_kvbridge.config.platform import (
+    CPU,
+    CUDA,
+    check_platform,
+    detect_platform,
+    platform_engine_args,
+    stage_platform,
+)
 from vllm_kvbridge.config.schema import DiffusionSpec, PipelineSpec, StageSpec, VocoderSpec
+from vllm_kvbridge.config.stage_checks import LLM_KINDS, check_stage
 from vllm_kvbridge.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 #: Worker classes used for LLM stages that move payloads when ``worker_cls`` is not given,
 #: per platform (a stage that only sends KV runs vLLM's stock worker: ``worker_cls`` None).
+#: What an LLM stage's engine starts from per platform: :mod:`vllm_kvbridge.config.platform`.
 DEFAULT_WORKER_CLS = {
-    "cpu": "vllm_kvbridge.runner.worker.KVBridgeCPUWorker",
-    "gpu": "vllm_kvbridge.runner.worker.KVBridgeGPUWorker",
+    CPU: "vllm_kvbridge.runner.worker.KVBridgeCPUWorker",
+    CUDA: "vllm_kvbridge.runner.worker.KVBridgeGPUWorker",
 }
-#: Engine arguments every LLM stage starts from; the stage's ``engine_args`` override them.
-DEFAULT_ENGINE_ARGS: dict[str, Any] = {"enforce_eager": True, "max_model_len": 512, "seed": 0}
-LLM_KINDS = ("llm_ar", "llm_generation")
-_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+(:[A-Za-z_][A-Za-z0-9_.]*)?")
 _EDGE_KEY = re.compile(r"(from|to)_stage_(\d+)")
-#: Engine arguments the resolver owns; a stage setting them in engine_args is a mistake.
-_RESERVED_ENGINE_ARGS = ("model", "worker_cls", "tensor_parallel_size", "additional_config")
 #: An edge's connector picked by locality once the stages are placed (config/locality.py).
 AUTO_CONNECTOR = "auto"
 
@@ -102,6 +108,8 @@ class ResolvedStage(msgspec.Struct):
     vocoder: dict[str, Any] | None = None
     #: Where the Ray backend places it (``PlacementSpec`` as a dict: resources, runtime_env).
     placement: dict[str, Any] = {}
+    #: The platform its engine arguments were resolved for (``cpu`` or ``cuda``).
+    platform: str = CPU
 
     @property
     def is_llm(self) -> bool:
@@ -132,6 +140,8 @@ class ResolvedPipeline(msgspec.Struct):
     #: ``local`` or ``ray`` (``runtime.backend``; a ``ray_address`` selects ``ray``)
     backend: str = "local"
     ray_address: str | None = None
+    #: the platform the plan was made for (a Ray stage holding a GPU is resolved for cuda)
+    platform: str = CPU
     #: what ``connector: auto`` edges become within a node / across nodes
     same_node_connector: ResolvedConnector = msgspec.field(
         default_factory=lambda: ResolvedConnector("shm", "SharedMemoryConnector")
@@ -158,15 +168,6 @@ class ResolvedPipeline(msgspec.Struct):
         """A copy where every LLM stage without an explicit model uses ``model``."""
         stages = [msgspec.structs.replace(s, model=s.model or model) if s.is_llm else s for s in self.stages]
         return msgspec.structs.replace(self, stages=stages)
-
-
-def _platform() -> str:
-    try:
-        import torch
-
-        return "gpu" if torch.cuda.is_available() else "cpu"
-    except Exception:  # pragma: no cover - torch is a dependency
-        return "cpu"
 
 
 def _known_connector_names() -> set[str]:
@@ -203,121 +204,6 @@ def _resolve_connector(ref: str, spec: PipelineSpec, path: str) -> ResolvedConne
     )
 
 
-def _check_dotted(value: str | None, path: str) -> None:
-    if value is not None and not _DOTTED.fullmatch(value):
-        raise ConfigError(f"{path}: {value!r} is not a dotted path like 'package.module.Name'")
-
-
-def _check_stage(i: int, s: StageSpec) -> None:
-    p = f"stages[{i}]"
-    if s.stage_id < 0:
-        raise ConfigError(f"{p}.stage_id: must be >= 0, got {s.stage_id}")
-    if s.tensor_parallel_size < 1:
-        raise ConfigError(f"{p}.tensor_parallel_size: must be >= 1, got {s.tensor_parallel_size}")
-    if s.start_timeout <= 0:
-        raise ConfigError(f"{p}.start_timeout: must be > 0, got {s.start_timeout}")
-    for key, amount in s.placement.resources.items():
-        if not amount >= 0:
-            raise ConfigError(f"{p}.placement.resources.{key}: must be >= 0, got {amount}")
-    kv, pl = s.kv_transfer, s.payload
-    for name in ("recv_timeout", "send_timeout"):
-        if getattr(kv, name) <= 0:
-            raise ConfigError(f"{p}.kv_transfer.{name}: must be > 0, got {getattr(kv, name)}")
-    if kv.max_send_queue_bytes < 1:
-        got = kv.max_send_queue_bytes
-        raise ConfigError(f"{p}.kv_transfer.max_send_queue_bytes: must be >= 1, got {got}")
-    if kv.staging_bytes is not None and kv.staging_bytes < 0:
-        raise ConfigError(f"{p}.kv_transfer.staging_bytes: must be >= 0, got {kv.staging_bytes}")
-    if kv.trigger == "special_token" and kv.trigger_token_id is None:
-        raise ConfigError(f"{p}.kv_transfer.trigger_token_id: required when trigger is 'special_token'")
-    if kv.trigger != "special_token" and kv.trigger_token_id is not None:
-        raise ConfigError(f"{p}.kv_transfer.trigger_token_id: only valid with trigger 'special_token'")
-    if kv.stop_after_transfer and kv.trigger != "prefill_finished":
-        raise ConfigError(f"{p}.kv_transfer.stop_after_transfer: only valid with trigger 'prefill_finished'")
-    if kv.expect is not None:
-        if not kv.need_recv_cache:
-            raise ConfigError(f"{p}.kv_transfer.expect: only valid on a stage that receives KV")
-        for name in ("num_layers", "num_kv_heads", "head_dim"):
-            value = getattr(kv.expect, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"{p}.kv_transfer.expect.{name}: must be >= 1, got {value}")
-    if pl.chunk_size < 1:
-        raise ConfigError(f"{p}.payload.chunk_size: must be >= 1, got {pl.chunk_size}")
-    if pl.feed == "per_step" and (s.kind not in LLM_KINDS or s.url is not None):
-        raise ConfigError(
-            f"{p}.payload.feed: per_step feeds a vLLM engine's model (this stage is {s.kind!r})"
-        )
-    for name in ("stall_timeout", "recv_timeout", "send_timeout"):
-        if getattr(pl, name) <= 0:
-            raise ConfigError(f"{p}.payload.{name}: must be > 0, got {getattr(pl, name)}")
-    _check_dotted(
-        pl.custom_process_next_stage_input_func, f"{p}.payload.custom_process_next_stage_input_func"
-    )
-    _check_dotted(s.worker_cls, f"{p}.worker_cls")
-    _check_dotted(s.runner_cls, f"{p}.runner_cls")
-    for key in _RESERVED_ENGINE_ARGS:
-        if key in s.engine_args:
-            raise ConfigError(f"{p}.engine_args.{key}: set it as a stage field, not an engine argument")
-    if s.url is not None:
-        if s.kind not in LLM_KINDS:
-            raise ConfigError(f"{p}.url: only LLM stages can be external servers (this stage is {s.kind!r})")
-        if not re.fullmatch(r"https?://[^\s/]+(/[^\s]*)?", s.url):
-            raise ConfigError(f"{p}.url: {s.url!r} is not an http(s) URL like 'http://127.0.0.1:8001'")
-    if s.kind != "diffusion" and s.diffusion is not None:
-        raise ConfigError(f"{p}.diffusion: only valid for kind 'diffusion' (this stage is {s.kind!r})")
-    if s.kind != "vocoder" and s.vocoder is not None:
-        raise ConfigError(f"{p}.vocoder: only valid for kind 'vocoder' (this stage is {s.kind!r})")
-    if s.kind == "vocoder":
-        if s.tensor_parallel_size != 1:
-            raise ConfigError(
-                f"{p}.tensor_parallel_size: vocoder stages run on one rank, got {s.tensor_parallel_size}"
-            )
-        if kv.need_send_cache or kv.need_recv_cache:
-            which = "need_send_cache" if kv.need_send_cache else "need_recv_cache"
-            raise ConfigError(f"{p}.kv_transfer.{which}: a vocoder stage consumes payloads, not KV")
-        for name in ("worker_cls", "runner_cls", "model"):
-            if getattr(s, name) is not None:
-                raise ConfigError(
-                    f"{p}.{name}: vocoder stages host the module of 'vocoder', not a vLLM model"
-                )
-        if s.engine_args:
-            raise ConfigError(f"{p}.engine_args: vocoder stages run no vLLM engine")
-        _check_dotted((s.vocoder or VocoderSpec()).class_path, f"{p}.vocoder.class_path")
-    elif s.kind == "diffusion":
-        if s.tensor_parallel_size != 1:
-            raise ConfigError(
-                f"{p}.tensor_parallel_size: diffusion stages run on one rank, got {s.tensor_parallel_size}"
-            )
-        if kv.need_send_cache:
-            raise ConfigError(f"{p}.kv_transfer.need_send_cache: a diffusion stage does not produce KV")
-        for name in ("worker_cls", "runner_cls"):
-            if getattr(s, name) is not None:
-                raise ConfigError(f"{p}.{name}: diffusion stages run the diffusion runner, not a vLLM worker")
-        d = s.diffusion or DiffusionSpec()
-        _check_dotted(d.class_path, f"{p}.diffusion.class_path")
-        if d.num_steps < 1:
-            raise ConfigError(f"{p}.diffusion.num_steps: must be >= 1, got {d.num_steps}")
-        if not d.guidance_scale >= 0:
-            raise ConfigError(f"{p}.diffusion.guidance_scale: must be >= 0, got {d.guidance_scale}")
-        if d.num_ranks not in (1, 2):
-            raise ConfigError(f"{p}.diffusion.num_ranks: 1 or 2 (CFG-parallel), got {d.num_ranks}")
-        if d.num_ranks == 2 and not kv.need_recv_cache:
-            raise ConfigError(
-                f"{p}.diffusion.num_ranks: 2 ranks split guided KV-conditioned requests; "
-                "this stage receives no KV"
-            )
-        if d.max_batch_size < 1:
-            raise ConfigError(f"{p}.diffusion.max_batch_size: must be >= 1, got {d.max_batch_size}")
-        if d.num_ranks == 2 and d.max_batch_size != 1:
-            raise ConfigError(
-                f"{p}.diffusion.max_batch_size: a 2-rank (CFG-parallel) stage denoises one request "
-                f"at a time, got {d.max_batch_size}; use num_ranks: 1 to batch requests"
-            )
-    else:
-        if kv.need_recv_cache:
-            raise ConfigError(f"{p}.kv_transfer.need_recv_cache: LLM stages cannot consume KV caches yet")
-
-
 def _edges(spec: PipelineSpec) -> list[tuple[int, int, str | None, str]]:
     """(from, to, default connector ref, key path) per edge; a linear chain when omitted.
     An edge naming no connector is ``auto`` (picked by locality at placement)."""
@@ -330,13 +216,17 @@ def _edges(spec: PipelineSpec) -> list[tuple[int, int, str | None, str]]:
     ]
 
 
-def resolve_spec(spec: PipelineSpec, source: str | None = None) -> ResolvedPipeline:
-    """Validate ``spec`` as a whole and compute every stage's plan."""
+def resolve_spec(
+    spec: PipelineSpec, source: str | None = None, platform: str | None = None
+) -> ResolvedPipeline:
+    """Validate ``spec`` as a whole and compute every stage's plan for ``platform`` (``cpu``
+    or ``cuda``; default: what this process sees)."""
+    platform = check_platform(platform) if platform is not None else detect_platform()
     if not spec.stages:
         raise ConfigError("stages: at least one stage is required")
     index: dict[int, int] = {}
     for i, s in enumerate(spec.stages):
-        _check_stage(i, s)
+        check_stage(i, s)
         if s.stage_id in index:
             raise ConfigError(
                 f"stages[{i}].stage_id: duplicate stage id {s.stage_id} (also stages[{index[s.stage_id]}])"
@@ -472,6 +362,13 @@ def resolve_spec(spec: PipelineSpec, source: str | None = None) -> ResolvedPipel
                 f"{p}.payload.feed: a stage fed per step cannot send payloads of its own yet "
                 f"(stage {s.stage_id} sends to {sends}); use feed: prompt_embeds there"
             )
+        if s.kind in LLM_KINDS:
+            check_engine_supported(
+                EngineFeatures.from_engine_args(s.engine_args),
+                sends_kv=s.kv_transfer.need_send_cache,
+                captures=bool(sends),
+                where=f"{p}.engine_args",
+            )
         if s.kind == "vocoder" and not inputs[s.stage_id]:
             raise ConfigError(
                 f"{p}.kind: a vocoder stage needs an incoming payload edge (stage {s.stage_id} has none)"
@@ -481,12 +378,22 @@ def resolve_spec(spec: PipelineSpec, source: str | None = None) -> ResolvedPipel
         if s.kv_transfer.need_recv_cache and not inputs[s.stage_id]:
             raise ConfigError(f"{p}.kv_transfer.need_recv_cache: stage {s.stage_id} has no incoming edge")
 
-    platform = _platform()
+    rt = spec.runtime
+    if rt.backend == "local" and rt.ray_address is not None:
+        raise ConfigError("runtime.ray_address: only with backend 'ray' (or leave backend unset)")
+    backend = rt.backend or ("ray" if rt.ray_address is not None else "local")
     stages = [
-        _resolve_stage(s, inputs[s.stage_id], outputs[s.stage_id], platform, spec.runtime.debug_dump_dir)
+        _resolve_stage(
+            s,
+            inputs[s.stage_id],
+            outputs[s.stage_id],
+            stage_platform(s.placement.resources, backend, platform),
+            rt.debug_dump_dir,
+        )
         for s in spec.stages
     ]
-    rt = spec.runtime
+    # A stage receiving over CUDA IPC must also see its sender's GPU (config/gpu_pairing.py).
+    stages = pair_cuda_ipc_devices(stages)
     for name in (
         "request_timeout",
         "shutdown_timeout",
@@ -504,9 +411,6 @@ def resolve_spec(spec: PipelineSpec, source: str | None = None) -> ResolvedPipel
         placed[key] = _resolve_connector(getattr(rt, key), spec, f"runtime.{key}")
         if placed[key].name == AUTO_CONNECTOR:
             raise ConfigError(f"runtime.{key}: must name a connector, not 'auto'")
-    if rt.backend == "local" and rt.ray_address is not None:
-        raise ConfigError("runtime.ray_address: only with backend 'ray' (or leave backend unset)")
-    backend = rt.backend or ("ray" if rt.ray_address is not None else "local")
     for i, s in enumerate(spec.stages):
         if backend != "ray" and (s.placement.resources or s.placement.runtime_env):
             logger.info("stages[%d].placement: ignored by the local backend", i)
@@ -525,6 +429,7 @@ def resolve_spec(spec: PipelineSpec, source: str | None = None) -> ResolvedPipel
         heartbeat_timeout=rt.heartbeat_timeout,
         backend=backend,
         ray_address=rt.ray_address,
+        platform=platform,
         **placed,
     ).with_model(spec.model or None)
 
@@ -557,9 +462,7 @@ def _resolve_stage(
     env = {k: str(v) for k, v in s.env.items()}
     worker_cls = None
     if s.kind in LLM_KINDS:
-        engine_args = {**DEFAULT_ENGINE_ARGS, **s.engine_args}
-        if platform == "cpu":
-            engine_args.setdefault("dtype", "float32")
+        engine_args = platform_engine_args(platform, s.engine_args)
         if any(e.payload_mode != "none" for e in inputs) and s.payload.feed == "prompt_embeds":
             # The received hidden states become the prompt (vLLM's prompt-embeds input).
             engine_args["enable_prompt_embeds"] = True
@@ -569,7 +472,7 @@ def _resolve_stage(
             # Payload capture hooks the model runner; KV alone runs on vLLM's stock worker.
             worker_cls = DEFAULT_WORKER_CLS[platform]
         fed = any(e.payload_mode != "none" for e in inputs) and s.payload.feed == "per_step"
-        if fed and platform == "gpu":
+        if fed and platform == CUDA:
             _adapt_fed_stage(s, env)
     diffusion = vocoder = None
     if s.kind == "diffusion":
@@ -597,9 +500,12 @@ def _resolve_stage(
         runner_cls=s.runner_cls,
         vocoder=vocoder,
         placement=msgspec.structs.asdict(s.placement),
+        platform=platform,
     )
 
 
-def resolve(path: str | Path, env: Mapping[str, str] | None = None) -> ResolvedPipeline:
-    """Load, validate and resolve a YAML stage config."""
-    return resolve_spec(load_spec(path, env), source=str(path))
+def resolve(
+    path: str | Path, env: Mapping[str, str] | None = None, platform: str | None = None
+) -> ResolvedPipeline:
+    """Load, validate and resolve a YAML stage config (for ``platform``, see :func:`resolve_spec`)."""
+    return resolve_spec(load_spec(path, env), source=str(path), platform=platform)

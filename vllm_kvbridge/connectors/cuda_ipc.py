@@ -8,7 +8,7 @@ through torch's own CUDA IPC machinery (``UntypedStorage._share_cuda_``: a
 ``cudaIpcMemHandle`` plus torch's cross-process reference count) and puts a small control
 message (the handle, the packed head) on an inner :class:`SharedMemoryConnector` under the
 payload's key. The receiver gets the control message, opens the handle, copies the bytes
-device to device onto its own device (``device``; peer access where the GPUs differ),
+device to device onto its own device (``device``; peer to peer where the GPUs differ),
 acknowledges (a control message back), and decodes the copy: tensors are views of it.
 
 Lifetime of a lent buffer (the budget's bytes come back when):
@@ -26,7 +26,34 @@ torch keeps the memory of a shared block out of reuse until every opener release
 
 Ordering: the bytes are written on the filling thread's current stream; the reservation
 records an event there and the publish (on the I/O thread) waits for it before the handle
-is shared, so a receiver never sees a buffer still being written.
+is shared, so a receiver never sees a buffer still being written. The receiver therefore
+skips the interprocess event torch shares with the handle (``event_sync_required``): torch
+records it on the sender's I/O thread's current stream, the legacy default stream, so
+waiting on it would wait for whatever the sending engine had queued there. The receiver
+copies on a side stream of its own (one per device, not the caller's stream: a prefetch
+never waits for the denoising queued on the current stream, nor the denoising for it),
+records a blocking-sync event after the copy and waits on that event alone (the thread
+sleeps instead of spinning) before it acknowledges; it never synchronizes a device or a
+whole stream. The copy's destination is allocated on the side stream and marked used by
+the caller's current stream (``record_stream``), so the allocator never hands the block to
+the next copy while kernels of the caller's stream still read it.
+
+Two GPUs (the design): a handle opens only on the GPU its memory is on, so the receiver's
+process must see the sender's GPU. A receiving stage sees its own GPU(s) first (its
+``cuda:0`` stays its own) and the sender's after them: the resolver computes that from
+both stages' ``devices`` (:func:`~vllm_kvbridge.config.gpu_pairing.cuda_ipc_visible_devices`)
+and refuses, naming the fix, stages it cannot pair, when the config is resolved rather than
+at every request. The control message names the sender's GPU by UUID (indices differ
+between processes with different ``CUDA_VISIBLE_DEVICES``); the receiver opens the handle
+there and copies peer to peer into its own device. Opening it gives the receiver's process
+a CUDA context on the sender's GPU (a few hundred MiB there, outside the sending engine's
+``gpu_memory_utilization``). That cost is not hidden: it is logged (a warning, once per
+GPU and process) and ``health()["peer_gpus"]`` lists those GPUs; the stage configs say to
+leave room for it beside ``pool_bytes``. The alternative, the sender writing into a buffer
+lent by the receiver, would put a context of the vLLM process on the receiver's GPU and
+need the receiver's buffer before the KV is gathered, so it was not taken. Where the
+receiver still cannot see the sender's GPU (a stage started outside the resolver) each
+receive is refused (:class:`TransferRefused`) with the same fix in its message.
 
 Needs CUDA in both processes and one host: a connector made where
 ``torch.cuda.is_available()`` is false refuses at once (:class:`ConfigError`, at the
@@ -59,11 +86,14 @@ from typing import Any
 import torch
 
 from vllm_kvbridge.connectors.base import Connector, PutResult, Reservation, number_option, parse_size
+from vllm_kvbridge.connectors.cuda_ipc_devices import local_gpu_index
 from vllm_kvbridge.connectors.shm import SharedMemoryConnector
 from vllm_kvbridge.errors import ConfigError, TransferCorrupt, TransferRefused
 from vllm_kvbridge.wire.fill import TensorFill
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["CudaIpcConnector", "DeviceReservation"]
 
 #: Config keys the control messages' shared-memory connector takes from ours.
 _CONTROL_KEYS = ("namespace", "shm_dir", "ttl_s", "lease_s", "claim_grace_s", "reap_interval_s")
@@ -113,7 +143,9 @@ class DeviceReservation(Reservation):
     def filled(self, head: bytes) -> None:
         """The packed bytes are enqueued on the current stream; ``head`` is their head."""
         self._head = head
-        self._event = torch.cuda.Event()
+        # Blocking sync: the publishing thread sleeps until the bytes are written (a
+        # default event's synchronize spins on a core the engine needs).
+        self._event = torch.cuda.Event(blocking=True)
         self._event.record(torch.cuda.current_stream(self.buffer.device))
 
     def publish(self, *, since: float | None = None) -> PutResult:
@@ -157,6 +189,8 @@ class CudaIpcConnector(Connector):
         )
         if self.device.type != "cuda":
             raise ConfigError(f"CudaIpcConnector: device must be a CUDA device, got {self.device}")
+        if self.device.index is None:  # "cuda": this process's current one, by index (streams)
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.pool_bytes = parse_size(cfg.get("pool_bytes", 4 << 30), "pool_bytes")
         self.max_payload_bytes = number_option(cfg, "max_payload_bytes", self.pool_bytes, int)
         self.claim_grace_s = number_option(cfg, "claim_grace_s", 30.0)
@@ -168,6 +202,7 @@ class CudaIpcConnector(Connector):
         self._lock = threading.Lock()
         self._lent: dict[str, _Lent] = {}
         self._reserved = 0  # bytes of reservations not yet published
+        self._streams: dict[int, torch.cuda.Stream] = {}  # the receiver's copy stream per device
 
     # -- sender ---------------------------------------------------------------------------
     def reserve(self, from_stage: int | str, to_stage: int | str, key: str, nbytes: int) -> Any:
@@ -284,13 +319,9 @@ class CudaIpcConnector(Connector):
         if message is None:
             return None
         handle, offset, nbytes, head = _parse_message(key, message)
-        data = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+        consumer = torch.cuda.current_stream(self.device)  # where the caller will use the tensors
         try:
-            src = _open(key, message, handle, offset, nbytes)
-            with torch.cuda.device(self.device):
-                data[:nbytes].copy_(src)
-                torch.cuda.current_stream(self.device).synchronize()  # done before the ack frees it
-            del src
+            data = self._copy_in(key, message, handle, offset, nbytes, consumer)  # done before the ack
         except RuntimeError as exc:
             self.stats.add(get_failures=1)
             raise TransferCorrupt(f"{key}: cannot open the sender's CUDA IPC buffer: {exc}") from exc
@@ -298,21 +329,75 @@ class CudaIpcConnector(Connector):
             ack = self._control.put(to_stage, from_stage, _ack_key(key), {"pid": os.getpid()})
             if not ack.ok:  # the sender takes the buffer back after its TTL and grace
                 logger.warning("CudaIpcConnector %s: acknowledgement not sent: %s", key, ack.error)
-        payload = decode_packed_device(head, data[:nbytes])
+        # On the side stream too: checking bool bytes and copying arrays to the host wait for
+        # that stream only, not for the kernels queued on the caller's.
+        with torch.cuda.stream(self._side_stream(self.device)):
+            payload = decode_packed_device(head, data[:nbytes])
         self.stats.add(gets=1, get_bytes=nbytes, get_seconds=time.perf_counter() - start)
         return payload
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """This connector's copy stream on ``device`` (a pool stream: it does not wait for
+        the legacy default stream, nor that stream for it)."""
+        index = torch.device(device).index
+        assert index is not None
+        with self._lock:
+            stream = self._streams.get(index)
+            if stream is None:
+                stream = self._streams[index] = torch.cuda.Stream(device=index)
+            return stream
+
+    def _copy_in(
+        self,
+        key: str,
+        message: Mapping[str, Any],
+        handle: list[Any],
+        offset: int,
+        nbytes: int,
+        consumer: torch.cuda.Stream,
+    ) -> torch.Tensor:
+        """The sender's buffer copied into a new buffer on :attr:`device`, complete when
+        this returns.
+
+        Only the copy is waited for: it runs on side streams (torch runs a copy between two
+        devices on the source device's current stream, after the destination device's
+        current stream, so both are ours), and this thread sleeps on a blocking event
+        recorded after it."""
+        src_device = _source_device(key, message)
+        dst_stream = self._side_stream(self.device)
+        src_stream = self._side_stream(src_device)  # the same one where the GPUs are
+        with torch.cuda.stream(src_stream), torch.cuda.stream(dst_stream):
+            src = _open(key, message, handle, offset, nbytes, src_device, self.device)
+            try:
+                # Allocated on the copy's stream: a block the caching allocator took back
+                # from the caller's stream may still be read by kernels queued there.
+                data = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+                data[:nbytes].copy_(src)
+                done = torch.cuda.Event(blocking=True)
+                done.record(dst_stream)
+                done.synchronize()
+            finally:
+                # Dropped here: torch's release of an opened IPC buffer synchronizes the
+                # current stream of its device, which must be ours (done), not the caller's.
+                del src
+        # The tensors decoded from it are used on the caller's stream: the block goes back
+        # to the allocator only once that stream is past its last use.
+        data.record_stream(consumer)
+        return data
 
     # -- lifecycle ------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
         with self._lock:
             if not self._closed:
                 self._sweep_locked()
-            pool = {
+            pool: dict[str, Any] = {
                 "device": str(self.device),
                 "pool_bytes": self.pool_bytes,
                 "lent": len(self._lent),
                 "held_bytes": self._held_locked(),
             }
+        with _PEERS_LOCK:
+            pool["peer_gpus"] = sorted(_PEER_CONTEXTS.values())  # contexts on senders' GPUs
         control = self._control.health()
         return {**super().health(), **pool, "expired": control["expired"]}
 
@@ -338,15 +423,46 @@ class CudaIpcConnector(Connector):
         return forward + SharedMemoryConnector.reap_dead(control, to_stage, from_stage)  # acknowledgements
 
 
-def _open(key: str, message: Mapping[str, Any], handle: list[Any], offset: int, nbytes: int) -> torch.Tensor:
-    """The sender's buffer as a uint8 tensor of ``nbytes``: opened through its IPC handle, or
-    looked up where the sender is this process."""
-    if message.get("process") == _PROCESS:
-        own = _OWN_BUFFERS.get(str(message.get("token")))
-        if own is None:
-            raise TransferRefused(f"{key}: this process's buffer was already taken back")
+def _own_buffer(key: str, message: Mapping[str, Any]) -> torch.Tensor | None:
+    """The buffer of a message this process published (None: another process's)."""
+    if message.get("process") != _PROCESS:
+        return None
+    buffer = _OWN_BUFFERS.get(str(message.get("token")))
+    if buffer is None:
+        raise TransferRefused(f"{key}: this process's buffer was already taken back")
+    return buffer
+
+
+def _source_device(key: str, message: Mapping[str, Any]) -> torch.device:
+    """The device, as this process numbers them, of the buffer ``message`` names."""
+    own = _own_buffer(key, message)
+    if own is not None:
+        return own.device
+    return torch.device("cuda", local_gpu_index(key, message.get("gpu"), _visible_uuids()))
+
+
+def _open(
+    key: str,
+    message: Mapping[str, Any],
+    handle: list[Any],
+    offset: int,
+    nbytes: int,
+    device: torch.device,
+    receiver: torch.device,
+) -> torch.Tensor:
+    """The sender's buffer as a uint8 tensor of ``nbytes`` on ``device``
+    (:func:`_source_device`): opened through its IPC handle, or looked up where the sender
+    is this process. ``receiver``: the receiving connector's device."""
+    own = _own_buffer(key, message)
+    if own is not None:
         return own[:nbytes]
-    handle[0] = _local_index(key, message.get("gpu"))
+    # The sender waited for its bytes before it shared the handle (DeviceReservation.publish);
+    # torch's event would also make the copy wait for the sender's unrelated work.
+    index = device.index
+    assert index is not None  # _source_device names it by index
+    handle[0], handle[_HANDLE_FIELDS - 1] = index, False
+    if device != receiver:
+        _note_peer_context(index, str(message.get("gpu")), receiver)
     storage = torch.UntypedStorage._new_shared_cuda(*handle)  # type: ignore[attr-defined]
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, offset, (nbytes,))
 
@@ -368,20 +484,34 @@ def _device_fills(payload: Any) -> Any:
     return payload
 
 
-#: GPU UUID -> this process's device index (fixed for the process's life).
-_INDEX_BY_UUID: dict[str, int] = {}
+#: This process's GPU UUIDs in index order (fixed for the process's life).
+_VISIBLE_UUIDS: list[str] = []
+#: Device index -> UUID of the senders' GPUs this process opened a CUDA context on.
+_PEER_CONTEXTS: dict[int, str] = {}
+_PEERS_LOCK = threading.Lock()
 
 
-def _local_index(key: str, uuid: Any) -> int:
-    """This process's index of the GPU whose UUID is ``uuid`` (the sender's)."""
-    if not _INDEX_BY_UUID:
-        for index in range(torch.cuda.device_count()):
-            _INDEX_BY_UUID[str(torch.cuda.get_device_properties(index).uuid)] = index
-    if uuid in _INDEX_BY_UUID:
-        return _INDEX_BY_UUID[uuid]
-    raise TransferRefused(
-        f"{key}: the sender's GPU {uuid} is not visible in this process (CUDA_VISIBLE_DEVICES): "
-        "CUDA IPC needs both stages to see it"
+def _visible_uuids() -> list[str]:
+    if not _VISIBLE_UUIDS:
+        found = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+        _VISIBLE_UUIDS[:] = found
+    return _VISIBLE_UUIDS
+
+
+def _note_peer_context(index: int, gpu: str, own: torch.device) -> None:
+    """Say, once per GPU, that this process opens a CUDA context on a sender's GPU: its
+    memory is taken there, beside the sending engine's budget, not on this stage's GPU."""
+    with _PEERS_LOCK:
+        if index in _PEER_CONTEXTS:
+            return
+        _PEER_CONTEXTS[index] = gpu
+    logger.warning(
+        "CudaIpcConnector: receiving on %s, this process opens a CUDA context on the sender's GPU %s "
+        "(cuda:%d here) to map its buffers; that context (a few hundred MiB) is taken on the sender's "
+        "GPU, outside its engine's gpu_memory_utilization: leave room for it there beside pool_bytes",
+        own,
+        gpu,
+        index,
     )
 
 

@@ -32,7 +32,7 @@ Capture is on for every request when ``payload.outputs`` is set and
 ``capture_hidden_states`` / ``capture_token_ids`` ask for it; a request opts out with
 ``SamplingParams(extra_args={"kvbridge": {"capture": False}})``. It works with vLLM's
 V1, V2 and CPU runners, synchronous and async scheduling; speculative decoding is refused
-at start (:func:`check_capture_supported`: the forward's rows include rejected drafts).
+at start (:mod:`vllm_kvbridge.config.engine_support`: the forward's rows include rejected drafts).
 
 Subclassing (custom runners)
 ----------------------------
@@ -77,22 +77,6 @@ from vllm_kvbridge.wire.host_staging import to_device
 logger = logging.getLogger(__name__)
 
 
-def check_capture_supported(vllm_config: Any) -> None:
-    """Refuse engine settings under which captured rows would not be the request's own.
-
-    Speculative decoding runs draft tokens through the forward and may reject them, so the
-    step's rows would carry hidden states of tokens never generated. (Async scheduling is
-    fine: tokens come from the scheduler, see :mod:`vllm_kvbridge.runner.capture`.)
-    """
-    spec = getattr(vllm_config, "speculative_config", None)
-    if spec is not None:
-        raise ConfigError(
-            f"kvbridge hidden-state capture does not support speculative decoding "
-            f"(speculative_config method={getattr(spec, 'method', None)!r}): the forward's rows "
-            "include draft tokens that may be rejected; start this stage without speculative_config"
-        )
-
-
 @dataclass
 class CaptureState:
     """The capture hooks' state on an AR runner: one object, set at construction."""
@@ -125,9 +109,10 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
         settings = RunnerSettings.from_vllm_config(self.vllm_config)
         tp_rank, tp_size, tp_group = tp_position()
         self.kvbridge_init(settings, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+        # Engine settings under which rows would not be the request's own (speculative
+        # decoding, PP, context parallelism) are refused by KVBridgeConnector, which every
+        # capture stage installs (config/engine_support.py).
         self._kvb_capture = CaptureState(on=settings.payload.captures)
-        if self._kvb_capture.on:
-            check_capture_supported(self.vllm_config)
         if not isinstance(self, RunnerHost):
             raise ConfigError(f"{type(self).__name__} lacks what the kvbridge hooks read (RunnerHost)")
 
@@ -354,4 +339,4 @@ class KVBridgeCPUModelRunner(_V1RunnerHooks, CPUModelRunner):
         self._kvbridge_setup_from_vllm()
 
 
-__all__ = ["KVBridgeARModelRunner", "KVBridgeCPUModelRunner", "check_capture_supported"]
+__all__ = ["KVBridgeARModelRunner", "KVBridgeCPUModelRunner"]

@@ -1,5 +1,6 @@
 """The AR runner on vLLM's Model Runner V2 (``vllm.v1.worker.gpu.model_runner``), the GPU
-default of vLLM 0.32 wherever Triton exists.
+default of vLLM 0.32 and 0.33 wherever Triton exists (the hooks below are the same on both;
+0.33's ``defer_finalize`` only moves ``wait_for_save``, see :mod:`~vllm_kvbridge.runner.vllm_compat`).
 
 V2 has no ``_model_forward``: ``execute_model`` runs the forward and leaves the step in
 ``execute_model_state`` (its ``input_batch`` and the model's final hidden states, one row
@@ -44,6 +45,7 @@ class KVBridgeV2ARModelRunner(_VLLMRunnerHooks, GPUModelRunnerV2):
 
     def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> None:
         super().initialize_kv_cache(*args, **kwargs)
+        # pcp_manager: built here by vLLM 0.32, in __init__ by 0.33; set on both by now.
         if self._kvb_capture.on and getattr(self, "pcp_manager", None) is not None:
             raise ConfigError(
                 "kvbridge hidden-state capture does not support prefill context parallelism "

