@@ -36,6 +36,19 @@ class GatedShm(SharedMemoryConnector):
 register_connector(GatedShm.name, GatedShm, replace=True)
 
 
+class DeviceResidentShm(SharedMemoryConnector):
+    """A real shm connector that says its reservations are device memory, as CUDA IPC's
+    are (``device_resident``): the KV sender gathers straight into what it lends, never
+    through the staging pool. On CPU caches the "device" is the host, so this runs here the
+    sender's logic for such a connector, its full answers included (``max_held_bytes``)."""
+
+    name = "KVSenderDeviceResidentShm"
+    device_resident = True
+
+
+register_connector(DeviceResidentShm.name, DeviceResidentShm, replace=True)
+
+
 def wait(pred: Any, timeout: float = 10.0) -> None:
     end = time.monotonic() + timeout
     while not pred():

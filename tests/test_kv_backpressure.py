@@ -6,6 +6,13 @@ limit. While gathered KV waits for its puts beyond ``max_send_queue_bytes``, the
 sender holds finished requests' KV in the engine's blocks (not gathered, not released)
 and gathers it, in order, once the queue drains. Every state a test looks at is held by
 the edge being full (nobody reads), never by a sleep.
+
+A connector that lends device memory (``device_resident``: CUDA IPC; here a shm connector
+that says so, see ``kv_sender_fixtures.DeviceResidentShm``) and is full at the gather never
+sends the KV through a host buffer: a finished request's KV stays in its blocks (held) and
+is gathered straight into the connector's memory once there is room, failing only past
+``send_timeout``; a running request's send (blocks vLLM frees without asking) waits in
+the staging pool, copied off the model thread.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import time
 
 import pytest
 import torch
+from kv_sender_fixtures import DeviceResidentShm as _DeviceShm
 from kv_sender_fixtures import GatedShm as _GatedShm
 from kv_sender_fixtures import held_until_it_fails
 from kv_sender_fixtures import read_exact as _read_exact
@@ -26,6 +34,7 @@ from runner_fixtures import shm_entries, shm_namespace
 
 from vllm_kvbridge.connectors.put_retry import put_with_retry
 from vllm_kvbridge.connectors.zmq_p2p import ZmqConnector
+from vllm_kvbridge.wire.staging import MIN_BUFFER
 
 pytestmark = pytest.mark.forked
 
@@ -172,5 +181,88 @@ def test_a_send_held_past_send_timeout_fails_and_releases_its_blocks() -> None:
         assert why.startswith("failed: KV held") and "max_send_queue_bytes=1" in why, why
     finally:
         _GatedShm.gate.set()
+        sender.shutdown()
+    assert shm_entries(ns) == []
+
+
+def _device_worker(ns: str, **kv):
+    """A sender on a device-resident edge that holds one request's KV (A's, read by nobody),
+    with a staging pool as on a GPU stage (``staging_bytes`` defaults to one there)."""
+    one = _one_segment(ns)
+    kv.setdefault("staging_bytes", 8 * MIN_BUFFER)
+    sender = _worker(ns, connector=_DeviceShm.name, max_held_bytes=one + one // 2, **kv)
+    sender.send([_spec("A")])
+    assert sender.take_released() == {"e-A"}
+    _wait(lambda: _status(sender, "A") == "done")
+    return sender
+
+
+def test_a_full_device_budget_keeps_the_kv_in_its_blocks_and_sends_it_once_room_frees() -> None:
+    """Issue 16 item 4: no room in the device budget at the gather. The finished request is
+    held (blocks not given back), nothing is copied anywhere (no host buffer, no queued
+    put, no staging), and the first engine step after a receiver freed room gathers it
+    straight into the connector's memory."""
+    ns = shm_namespace("bpdevfull")
+    sender = _device_worker(ns)
+    try:
+        sender.send([_spec("B")])
+        for _ in range(5):  # engine steps while the budget stays full
+            sender.send([], idle=True)
+            assert sender.held() == 1 and sender.take_released() == set()
+        assert _status(sender, "B") == "pending"
+        assert sender.manager.queued_send_bytes() == 0 and sender.pending() == 0
+        staging = sender.manager.staging_stats()
+        assert staging["peak"] == 0 and staging["bypassed"] == 0 and staging["reserve_full"] >= 6, staging
+        with _receiver(ns) as receiver:
+            _read_exact(receiver, "A")
+            released: set[str] = set()
+            _wait(lambda: (sender.send([]), released.update(sender.take_released()))[0] or "e-B" in released)
+            assert released == {"e-B"} and sender.held() == 0
+            _wait(lambda: _status(sender, "B") == "done")
+            _read_exact(receiver, "B")
+        assert sender.manager.staging_stats()["peak"] == 0  # straight into the connector's memory
+    finally:
+        sender.shutdown()
+    assert shm_entries(ns) == []
+
+
+def test_a_device_budget_that_stays_full_fails_the_held_request_after_send_timeout() -> None:
+    ns = shm_namespace("bpdevtimeout")
+    sender = _device_worker(ns, send_timeout=0.5)
+    try:
+        sender.send([_spec("B")])
+        assert sender.held() == 1 and sender.take_released() == set()
+        _wait(lambda: (sender.send([]), sender.held() == 0)[1], timeout=5)  # engine steps
+        assert sender.take_released() == {"e-B"}  # failed: its blocks go back ungathered
+        why = _status(sender, "B")
+        assert why.startswith("failed: KV held") and "send_timeout 0.5 s" in why, why
+        assert "max_held_bytes=" in why, why  # the connector's own words for why it was full
+        assert sender.manager.queued_send_bytes() == 0
+        sender.discard(["A"])  # A's request failed elsewhere: nothing stays behind
+    finally:
+        sender.shutdown()
+    assert shm_entries(ns) == []
+
+
+def test_a_running_requests_send_into_a_full_device_budget_waits_in_the_staging_pool() -> None:
+    """A running request's blocks cannot be held (vLLM frees them without asking): its KV is
+    staged (off the model thread on CUDA) and its put waits for room from the pool, never
+    from a host buffer filled by a blocking copy on the model thread."""
+    ns = shm_namespace("bpdevrun")
+    sender = _device_worker(ns)
+    try:
+        sender.send([_spec("B", release=False)])
+        assert sender.held() == 0
+        # Full at the gather, and again at the publish out of the pool, which now waits.
+        _wait(lambda: sender.manager.connector.health()["put_full"] >= 2)
+        staging = sender.manager.staging_stats()
+        assert staging["in_use"] > 0 and staging["bypassed"] == 0, staging
+        assert _status(sender, "B") == "pending"
+        with _receiver(ns) as receiver:
+            _read_exact(receiver, "A")
+            _wait(lambda: _status(sender, "B") == "done")
+            _read_exact(receiver, "B")
+        assert sender.manager.staging_stats()["in_use"] == 0
+    finally:
         sender.shutdown()
     assert shm_entries(ns) == []

@@ -187,7 +187,7 @@ def test_a_pool_that_stays_full_fails_the_held_request_after_send_timeout() -> N
         _wait(lambda: (sender.send([]), sender.held() == 0)[1], timeout=5)  # engine steps
         assert sender.take_released() == {"e-B"}  # failed: its blocks go back ungathered
         why = _status(sender, "B")
-        assert why.startswith("failed: KV held") and "staging pool stayed full" in why, why
+        assert why.startswith("failed: KV held") and "no room for it in the staging pool" in why, why
         stall.set()
         _wait(lambda: _status(sender, "A") == "done")
         with _receiver(ns) as receiver:
@@ -296,3 +296,79 @@ def test_a_negative_staging_budget_is_refused_naming_the_key() -> None:
 
     with pytest.raises(ConfigError, match=r"kv_transfer.staging_bytes: must be >= 0, got -1"):
         KVTransferConfig(need_send_cache=True, to_stage=1, staging_bytes=-1)
+
+
+# -- the gather through the bounded device scratch (its logic on CPU tensors; CUDA: tests/gpu) --
+def _packed_caches(order: str, bpb: int, layers: int = 3, blocks: int = 24) -> tuple[list, object]:
+    """Per-layer logical ``[B, H, N, K+V]`` views over a cache stored in physical ``order``
+    (vLLM's KVCacheLayout names), ``bpb`` tensor blocks per scheduler block."""
+    from vllm_kvbridge.kv.layout import packed_layout
+
+    heads, n, k, v = 4, 4, 8, 6
+    dims = {"L": layers, "B": blocks * bpb, "H": heads, "N": n, "C": k + v}
+    gen = torch.Generator().manual_seed(11)
+    physical = torch.randn(*[dims[d] for d in order], generator=gen).to(torch.bfloat16)
+    logical = physical.permute(*[order.index(d) for d in "LBHNC"])
+    layout = packed_layout(
+        heads, k, n, torch.bfloat16, head_size_v=v, physical_order=order, blocks_per_block=bpb
+    )
+    return [logical[i] for i in range(layers)], layout
+
+
+def _packed_reference(cache, layout, block_ids, seq, hs, he):
+    k = layout.blocks_per_block
+    ids = [b * k + j for b in block_ids for j in range(k)]
+    tokens = cache[ids].permute(0, 2, 1, 3).reshape(-1, layout.num_kv_heads, cache.shape[-1])[:seq, hs:he]
+    return tokens[..., : layout.head_size], tokens[..., layout.head_size :]
+
+
+@pytest.mark.parametrize("order", ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"])
+@pytest.mark.parametrize("bpb", [1, 2])
+def test_a_chunked_gather_of_every_packed_layout_equals_the_whole_one(order: str, bpb: int) -> None:
+    """What the CUDA path does through its scratch, chunk by chunk of whole blocks, here on
+    CPU tensors: every layout, head slices (TP routes), a last partial block."""
+    from vllm_kvbridge.kv.layout import KEY, VALUE, RequestGather
+    from vllm_kvbridge.kv.staged import HostGather
+    from vllm_kvbridge.wire.staging import chunk_rows
+
+    caches, layout = _packed_caches(order, bpb)
+    per = layout.tokens_per_block
+    block_ids = [17, 3, 9, 0, 22, 5, 11]
+    seq = 6 * per + 3
+    stream = CopyStream("cpu")
+    try:
+        for hs, he in [(0, 4), (1, 3)]:
+            request = RequestGather(caches, layout, block_ids, seq, head_start=hs, head_end=he)
+            host = HostGather(stream, request, block_ids)
+            for layer, cache in enumerate(caches):
+                want = _packed_reference(cache, layout, block_ids, seq, hs, he)
+                for kind in (KEY, VALUE):
+                    row_bytes = request.shapes[kind][1] * request.shapes[kind][2] * 2
+                    for slot in (1, 2 * per * row_bytes + 5, 1 << 20):
+                        out = torch.full(request.shapes[kind], float("nan"), dtype=torch.bfloat16)
+                        for start, end in chunk_rows(seq, row_bytes, per, slot):
+                            host.write_rows(layer, kind, start, end, out[start:end])
+                        assert torch.equal(out, want[kind]), (order, bpb, hs, layer, kind, slot)
+                    fill = host.fills(kind)[layer]  # what the packer calls: one write on CPU
+                    assert fill.device.type == "cpu" and tuple(fill.shape) == request.shapes[kind]
+                    out = torch.empty(request.shapes[kind], dtype=torch.bfloat16)
+                    fill.fill_into(out)
+                    assert torch.equal(out, want[kind])
+    finally:
+        stream.close()
+
+
+def test_cpu_caches_keep_the_pageable_pool_and_the_device_scratch_is_bounded() -> None:
+    from vllm_kvbridge.kv.staged import Stager, scratch_bytes_for
+    from vllm_kvbridge.wire.staging import DEVICE_SCRATCH_BYTES, StagingPool
+
+    stager = Stager(8 * MIN_BUFFER, torch.device("cpu"))
+    try:
+        assert isinstance(stager.pool, StagingPool) and not stager.pool.pinned
+        assert stager.stats()["scratch_bytes"] == 0  # no device, no scratch
+    finally:
+        stager.close()
+    # The scratch is a slice of the budget with a ceiling, whatever the requests.
+    assert scratch_bytes_for(1) == MIN_BUFFER and scratch_bytes_for(8 * MIN_BUFFER) == MIN_BUFFER
+    assert scratch_bytes_for(64 * MIN_BUFFER) == 8 * MIN_BUFFER
+    assert scratch_bytes_for(64 << 30) == DEVICE_SCRATCH_BYTES

@@ -1,5 +1,7 @@
 """``wire.host_staging.StagedRows`` from a CUDA tensor: pinned staging, a non-blocking copy
-and an event (plain torch, no vLLM: ``make test-gpu`` on any CUDA machine)."""
+and an event; the KV staging pool's pinned arena (``wire.pinned_pool.ArenaPool``):
+page-locked once, off the caller's thread, bounded by its budget and really given back
+(plain torch, no vLLM: ``make test-gpu`` on any CUDA machine)."""
 
 from __future__ import annotations
 
@@ -8,10 +10,8 @@ import torch
 
 from vllm_kvbridge.wire.host_staging import StagedRows
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+# CUDA is there: tests/gpu/conftest.py fails the run without it (no silent skips).
+pytestmark = pytest.mark.cuda
 
 
 def test_one_non_blocking_copy_into_pinned_memory_completed_by_an_event() -> None:
@@ -78,3 +78,51 @@ def test_a_received_payload_goes_to_the_device_in_one_non_blocking_copy() -> Non
     assert len({t.untyped_storage().data_ptr() for t in moved}) == 1  # one device copy
     for t, want in zip(moved, [*ks, *vs], strict=True):
         assert t.is_cuda and torch.equal(t.cpu(), want)
+
+
+def _pinned_by_torch() -> int:
+    """Bytes torch's caching pinned allocator holds (``torch.cuda.host_memory_stats``)."""
+    stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    return int(stats.get("allocated_bytes.current", stats.get("allocated_bytes.all.current", 0)))
+
+
+def test_the_staging_arena_is_pinned_once_bounded_and_really_given_back() -> None:
+    import time
+
+    from vllm_kvbridge.wire.pinned_pool import ArenaPool
+    from vllm_kvbridge.wire.staging import MIN_BUFFER as M
+
+    torch.cuda.synchronize()
+    torch_pinned = _pinned_by_torch()
+    t0 = time.perf_counter()
+    pool = ArenaPool(64 * M + 3 * M, torch.device("cuda"))  # returns at once: pinned by its thread
+    started = time.perf_counter() - t0
+    assert pool.wait_ready(60) and pool.error is None
+    pinned_after = time.perf_counter() - t0
+    print(f"\narena of 67 MiB: constructor {started * 1e3:.2f} ms, pinned after {pinned_after * 1e3:.1f} ms")
+    try:
+        stats = pool.stats()
+        assert stats["pinned"] and stats["allocated"] == 67 * M
+        buf = pool.acquire(16 * M)
+        assert buf is not None and buf.tensor.is_pinned()
+        src = torch.randn(4 * M, device="cuda")  # 16 MiB
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s of work ahead on the stream
+        buf.tensor.view(torch.float32).copy_(src, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        assert not copied.query()  # page-locked: the copy is queued, the caller did not wait
+        copied.synchronize()
+        assert torch.equal(buf.tensor.view(torch.float32), src.cpu())
+        buf.release()
+        for n in range(1, 1001):  # many sizes: the arena neither grows nor leaks
+            got = pool.acquire(n * 523_249 % (40 * M) + 1)
+            assert got is not None
+            got.release()
+        stats = pool.stats()
+        assert stats["in_use"] == 0 and stats["allocated"] == 67 * M and stats["full"] == 0
+        assert _pinned_by_torch() == torch_pinned  # torch's pinned cache was never used
+        arena = pool._arena
+    finally:
+        pool.close()
+    assert not arena.is_pinned()  # unregistered: the pinned bytes went back

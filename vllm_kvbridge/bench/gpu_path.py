@@ -107,7 +107,10 @@ def _time_path(path: str, tokens: int, device: torch.device, repeat: int, ns: st
         conn = create_connector("CudaIpcConnector", {"namespace": ns, "pool_bytes": 1 << 40})
     else:
         conn = create_connector("SharedMemoryConnector", {"namespace": ns, "max_held_bytes": 1 << 40})
-    stager = Stager(16 << 30 if device.type == "cuda" else 4 << 30, device) if path == "staged" else None
+    # A pool of a few requests' bytes: a CUDA pool is pinned up front (Stager), 16 GiB would
+    # take seconds of every run.
+    request_bytes = LAYERS * 2 * HEADS * tokens * HEAD_DIM * 2  # K and V, bf16
+    stager = Stager(max(4 * request_bytes, 64 << 20), device) if path == "staged" else None
     info = {"block_ids": order, "seq_len": tokens, "blocks_held": True}
     caller, done, nbytes = [], [], 0
     try:

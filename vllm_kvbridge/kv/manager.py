@@ -263,7 +263,7 @@ class KVTransferManager:
         total_heads = self.num_kv_heads or (local_heads if self.config.from_tp == 1 else None)
         topo = self.topology(total_heads)
         routes = topo.routes_from(self.tp_rank)
-        edge = (self.config.stage_id, self.config.to_stage, self._get_connector, self._staging(kv_caches[0]))
+        edge = (self.config.stage_id, self.config.to_stage, self._get_connector, self.staging(kv_caches[0]))
         submitted: list[str] = []
         for engine_id, info in finished_reqs.items():
             try:
@@ -280,7 +280,8 @@ class KVTransferManager:
             submitted.append(engine_id)
         return submitted
 
-    def _staging(self, cache: torch.Tensor) -> Stager | None:
+    def staging(self, cache: torch.Tensor) -> Stager | None:
+        """The staged path's stager for caches like ``cache`` (None: the direct path)."""
         self._stager = self._stager or Stager.create(self.config, cache.device)
         return self._stager
 

@@ -7,14 +7,23 @@ destination the connector lends (:meth:`Connector.reserve
 slab, the buffer ZMQ serves from), at the offsets of the packed payload of a
 :class:`KVCacheTransferData` (its tensors are :class:`~vllm_kvbridge.wire.fill.TensorFill`
 s that gather when packed). :class:`KVSendQueue` publishes the filled destinations from
-one I/O thread with ``send_retries`` retries and exponential backoff. Where the
+one I/O thread with ``send_retries`` retries and exponential backoff. Where a host
 connector's memory is full at the gather, the KV goes to a host buffer whose put waits for
 room (:class:`~vllm_kvbridge.connectors.base.HeapReservation`: a second copy, only then).
 The gather runs on the caller's thread
 because the caller frees the blocks afterwards; nothing else does.
 
-The staged path (a :class:`Stager`; the default on GPU caches, ``staging_bytes``): the
-gather goes into a buffer of a bounded pool of pinned host memory through a copy stream
+A connector that lends device memory (``device_resident``: CUDA IPC) gets the gather on the
+device, straight into its buffer. Where its budget is full, the KV never goes through host
+memory on the model thread: a held request (``info["blocks_held"]``) raises
+:class:`ReserveFull` and keeps its KV in its blocks, gathered again at a later step (the
+backpressure of a full staging pool, below: one mechanism, held past ``send_timeout`` it
+fails); a running request's KV (its blocks cannot be held) goes the staged path, copied off
+the model thread, and its put waits for room from the pool.
+
+The staged path (a :class:`Stager`, :mod:`vllm_kvbridge.kv.staged`; the default on GPU
+caches, ``staging_bytes``): the gather goes into a buffer of a bounded pool of pinned host
+memory through a copy stream and its bounded device scratch
 (:mod:`vllm_kvbridge.wire.staging`), the job carries the copy's :class:`Fence`, and the
 I/O thread waits on it, copies the staged bytes into the connector's destination and
 publishes them. A caller that holds the request's blocks (``info["blocks_held"]``) gives
@@ -47,15 +56,26 @@ from vllm_kvbridge.kv.config import KVTransferConfig, StageId
 from vllm_kvbridge.kv.layout import KEY, VALUE, KVCacheLayout, RequestGather, cpu_layout, packed_layout
 from vllm_kvbridge.kv.metrics import KVTransferMetrics
 from vllm_kvbridge.kv.sender_info import SentInfoTable
+from vllm_kvbridge.kv.staged import HostGather, ReserveFull, StagedReservation, Stager, StagingFull
 from vllm_kvbridge.kv.topology import Route, TPTopology
 from vllm_kvbridge.wire import encode
+from vllm_kvbridge.wire.codec import Encoded
 from vllm_kvbridge.wire.fill import TensorFill
 from vllm_kvbridge.wire.kv_format import KVCacheTransferData
-from vllm_kvbridge.wire.staging import CopyStream, Fence, StagingBuffer, StagingPool, default_staging_bytes
+from vllm_kvbridge.wire.staging import Fence, StagingBuffer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KVSendQueue", "SendJob", "StagedReservation", "Stager", "StagingFull", "gather_job", "layout_for"]
+__all__ = [
+    "KVSendQueue",
+    "ReserveFull",
+    "SendJob",
+    "StagedReservation",
+    "Stager",
+    "StagingFull",
+    "gather_job",
+    "layout_for",
+]
 
 #: How many failure reasons :meth:`KVSendQueue.failure_reason` remembers.
 _MAX_REASONS = 1024
@@ -114,108 +134,6 @@ def layout_for(kv_caches: Sequence[torch.Tensor], block_size: int, cache_dtype: 
     return layout
 
 
-class StagingFull(Exception):
-    """The staging pool has no room for a request's KV now (its blocks stay held)."""
-
-
-class Stager:
-    """The staged send path of one sender: its pool and copy stream (module docstring).
-
-    ``bypassed`` counts requests sent on the direct path instead: too big for the pool, or
-    found it full where the caller cannot hold their blocks.
-    """
-
-    def __init__(self, capacity: int, device: torch.device) -> None:
-        self.stream = CopyStream(device)
-        self.pool = StagingPool(capacity, pinned=self.stream.cuda)
-        self.bypassed = 0
-        self.deferred = 0
-
-    @classmethod
-    def create(cls, config: KVTransferConfig, device: torch.device) -> Stager | None:
-        """The stager for caches on ``device``: ``config.staging_bytes``, or where unset the
-        default of :func:`~vllm_kvbridge.wire.staging.default_staging_bytes` shared by the
-        ``from_tp`` ranks of the stage; None for 0 (the direct path)."""
-        budget = config.staging_bytes
-        budget = default_staging_bytes(device) // max(1, config.from_tp) if budget is None else budget
-        return cls(budget, device) if budget > 0 else None
-
-    def fits(self, sizes: Sequence[int]) -> bool:
-        return sum(self.pool.size_class(n) for n in sizes) <= self.pool.capacity
-
-    def acquire(self, sizes: Sequence[int]) -> list[StagingBuffer] | None:
-        """One buffer per size, all or none (None: no room now)."""
-        got: list[StagingBuffer] = []
-        for n in sizes:
-            buf = self.pool.acquire(n)
-            if buf is None:
-                for b in got:
-                    b.release()
-                return None
-            got.append(buf)
-        return got
-
-    def stats(self) -> dict[str, Any]:
-        return {**self.pool.stats(), "bypassed": self.bypassed, "deferred": self.deferred}
-
-    def close(self) -> None:
-        self.stream.close()
-
-
-class StagedReservation(Reservation):
-    """A payload staged in a pool buffer. :meth:`publish` waits for the staging copy, copies
-    the bytes into a destination reserved from the connector (a full connector answers
-    ``full``: the put waits for room, the staged bytes stay in the pool), gives the staging
-    buffer back at once (a slow edge holds its own memory, not the pinned pool) and
-    publishes the destination."""
-
-    def __init__(
-        self,
-        staging: StagingBuffer,
-        fence: Fence,
-        connector: Callable[[], Connector],
-        from_stage: StageId,
-        to_stage: StageId,
-        key: str,
-    ) -> None:
-        super().__init__(key, staging.nbytes, staging.view)
-        self._staging: StagingBuffer | None = staging
-        self._fence, self._connector, self._stages = fence, connector, (from_stage, to_stage)
-        self._dest: Reservation | None = None
-
-    def publish(self) -> PutResult:
-        if self._dest is None:
-            if self._staging is None:
-                return PutResult(ok=False, error=f"reservation of {self.key!r} was published or released")
-            self._fence.wait()
-            got = self._connector().reserve(*self._stages, self.key, self.nbytes)
-            if not isinstance(got, Reservation):
-                return got  # full: retried when there may be room; an error: retried
-            if self.nbytes:  # staging -> destination (torch's copy releases the GIL)
-                torch.frombuffer(got.buffer, dtype=torch.uint8, count=self.nbytes).copy_(self._staging.tensor)
-            self._dest = got
-            self._release_staging()
-        result = self._dest.publish()
-        if result.ok:
-            self._dest = None  # the connector owns it now
-        return result
-
-    def release(self) -> None:
-        dest, self._dest = self._dest, None
-        if dest is not None:
-            dest.release()
-        self._release_staging()
-
-    def _release_staging(self) -> None:
-        staging, self._staging = self._staging, None
-        if staging is not None:
-            try:
-                self._fence.wait()  # a copy still writing into it must finish first
-            except Exception:  # the copy's error reached whoever waited for the publish
-                pass
-            staging.release()
-
-
 def gather_job(
     engine_id: str,
     rid: str,
@@ -231,8 +149,9 @@ def gather_job(
 ) -> SendJob:
     """Copy one finished request's KV out of the paged caches into destinations reserved
     from ``connector()``, one part per route (see the module docstring); with a ``stager``,
-    into its staging pool instead (raises :class:`StagingFull` where it has no room now and
-    ``info["blocks_held"]``: the caller keeps the blocks and tries again later).
+    into its staging pool instead. Where ``info["blocks_held"]`` and there is no room now
+    (in the pool, or in a device-resident connector's budget) it raises
+    :class:`StagingFull` (:class:`ReserveFull`): the caller keeps the blocks and tries again later.
 
     ``info`` is ``{"block_ids": ..., "seq_len": int}`` plus optional ``"purpose"`` (default
     ``"kv"``) and ``"metadata"``; ``block_ids`` is a list or a tuple of per-KV-cache-group
@@ -255,67 +174,76 @@ def gather_job(
     metadata.setdefault("purpose", purpose)
     job = SendJob(engine_id, rid, to_stage, [], topo.num_kv_heads)
     held = bool(info.get("blocks_held"))
-    to_host = partial(stager.stream.to_host, pinned=stager.pool.pinned) if stager is not None else None
-    encoded = []
-    for route in routes:
-        request = RequestGather(
-            kv_caches,
-            layout,
-            block_ids,
-            seq_len,
-            head_start=route.src_heads.start,
-            head_end=route.src_heads.end,
+    gathers = [
+        (
+            route,
+            RequestGather(
+                kv_caches,
+                layout,
+                block_ids,
+                seq_len,
+                head_start=route.src_heads.start,
+                head_end=route.src_heads.end,
+            ),
         )
-        data = KVCacheTransferData(
-            request_id=key_rid,
-            layer_blocks={
-                "key_cache": _fills(request, KEY, to_host),
-                "value_cache": _fills(request, VALUE, to_host),
-            },
-            block_ids=[int(b) for b in list(block_ids)[: -(-seq_len // layout.tokens_per_block)]],
-            metadata=metadata,
-            seq_len=seq_len,
-            block_size=layout.tokens_per_block,
-            tp_rank=route.from_rank,
-            tp_size=topo.sender_tp,
-            head_start=route.global_heads.start,
-            head_end=route.global_heads.end,
-            num_kv_heads_total=topo.num_kv_heads,
-        )
-        key = route.key(key_rid, from_stage, to_stage, purpose=purpose)
-        encoded.append((key, route.from_rank, encode(data)))
-    sizes = [enc.packed_size() for _, _, enc in encoded]
+        for route in routes
+    ]
+    # Host destinations of a CUDA cache are written through the stager's bounded scratch.
+    scratch = stager.stream if stager is not None and stager.stream.cuda else None
+
+    def encoded(to_host: bool) -> list[tuple[str, int, Encoded]]:
+        out = []
+        for route, request in gathers:
+            host = HostGather(scratch, request, block_ids) if to_host and scratch is not None else None
+            data = KVCacheTransferData(
+                request_id=key_rid,
+                layer_blocks={
+                    "key_cache": _fills(request, KEY, host),
+                    "value_cache": _fills(request, VALUE, host),
+                },
+                block_ids=[int(b) for b in list(block_ids)[: -(-seq_len // layout.tokens_per_block)]],
+                metadata=metadata,
+                seq_len=seq_len,
+                block_size=layout.tokens_per_block,
+                tp_rank=route.from_rank,
+                tp_size=topo.sender_tp,
+                head_start=route.global_heads.start,
+                head_end=route.global_heads.end,
+                num_kv_heads_total=topo.num_kv_heads,
+            )
+            out.append(
+                (route.key(key_rid, from_stage, to_stage, purpose=purpose), route.from_rank, encode(data))
+            )
+        return out
+
+    if _device_resident(connector):
+        parts = encoded(to_host=False)
+        sizes = [enc.packed_size() for _, _, enc in parts]
+        lent = _reserve_lent(connector, from_stage, to_stage, parts, sizes)
+        if not isinstance(lent, PutResult):
+            return _filled(job, parts, lent)  # the gather: device to device, on the model's stream
+        why = f"{engine_id}: no room for {sum(sizes)} bytes in the connector's memory: {lent.error}"
+        if stager is not None:
+            stager.connector_full(lent.error or "full")
+        if held:
+            raise ReserveFull(why)  # the KV stays in its blocks: no copy through the host here
+        parts = encoded(to_host=True)  # a running request: staged (off the model thread) below
+    else:
+        parts = encoded(to_host=True)
+        sizes = [enc.packed_size() for _, _, enc in parts]
     buffers = None
-    if stager is not None and _device_resident(connector):
-        stager = None  # the connector lends device memory: the gather stays on the device
     if stager is not None and stager.fits(sizes):
         buffers = stager.acquire(sizes)
         if buffers is None and held:
             stager.deferred += 1
             raise StagingFull(f"{engine_id}: no room for {sum(sizes)} bytes in the staging pool")
-    if stager is not None and buffers is None:
-        stager.bypassed += 1  # sent on the direct path: correct, only not off the model thread
     if buffers is not None:
         assert stager is not None
-        staged = list(zip(encoded, buffers, strict=True))
-
-        def copy() -> None:
-            for (_, _, enc), buf in staged:
-                enc.pack_into(buf.view)  # the gather: cache -> staging
-
-        try:
-            # Blocks the caller frees right away are read before this returns.
-            job.fence = stager.stream.submit(copy, inline=not held)
-        except BaseException:
-            for buf in buffers:
-                buf.release()
-            raise
-        for (key, rank, _), buf in staged:
-            staged_part = StagedReservation(buf, job.fence, connector, from_stage, to_stage, key)
-            job.parts.append((key, rank, staged_part))
-        return job
+        return _staged(job, parts, buffers, stager, held, connector, from_stage, to_stage)
+    if stager is not None:
+        stager.bypassed += 1  # sent on the direct path: correct, only not off the model thread
     try:
-        for (key, rank, enc), nbytes in zip(encoded, sizes, strict=True):
+        for (key, rank, enc), nbytes in zip(parts, sizes, strict=True):
             reservation = _reserve(connector, from_stage, to_stage, key, nbytes)
             job.parts.append((key, rank, reservation))
             _pack(enc, reservation)  # the gather: one copy, cache -> destination
@@ -325,12 +253,85 @@ def gather_job(
     return job
 
 
+def _staged(
+    job: SendJob,
+    parts: list[tuple[str, int, Encoded]],
+    buffers: list[StagingBuffer],
+    stager: Stager,
+    held: bool,
+    connector: Callable[[], Connector],
+    from_stage: StageId,
+    to_stage: StageId,
+) -> SendJob:
+    """``job`` with each part gathered into its staging buffer through the copy stream."""
+    staged = list(zip(parts, buffers, strict=True))
+
+    def copy() -> None:
+        for (_, _, enc), buf in staged:
+            enc.pack_into(buf.view)  # the gather: cache -> staging
+
+    try:
+        # Blocks the caller frees right away are read before their next use (module docstring).
+        job.fence = stager.stream.submit(copy, inline=not held)
+    except BaseException:
+        for buf in buffers:
+            buf.release()
+        raise
+    for (key, rank, enc), buf in staged:
+        # The packed head's size, for a device destination that takes it apart from the bytes.
+        head = len(enc._head())
+        job.parts.append(
+            (key, rank, StagedReservation(buf, job.fence, connector, from_stage, to_stage, key, head))
+        )
+    return job
+
+
 def _device_resident(connector: Callable[[], Connector]) -> bool:
     """Whether the connector's reservations are device memory (CUDA IPC)."""
     try:
         return bool(getattr(connector(), "device_resident", False))
     except Exception:  # not up yet: its reserve falls back to a host buffer anyway
         return False
+
+
+def _reserve_lent(
+    connector: Callable[[], Connector],
+    from_stage: StageId,
+    to_stage: StageId,
+    parts: list[tuple[str, int, Encoded]],
+    sizes: list[int],
+) -> list[Reservation] | PutResult:
+    """A destination in the connector's own memory for every part, or (none kept) its
+    ``full`` answer; a refusal raises."""
+    got: list[Reservation] = []
+    try:
+        for (key, _, _), nbytes in zip(parts, sizes, strict=True):
+            answer = connector().reserve(from_stage, to_stage, key, nbytes)
+            if isinstance(answer, Reservation):
+                got.append(answer)
+                continue
+            for reservation in got:
+                reservation.release()
+            if answer.full:
+                return answer
+            raise TransferRefused(f"{key}: the connector refused {nbytes} bytes: {answer.error}")
+    except BaseException:
+        for reservation in got:
+            reservation.release()
+        raise
+    return got
+
+
+def _filled(job: SendJob, parts: list[tuple[str, int, Encoded]], lent: list[Reservation]) -> SendJob:
+    """``job`` with each part packed into its destination (released all, should one fail)."""
+    job.parts.extend((key, rank, r) for (key, rank, _), r in zip(parts, lent, strict=True))
+    try:
+        for (_, _, enc), reservation in zip(parts, lent, strict=True):
+            _pack(enc, reservation)
+    except BaseException:
+        job.release()
+        raise
+    return job
 
 
 def _pack(enc: Any, reservation: Reservation) -> None:
@@ -344,11 +345,17 @@ def _pack(enc: Any, reservation: Reservation) -> None:
         enc.pack_into(reservation.buffer)
 
 
-def _fills(request: RequestGather, kind: int, to_host: Any = None) -> list[torch.Tensor | TensorFill | None]:
-    """One fill per layer: written by ``request`` into wherever the payload is packed."""
+def _fills(
+    request: RequestGather, kind: int, host: HostGather | None = None
+) -> list[torch.Tensor | TensorFill | None]:
+    """One fill per layer: written by ``request`` into wherever the payload is packed (on its
+    device, or a host destination copied from it); by ``host`` where given (host memory
+    from a CUDA cache, through the copy stream's bounded scratch)."""
+    if host is not None:
+        return host.fills(kind)
     write, shape, dtype, device = request.write, request.shapes[kind], request.dtype, request.device
     return [
-        TensorFill(shape, dtype, partial(write, layer, kind), device, to_host)
+        TensorFill(shape, dtype, partial(write, layer, kind), device)
         for layer in range(len(request.kv_caches))
     ]
 

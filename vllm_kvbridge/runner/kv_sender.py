@@ -112,7 +112,13 @@ class WorkerKVSender:
             process_group=tp_group,
             connector=connector,
         )
-        self.manager.connector  # noqa: B018 - set up now: a broken transport fails the start
+        # Set up now: a broken transport fails the start.
+        device_resident = bool(getattr(self.manager.connector, "device_resident", False))
+        stager = self.manager.staging(self.kv_caches[0]) if self.kv_caches else None
+        if stager is not None and not device_resident:
+            # Pin the staging pool now, in the background (GiBs on a GPU), so no request waits
+            # for it; a connector that lends device memory never needs the pool.
+            stager.prepare()
         head_dim = layout.head_size if layout is not None else self.kv_caches[0].shape[-1] // 2
         #: what every put declares (the receiver checks it: kv/compat.py)
         self.kv_spec = kv_spec(
@@ -157,7 +163,8 @@ class WorkerKVSender:
                         self._drop_held_locked(
                             spec,
                             f"KV held {now - since:.1f} s in the engine (send_timeout "
-                            f"{self._send_timeout:g} s) while the staging pool stayed full ({stats})",
+                            f"{self._send_timeout:g} s) while there was no room for it in the "
+                            f"staging pool or the connector's memory ({stats})",
                         )
                 break
             with self._lock:

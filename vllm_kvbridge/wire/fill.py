@@ -28,8 +28,7 @@ class TensorFill:
     ``device`` is where ``fill`` reads from: a destination in host memory is filled
     straight from a CPU source; from another device, through one staging tensor there,
     moved by ``to_host(out, staged)`` where given (e.g. a ``non_blocking`` copy on a side
-    stream into pinned memory: :meth:`CopyStream.to_host
-    <vllm_kvbridge.wire.staging.CopyStream.to_host>`), else by a blocking ``copy_``.
+    stream into pinned memory), else by a blocking ``copy_``.
     """
 
     __slots__ = ("_fill", "_to_host", "device", "dtype", "shape")
