@@ -280,8 +280,7 @@ class KVTransferManager:
             submitted.append(engine_id)
         return submitted
 
-    def staging(self, cache: torch.Tensor) -> Stager | None:
-        """The staged path's stager for caches like ``cache`` (None: the direct path)."""
+    def staging(self, cache: torch.Tensor) -> Stager | None:  # None: the direct path
         self._stager = self._stager or Stager.create(self.config, cache.device)
         return self._stager
 
