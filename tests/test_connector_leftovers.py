@@ -112,3 +112,53 @@ def test_connector_subclasses_reap_through_the_hook_and_plain_factories_are_skip
     assert _entries(token) == dead
     assert sorted(reap_dead_leftovers([(0, 1, "LeftoversTestShm", cfg)])) == dead
     assert _entries(token) == []
+
+
+def _killed_run_child(run: str, edges: list[tuple[str, str, dict[str, Any]]], report: Any) -> None:
+    """``_killed_child`` as a process of run ``run``: it holds the run's owner lock."""
+    from vllm_kvbridge.connectors.leftovers import hold_owner
+
+    owner = hold_owner(run, "test")
+    _killed_child(edges, report)
+    owner.release()  # not reached: the child kills itself
+
+
+def _run_killed_run_child(run: str, edges: list[tuple[str, str, dict[str, Any]]]) -> None:
+    ctx = mp.get_context("spawn")
+    report = ctx.Queue()
+    child = ctx.Process(target=_killed_run_child, args=(run, edges, report))
+    child.start()
+    while True:  # as long as the child lives (see _run_killed_child)
+        try:
+            report.get(timeout=1)
+            break
+        except queue.Empty:
+            if not child.is_alive():
+                report.get(timeout=1)  # raises if it died before reporting
+                break
+    child.join(120)
+    assert child.exitcode == -signal.SIGKILL
+
+
+def test_a_restarted_run_reaps_an_earlier_killed_runs_names_on_edges_it_does_not_have() -> None:
+    """Issue 36 item 4: each run's edges have their own namespace (``<run id>-<edge>``), so the
+    edge-scoped reap of a restarted run never sees a SIGKILLed earlier run's segments; the
+    host-wide reap of dead runs does, by their owner locks, and keeps a live run's."""
+    from vllm_kvbridge.connectors.leftovers import reap_dead_runs
+
+    token = "lr" + uuid.uuid4().hex[:10]
+    earlier, restarted = {"namespace": f"{token}a-0-1"}, {"namespace": f"{token}b-0-1"}
+    _run_killed_run_child(f"{token}a", [("0", "1", earlier)])
+    dead = _entries(f"{token}a")
+    assert len(dead) == 3  # pool segment, published key, the run's owner file
+    live = SharedMemoryConnector(restarted)
+    try:
+        assert live.put(0, 1, "alive", {"x": torch.zeros(2)}).ok
+        mine = _entries(f"{token}b")
+        assert reap_dead_leftovers([(0, 1, "shm", restarted)]) == []
+        assert _entries(token) == sorted(dead + mine)  # what the restarted run reaped: nothing
+        assert sorted(reap_dead_runs(prefix=token)) == dead
+        assert _entries(token) == mine
+    finally:
+        live.close()
+    assert _entries(token) == []

@@ -9,6 +9,12 @@ shared-memory names whose owner pid is gone for
 resources die with their process (sockets, registrations). Live processes' names are never
 touched, so it is safe at any time. :func:`shared_memory_names` lists names for operators
 (``/debug/state``) without callers knowing how they are spelt.
+
+Edges are scoped to a run (their namespaces are ``<run id>-<edge>``), so a restarted run never
+sees what an earlier, killed run left. :func:`reap_dead_runs` is the host-wide counterpart:
+every run's processes hold an owner lock (:func:`hold_owner`), and it removes what any dead
+owner left, our segments and the vLLM / multiprocessing names (``psm_*``, ``sem.mp-*``) it
+recorded (:mod:`vllm_kvbridge.connectors.shm_owners`).
 """
 
 from __future__ import annotations
@@ -21,10 +27,19 @@ from typing import Any
 from vllm_kvbridge.connectors import shm_segments
 from vllm_kvbridge.connectors.base import Connector
 from vllm_kvbridge.connectors.registry import get_connector_factory
+from vllm_kvbridge.connectors.shm_owners import RUN_ID_ENV, ShmOwner, hold_owner, reap_dead_runs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Edge", "reap_dead_leftovers", "shared_memory_names"]
+__all__ = [
+    "RUN_ID_ENV",
+    "Edge",
+    "ShmOwner",
+    "hold_owner",
+    "reap_dead_leftovers",
+    "reap_dead_runs",
+    "shared_memory_names",
+]
 
 #: ``(from_stage, to_stage, connector name, connector config)`` of one edge.
 Edge = tuple[int | str, int | str, str, Mapping[str, Any]]
