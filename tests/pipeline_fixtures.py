@@ -7,6 +7,7 @@ must be able to import this file: tests put ``tests/`` on ``PYTHONPATH`` (see
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -332,3 +333,87 @@ def poll_until(pred: Any, timeout_s: float, pipe: Any, finished: dict[str, Any])
         if got:
             return got
     raise AssertionError(f"timed out after {timeout_s} s; finished so far: {finished}")
+
+
+# -- the lightest real pipeline: one external stage, a stand-in OpenAI server ------------
+class FakeOpenAIServer:
+    """A stand-in for the OpenAI server of an external (``url``) LLM stage, on loopback in
+    the test's process: with it, a pipeline is one real stage process (the HTTP stage
+    engine, no vLLM) driven by a real orchestrator. A completion answers ``echo: <prompt>``.
+    While :meth:`hold` is in force, completions wait for :meth:`release` (the requests stay
+    in flight, in the stage); :meth:`wait_received` says when the server holds a request, so
+    a test knows a request is in flight without sleeping."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self._released = threading.Event()
+        self._released.set()
+        self._cond = threading.Condition()
+        self._received: set[str] = set()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _answer(self, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._answer({"data": [{"id": "fake"}]})
+
+            def do_POST(self) -> None:
+                req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with outer._cond:
+                    outer._received.add(str(req.get("request_id")))
+                    outer._cond.notify_all()
+                outer._released.wait(timeout=120)  # never a thread left behind for good
+                self._answer({"choices": [{"text": f"echo: {req['prompt']}", "token_ids": [1, 2]}]})
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="fake-openai", daemon=True)
+        self._thread.start()
+
+    def hold(self) -> None:
+        self._released.clear()
+
+    def release(self) -> None:
+        self._released.set()
+
+    def wait_received(self, request_id: str, timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: request_id in self._received, timeout=timeout_s)
+
+    def close(self) -> None:
+        self.release()
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> FakeOpenAIServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def external_stage_config(directory: Path, url: str, runtime: dict[str, Any] | None = None) -> Path:
+    """A one-stage pipeline config: an external LLM stage served at ``url`` (``runtime``: its
+    ``runtime:`` section)."""
+    import yaml
+
+    stage = {"stage_id": 0, "kind": "llm_ar", "url": url, "model": "fake"}
+    spec: dict[str, Any] = {"name": "external_only", "stages": [stage]}
+    if runtime:
+        spec["runtime"] = runtime
+    path = directory / "external_only.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path

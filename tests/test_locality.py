@@ -11,14 +11,12 @@ from pathlib import Path
 
 import msgspec
 import pytest
-import zmq
 
 from vllm_kvbridge.config import resolve_spec, spec_from_dict
 from vllm_kvbridge.config.locality import NodeInfo, bind_auto_edges, local_node
 from vllm_kvbridge.errors import ConfigError
-from vllm_kvbridge.pipeline.placement import ControlSocket, LocalBackend, make_backend, place_stages
+from vllm_kvbridge.pipeline.placement import LocalBackend, make_backend, place_stages
 from vllm_kvbridge.pipeline.results import PipelineError
-from vllm_kvbridge.pipeline.stage_handles import CONTROL_CURVE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {
@@ -156,38 +154,6 @@ def test_check_config_says_what_auto_becomes(capsys: pytest.CaptureFixture[str],
     out = capsys.readouterr().out
     assert "-> stage 1: SharedMemoryConnector ('shm', auto: local backend, one host) sends kv" in out
     assert "backend: local (this host)" in out
-
-
-def test_the_control_socket_beyond_loopback_admits_only_the_run_keypair() -> None:
-    env: dict[str, str] = {}
-    control = ControlSocket("0.0.0.0", env)
-    ctx = zmq.Context()
-    try:
-        assert set(json.loads(env[CONTROL_CURVE_ENV])) == {"public", "secret"}
-        stranger = ctx.socket(zmq.DEALER)
-        stranger.setsockopt(zmq.LINGER, 0)
-        stranger.connect(control.address)
-        stranger.send(b"forged")
-        keys = json.loads(env[CONTROL_CURVE_ENV])
-        stage = ctx.socket(zmq.DEALER)
-        stage.setsockopt(zmq.LINGER, 0)
-        stage.setsockopt(zmq.IDENTITY, b"stage-0")
-        stage.curve_serverkey = stage.curve_publickey = keys["public"].encode()
-        stage.curve_secretkey = keys["secret"].encode()
-        stage.connect(control.address)
-        stage.send(b"hello")
-        assert control.sock.poll(10_000)
-        assert control.sock.recv_multipart() == [b"stage-0", b"hello"]
-        # the stranger's handshake failed: its message never reaches the orchestrator
-        assert not control.sock.poll(1000)
-        stranger.close(0)
-        stage.close(0)
-    finally:
-        control.close()
-        ctx.term()
-    loopback: dict[str, str] = {}
-    ControlSocket("127.0.0.1", loopback).close()
-    assert loopback == {}  # only this host's processes reach it: no keys
 
 
 def test_the_ray_backend_without_ray_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,7 +2,11 @@
 
 Carried over one ZMQ ROUTER (orchestrator) / DEALER (stage) pair per stage, encoded
 with msgspec msgpack as a tagged union (the ``type`` tag names the Struct), so a frame
-either decodes to one of these classes or is rejected: no pickle, no guessing.
+either decodes to one of these classes or is rejected: no pickle, no guessing. The socket
+is CURVE-authenticated with a key per stage process (:mod:`vllm_kvbridge.pipeline.control_auth`):
+a stage's message is believed only when its ``stage_id`` (and ``pid``) are the sender's own,
+and one about a request only when that request was submitted to that stage; anything else
+is dropped and counted, never fatal to the orchestrator.
 
 Flow of one request through ``A -> B``::
 
@@ -214,20 +218,38 @@ def tensor_to_msg(t: Any) -> Tensor:
     return Tensor(dtype=str(arr.dtype), shape=list(arr.shape), data=arr.tobytes())
 
 
-def tensor_from_msg(t: Tensor) -> Any:
-    """:class:`Tensor` -> numpy array (validated: dtype allow-list, size matches shape)."""
-    import numpy as np
+_TENSOR_ITEMSIZE = {"float32": 4, "float16": 2, "uint8": 1, "int64": 8, "int32": 4}
 
-    if t.dtype not in ("float32", "float16", "uint8", "int64", "int32"):
+
+def check_tensor(t: Tensor) -> None:
+    """Raise ``ValueError`` unless :func:`tensor_from_msg` accepts ``t`` (dtype allow-list,
+    size matches shape)."""
+    itemsize = _TENSOR_ITEMSIZE.get(t.dtype)
+    if itemsize is None:
         raise ValueError(f"tensor dtype {t.dtype!r} not allowed in control messages")
-    dtype = np.dtype(t.dtype)
     count = 1
     for dim in t.shape:
         if dim < 0:
             raise ValueError(f"negative dimension in tensor shape {t.shape}")
         count *= dim
-    if count * dtype.itemsize != len(t.data):
+    if count * itemsize != len(t.data):
         raise ValueError(
-            f"tensor of shape {t.shape} {t.dtype} needs {count * dtype.itemsize} bytes, got {len(t.data)}"
+            f"tensor of shape {t.shape} {t.dtype} needs {count * itemsize} bytes, got {len(t.data)}"
         )
-    return np.frombuffer(t.data, dtype=dtype).reshape(t.shape).copy()
+
+
+def check_from_stage(msg: FromStage) -> FromStage:
+    """``msg`` once the tensors it carries are well-formed (``ValueError`` otherwise), so
+    that the orchestrator, which drops a frame that fails here, never fails converting one."""
+    for t in (getattr(msg, "image", None), getattr(msg, "audio", None), getattr(msg, "audio_delta", None)):
+        if t is not None:
+            check_tensor(t)
+    return msg
+
+
+def tensor_from_msg(t: Tensor) -> Any:
+    """:class:`Tensor` -> numpy array (validated: :func:`check_tensor`)."""
+    import numpy as np
+
+    check_tensor(t)
+    return np.frombuffer(t.data, dtype=np.dtype(t.dtype)).reshape(t.shape).copy()

@@ -4,7 +4,8 @@
 its own session (here, or on the node a Ray actor holds for it: see
 :mod:`vllm_kvbridge.pipeline.placement`), binds the edges left ``auto`` to a connector for
 where their stages run, hands each stage its :class:`ResolvedStage` as JSON on stdin, and
-talks to it over one ZMQ ROUTER socket (msgspec messages, see :mod:`vllm_kvbridge.pipeline.messages`).
+talks to it over one ZMQ ROUTER socket (msgspec messages, see :mod:`vllm_kvbridge.pipeline.messages`)
+admitting only the processes it started (:mod:`vllm_kvbridge.pipeline.control_auth`).
 A request enters the first stage; when a stage reports it done, the sender info it
 reported is forwarded with the request to the next stage; the last stage's output is
 the request's result. Any number of requests are in flight at once. A request submitted
@@ -47,14 +48,9 @@ from vllm_kvbridge.config.resolve import ResolvedPipeline, ResolvedStage, resolv
 from vllm_kvbridge.pipeline import messages as m
 from vllm_kvbridge.pipeline.admission import check_new_id, check_sampling_params
 from vllm_kvbridge.pipeline.cfg import companions_for
+from vllm_kvbridge.pipeline.control_auth import ControlPlane, Received, given_to_sender, new_request_id
 from vllm_kvbridge.pipeline.engines import ABORTED_KEEP_S, ExpiringIds
-from vllm_kvbridge.pipeline.placement import (
-    ControlSocket,
-    StageBackend,
-    make_backend,
-    place_stages,
-    with_run_scope,
-)
+from vllm_kvbridge.pipeline.placement import StageBackend, make_backend, place_stages, with_run_scope
 from vllm_kvbridge.pipeline.results import (  # re-exported: the pipeline's public types
     PipelineError,
     RequestError,
@@ -107,8 +103,7 @@ class Pipeline:
         self.log_dir = self._logs.path  # made at start() when the run makes its own
         self._progress = progress or (lambda line: None)
         self._env = dict(env or {})
-        self._control: ControlSocket | None = None
-        self._sock: zmq.Socket | None = None
+        self._control: ControlPlane | None = None
         self._stages: dict[int, StageHandle] = {}
         self._order = [s.stage_id for s in self.plan.stages]
         self._results: dict[str, RequestResult] = {}
@@ -127,7 +122,6 @@ class Pipeline:
         self._started = False
         self._serving = False  # every stage was ready once: losses are supervised from now
         self._closed = False
-        self._address = ""
         plan = self.plan
         self.policy = RestartPolicy(
             plan.max_restarts, plan.restart_window, plan.restart_backoff, plan.heartbeat_timeout
@@ -161,8 +155,7 @@ class Pipeline:
         try:
             self._backend = backend = make_backend(self.plan, self.run_id, self._ray_address)
             self.plan = place_stages(self.plan, backend, self.run_id, self._progress)
-            self._control = ControlSocket(backend.control_host(), self._env)
-            self._sock, self._address = self._control.sock, self._control.address
+            self._control = ControlPlane(backend.control_host())
             for stage in self.plan.stages:
                 self._spawn(stage)
             self._wait_ready()
@@ -173,10 +166,11 @@ class Pipeline:
 
     def _spawn(self, stage: ResolvedStage) -> None:
         log_path = self.log_dir / f"stage_{stage.stage_id}.log"
-        assert self._backend is not None
-        handle = self._backend.spawn(
-            stage, self._address, log_path, self._env, heartbeat_interval(self.policy)
-        )
+        assert self._backend is not None and self._control is not None
+        creds = self._control.issue(stage.stage_id)  # a key per process: a successor gets its own
+        env, beat = creds.in_env(self._env), heartbeat_interval(self.policy)
+        handle = self._backend.spawn(stage, self._control.address, log_path, env, beat)
+        handle.control_key, handle.route = creds.public, creds.route.encode()
         self._stages[stage.stage_id] = handle
         node = handle.proc.node
         where = "" if node.node_id == "local" else f" on node {node.node_id[:12]} ({node.ip})"
@@ -192,13 +186,12 @@ class Pipeline:
         if self._closed:
             return
         self._closed = True
-        sock = self._sock
+        control = self._control
 
         def shutdown(h: StageHandle) -> None:
-            if sock is not None:
+            if control is not None:
                 with contextlib.suppress(zmq.ZMQError):
-                    msg = [f"stage-{h.stage.stage_id}".encode(), m.encode(m.Shutdown())]
-                    sock.send_multipart(msg, flags=zmq.NOBLOCK)
+                    control.send(h.route, m.Shutdown(), block=False)
 
         stop_stages(list(self._stages.values()), shutdown, self.plan.shutdown_timeout)
         if self._backend is not None:
@@ -206,7 +199,7 @@ class Pipeline:
             self._backend.close()
         if self._control is not None:
             self._control.close()
-        self._sock = self._control = None
+        self._control = None
         lost = any(h.failure for h in self._stages.values())
         failed = self.failure or lost or self._request_failed
         clean = (self._serving or not self._started) and not failed
@@ -242,7 +235,7 @@ class Pipeline:
         if self.failure is not None:
             raise self.failure
         ids = list(request_ids) if request_ids is not None else []
-        if not ids:
+        if not ids:  # a batch's own numbering (its logs, dumps, result.json): see submit()
             for _ in prompts:
                 self._counter += 1
                 ids.append(f"req-{self._counter}")
@@ -280,8 +273,8 @@ class Pipeline:
 
     def _send_submit(self, stage_id: int, msg: m.Submit) -> None:
         self._where.setdefault(msg.request_id, set()).add(stage_id)
-        assert self._sock is not None
-        self._sock.send_multipart([f"stage-{stage_id}".encode(), m.encode(msg)])
+        assert self._control is not None
+        self._control.send(self._stages[stage_id].route, msg)
 
     def _finish(
         self, rid: str, error: str | None = None, lost_stage: int | None = None, *, aborted: bool = False
@@ -305,10 +298,10 @@ class Pipeline:
     def _tell(self, sid: int, msg: m.Abort | m.ProducerLost) -> None:
         """Send ``msg`` to stage ``sid`` unless its process is gone (then it has nothing to drop)."""
         h = self._stages.get(sid)
-        if h is None or h.lost or h.proc.poll() is not None or self._sock is None or self._closed:
+        if h is None or h.lost or h.proc.poll() is not None or self._control is None or self._closed:
             return
         with contextlib.suppress(zmq.ZMQError):
-            self._sock.send_multipart([f"stage-{sid}".encode(), m.encode(msg)], flags=zmq.NOBLOCK)
+            self._control.send(h.route, msg, block=False)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -321,19 +314,15 @@ class Pipeline:
     # -- the event loop -----------------------------------------------------------------
     def _pump(self, timeout_s: float) -> None:
         """Handle stage messages for up to ``timeout_s`` and check the stage processes."""
-        assert self._sock is not None
-        if self._sock.poll(int(timeout_s * 1000)):
-            while True:
-                try:
-                    ident, frame = self._sock.recv_multipart(flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._handle(ident, frame)
+        assert self._control is not None
+        if self._control.poll(int(timeout_s * 1000)):
+            while (got := self._control.receive()) is not None:
+                self._handle(got)
         self._check_stages()
 
     def _check_stages(self) -> None:
         """Notice lost stages (exited, stalled, not ready in time) and spawn due restarts."""
-        assert self._sock is not None
+        assert self._control is not None
         now = time.monotonic()
         for sid, h in list(self._stages.items()):
             if self._closed:
@@ -345,8 +334,8 @@ class Pipeline:
                     sup.restart_at = 0.0
                 continue
             if h.proc.poll() is not None:  # its last words first (a StageFailed says why)
-                while self._sock.poll(0) and not h.lost:
-                    self._handle(*self._sock.recv_multipart())
+                while not h.lost and (got := self._control.receive()) is not None:
+                    self._handle(got)
             error = None if h.lost else sup.check(h, now)
             if error is not None:
                 self._lose(h, error)
@@ -361,6 +350,8 @@ class Pipeline:
         if delay is None:
             self._fail(sup.exhausted(error) if self._serving else error)
         h.proc.kill_group(h.shm_names)
+        if self._control is not None:
+            self._control.revoke(h.control_key)
         with contextlib.suppress(subprocess.TimeoutExpired):
             h.proc.wait(timeout=1)  # reap it
         self._progress(f"[{h.label}] LOST: {error.error}; {sup.plan_line(delay)}")
@@ -386,16 +377,14 @@ class Pipeline:
         self.close()
         raise error
 
-    def _handle(self, ident: bytes, frame: bytes) -> None:
-        try:
-            msg = m.decode_from_stage(frame)
-        except msgspec.DecodeError as exc:
-            raise PipelineError(f"malformed control message from {ident!r}: {exc}") from None
-        h = self._stages.get(getattr(msg, "stage_id", -1))
-        if h is None:
-            raise PipelineError(f"message from unknown stage {ident!r}")
-        if h.lost or getattr(msg, "pid", 0) not in (0, h.proc.pid):
+    def _handle(self, got: Received) -> None:
+        msg, h = got.msg, self._stages.get(got.stage_id)
+        if h is None or h.lost or got.key != h.control_key:
             return  # from a process given up (killed, or already replaced by its successor)
+        if getattr(msg, "pid", 0) not in (0, h.proc.pid) or not given_to_sender(msg, self._results):
+            assert self._control is not None
+            self._control.drop(f"{h.label} spoke for another process or of a request not given to it")
+            return
         h.last_seen = time.monotonic()
         if isinstance(msg, m.StageStats):
             h.counters = dict(msg.counters)
@@ -520,9 +509,8 @@ class Pipeline:
         lost = self.recovering()
         if lost:
             raise StageRecovering(lost[0])
-        if request_id is None:
-            self._counter += 1
-            request_id = f"req-{self._counter}"
+        if request_id is None:  # served requests: an id nobody can guess (control_auth)
+            request_id = new_request_id()
         check_new_id(request_id, self._results, self._ended_in_error)
         self._polled.add(request_id)
         self._begin(request_id, prompt, sampling_params, stage_params, on_progress)
@@ -610,6 +598,16 @@ class Pipeline:
         ]
 
     # -- introspection ------------------------------------------------------------------
+    @property
+    def control_address(self) -> str:
+        """Where the stages reach the orchestrator ("" until :meth:`start`); it admits only them."""
+        return self._control.address if self._control is not None else ""
+
+    def control_counters(self) -> dict[str, int]:
+        """``ControlPlane.counters`` (zeros before :meth:`start`, after :meth:`close`); any thread."""
+        control = self._control
+        return control.counters() if control is not None else dict.fromkeys(ControlPlane.COUNTERS, 0)
+
     def stage_pids(self) -> dict[int, int]:
         return {sid: h.proc.pid for sid, h in self._stages.items()}
 

@@ -10,19 +10,16 @@ stage as a child process of the orchestrator; the Ray backend
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
-import zmq
 
 from vllm_kvbridge.config.locality import NodeInfo, bind_auto_edges, local_node
 from vllm_kvbridge.config.resolve import ResolvedPipeline, ResolvedStage
 from vllm_kvbridge.pipeline.stage_handles import (
-    CONTROL_CURVE_ENV,
     StageHandle,
     reap_run_edges,
     spawn_stage,
@@ -106,37 +103,3 @@ def with_run_scope(plan: ResolvedPipeline, run_id: str) -> ResolvedPipeline:
     external = frozenset(s.stage_id for s in plan.stages if s.url is not None)
     stages = [with_run_namespaces(s, run_id, external) for s in plan.stages]
     return msgspec.structs.replace(plan, stages=with_run_curve_keys(stages, external))
-
-
-class ControlSocket:
-    """The orchestrator's ROUTER socket every stage process connects to (see orchestrator.py).
-
-    Bound on ``host`` (the backend's :meth:`~StageBackend.control_host`). Where that is
-    beyond loopback (the Ray backend: stages on other nodes reach it), it is a CURVE server
-    admitting one keypair made for this run, which is put in ``env`` (the stages'
-    environment, never a config or a log): the stage processes connect with it
-    (``stage_process``), anyone else is refused before a message is read."""
-
-    def __init__(self, host: str, env: dict[str, str]) -> None:
-        from vllm_kvbridge.connectors.zmq_curve import CurveKeys
-        from vllm_kvbridge.pipeline.stage_handles import binds_beyond_loopback
-
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # A restarted stage connects under its predecessor's identity: it takes over.
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self._auth: Any = None
-        if binds_beyond_loopback({"host": host}):
-            public, secret = zmq.curve_keypair()
-            env[CONTROL_CURVE_ENV] = json.dumps({"public": public.decode(), "secret": secret.decode()})
-            keys = CurveKeys(public, secret, public, frozenset({public}))
-            self._auth = keys.secure_server(self.ctx, self.sock)
-        self.address = f"tcp://{host}:{self.sock.bind_to_random_port(f'tcp://{host}')}"
-
-    def close(self) -> None:
-        self.sock.close(0)
-        if self._auth is not None:
-            self._auth.stop()
-        self.ctx.term()

@@ -11,11 +11,15 @@ run there, on that node) and watches it; the orchestrator drives it through
 restarts and shutdown are the same code on both backends.
 
 What crosses nodes: the control socket binds the driver node's address (Ray's
-``get_node_ip_address``) and every stage connects to it; an edge's data goes over the
-connector its config names, or the one ``connector: auto`` picks from the placement
-(:mod:`vllm_kvbridge.config.locality`). A stage's output goes to a log on its own node
-(``<tmp>/kvbridge-<run>/stage_<id>.log``); its tail is read through the actor for error
-reports, and the whole log is copied into the run's log directory when the pipeline stops.
+``get_node_ip_address``) and every stage connects to it with a CURVE keypair of its own
+(:mod:`vllm_kvbridge.pipeline.control_auth`): the orchestrator issues it per stage process
+and passes it in the ``env`` of the actor's :meth:`StageHost.start` call, and the actor
+writes it on the stage process's stdin (``start_stage_process``), never in its environment
+or argv; an edge's data goes over the connector its config names, or the one
+``connector: auto`` picks from the placement (:mod:`vllm_kvbridge.config.locality`). A
+stage's output goes to a log on its own node (``<tmp>/kvbridge-<run>/stage_<id>.log``); its
+tail is read through the actor for error reports, and the whole log is copied into the run's log
+directory when the pipeline stops.
 
 Failure contract: a stage whose actor dies (killed, its node removed) is lost like a
 process that exited: its requests fail naming it and supervision restarts it on the same
@@ -83,6 +87,8 @@ class StageHost:
     def start(
         self, stage_json: bytes, address: str, env: dict[str, str], heartbeat_s: float
     ) -> tuple[int, str]:
+        """Start the stage process; ``env`` holds its control-plane credentials, which reach
+        it on stdin (:func:`start_stage_process`). Returns its pid and log path here."""
         stage = msgspec.json.decode(stage_json, type=ResolvedStage)
         full_env = stage_env(stage, {**os.environ, **env})
         popen = start_stage_process(stage_json, stage.stage_id, address, self.log_path, full_env, heartbeat_s)

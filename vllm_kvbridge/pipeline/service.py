@@ -45,6 +45,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
+from vllm_kvbridge.pipeline.control_auth import new_request_id
 from vllm_kvbridge.pipeline.messages import StageProgress
 from vllm_kvbridge.pipeline.orchestrator import (
     POLL_S,
@@ -83,7 +84,6 @@ class PipelineService:
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._futures: dict[str, Future[RequestResult]] = {}
         self._lock = threading.Lock()
-        self._counter = 0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
@@ -146,8 +146,8 @@ class PipelineService:
                 raise Overloaded(
                     f"{len(self._futures)} requests in flight, the limit (max_in_flight) is reached"
                 )
-            self._counter += 1
-            rid = f"{prefix}-{self._counter}"
+            # Not guessable: ids name a request's KV and payload keys on the data plane.
+            rid = new_request_id(prefix)
             if self._closed or self.failure is not None:
                 fut.set_exception(self.failure or PipelineError("pipeline is closed"))
                 return rid, fut

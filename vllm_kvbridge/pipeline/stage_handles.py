@@ -29,6 +29,7 @@ import msgspec
 from vllm_kvbridge.config.locality import NodeInfo, local_node
 from vllm_kvbridge.config.resolve import ResolvedConnector, ResolvedStage
 from vllm_kvbridge.connectors.keys import edge_name
+from vllm_kvbridge.pipeline.control_auth import credentials_from
 from vllm_kvbridge.pipeline.results import StageError
 
 #: Lines of a stage's log quoted in its error.
@@ -139,6 +140,10 @@ class StageHandle:
     shm_names: set[str] = field(default_factory=set)
     #: Its connectors' counters, as its last ``StageStats`` said (this process's only).
     counters: dict[str, float] = field(default_factory=dict)
+    #: The control-plane key issued for this process (``control_auth.StageCredentials``):
+    #: what it sends is believed only under this key, and reaches it at ``route``.
+    control_key: str = ""
+    route: bytes = b""
 
     @property
     def label(self) -> str:
@@ -166,7 +171,13 @@ def start_stage_process(
 ) -> subprocess.Popen:
     """Start a stage process (in a session of its own: killable as a whole group), its
     :class:`ResolvedStage` (``stage_json``) on stdin, its output appended to ``log_path``.
-    The process belongs to the caller: the orchestrator, or a Ray actor on another node."""
+    The process belongs to the caller: the orchestrator, or a Ray actor on another node.
+
+    ``env`` carries the process's control-plane credentials (``control_auth.CREDENTIALS_ENV``,
+    required): they are taken out of its environment and written on its stdin ahead of its
+    config, so that neither ``ps`` (argv) nor its children (which inherit the environment,
+    vLLM's engine core among them) ever see them."""
+    creds_line, env = credentials_from(env)
     argv = [sys.executable, "-m", "vllm_kvbridge.pipeline.stage_process", "--address", address]
     argv += ["--stage-id", str(stage_id), "--heartbeat-s", f"{heartbeat_s:g}"]
     with open(log_path, "ab") as log:
@@ -179,7 +190,7 @@ def start_stage_process(
             start_new_session=True,
         )
     assert proc.stdin is not None
-    proc.stdin.write(stage_json)
+    proc.stdin.write(creds_line + stage_json)
     proc.stdin.close()
     return proc
 
@@ -344,9 +355,6 @@ def with_run_namespaces(
 
 ZMQ_CONNECTOR = "ZmqConnector"
 CURVE_ENV_PREFIX = "KVBRIDGE_CURVE_"
-#: The environment variable that hands the stages the control socket's CURVE keypair
-#: (``placement.ControlSocket``).
-CONTROL_CURVE_ENV = "KVBRIDGE_CONTROL_CURVE"
 
 
 def binds_beyond_loopback(config: dict[str, Any]) -> bool:

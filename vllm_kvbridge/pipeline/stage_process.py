@@ -1,13 +1,16 @@
 """The main program of one stage process.
 
-Started by the orchestrator as ``python -m vllm_kvbridge.pipeline.stage_process
---address ADDR --stage-id N --heartbeat-s S`` with the stage's :class:`ResolvedStage` as JSON on stdin
-(no pickle crosses the process boundary). It builds the stage's engine (a vLLM engine
-with the kvbridge worker for LLM stages, the diffusion runner for diffusion stages),
-reports :class:`Ready`, then serves :class:`Submit` messages until :class:`Shutdown`.
-From its start a thread sends :class:`Heartbeat` every ``S`` seconds on a socket of its own
-(ZMQ sockets are not thread-safe), so the orchestrator can tell a stopped or starved process
-from one busy in a long step (see :mod:`vllm_kvbridge.pipeline.supervision`).
+Started by the orchestrator as ``python -m vllm_kvbridge.pipeline.stage_process --address
+ADDR --stage-id N --heartbeat-s S`` with, on stdin, one line of control-plane credentials
+(:class:`~vllm_kvbridge.pipeline.control_auth.StageCredentials`: this process's CURVE
+keypair, the orchestrator's key, its routing id) and then the stage's
+:class:`ResolvedStage` as JSON (no pickle crosses the process boundary). It builds the
+stage's engine (a vLLM engine with the kvbridge worker for LLM stages, the diffusion
+runner for diffusion stages), reports :class:`Ready`, then serves :class:`Submit` messages
+until :class:`Shutdown`. From its start a thread sends :class:`Heartbeat` every ``S``
+seconds on a socket of its own (ZMQ sockets are not thread-safe), so the orchestrator can
+tell a stopped or starved process from one busy in a long step (see
+:mod:`vllm_kvbridge.pipeline.supervision`).
 
 Failure contract: an exception while starting or an unexpected one while serving is sent
 as :class:`StageFailed` (with the traceback) and the process exits with status 1; an
@@ -34,8 +37,8 @@ import zmq
 from vllm_kvbridge.config.resolve import ResolvedStage
 from vllm_kvbridge.errors import RequestRejected
 from vllm_kvbridge.pipeline import messages as m
+from vllm_kvbridge.pipeline.control_auth import StageCredentials, read_credentials
 from vllm_kvbridge.pipeline.engines import StageEngine, build_engine
-from vllm_kvbridge.pipeline.stage_handles import CONTROL_CURVE_ENV
 
 #: How long the serve loop sleeps in poll when the engine has nothing to do (seconds); an
 #: engine's waker (``StageEngine.waker``) or a message ends the sleep at once.
@@ -59,29 +62,24 @@ def _watch_parent(parent_pid: int) -> None:
                 os._exit(1)
 
 
-def _connect(sock: zmq.Socket, address: str) -> None:
-    """Connect to the orchestrator, with the run's CURVE keys where it listens beyond
-    loopback (it put them in our environment: ``placement.ControlSocket``)."""
-    if os.environ.get(CONTROL_CURVE_ENV):
-        from vllm_kvbridge.connectors.zmq_curve import CurveKeys
-
-        keys = CurveKeys.from_config({"curve_keys_env": CONTROL_CURVE_ENV})
-        assert keys.server_key is not None
-        keys.secure_client(sock, keys.server_key)
+def _connect(sock: zmq.Socket, address: str, creds: StageCredentials) -> None:
+    """Connect to the orchestrator with this process's CURVE keys, pinning its key (its
+    control plane admits no one else: :mod:`vllm_kvbridge.pipeline.control_auth`)."""
+    creds.secure(sock)
     sock.connect(address)
 
 
 class _Heartbeat:
     """Sends :class:`Heartbeat` every ``interval_s`` from a daemon thread until stopped."""
 
-    def __init__(self, ctx: zmq.Context, address: str, stage_id: int, interval_s: float) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, creds: StageCredentials, interval_s: float) -> None:
         self._stop = threading.Event()
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 4)  # beats nobody reads are worthless: keep few
-        self._sock.setsockopt(zmq.IDENTITY, f"stage-{stage_id}-heartbeat".encode())
-        _connect(self._sock, address)
-        self._beat = m.encode(m.Heartbeat(stage_id, os.getpid()))
+        # No routing id of its own: the orchestrator never writes to this socket.
+        _connect(self._sock, address, creds)
+        self._beat = m.encode(m.Heartbeat(creds.stage_id, os.getpid()))
         self._interval_s = interval_s
         self._thread = threading.Thread(target=self._run, name="kvbridge-heartbeat", daemon=True)
         self._thread.start()
@@ -104,13 +102,13 @@ class _Heartbeat:
         self._thread.join(timeout=5)
 
 
-def serve(stage: ResolvedStage, address: str, heartbeat_s: float = 1.0) -> int:
+def serve(stage: ResolvedStage, address: str, creds: StageCredentials, heartbeat_s: float = 1.0) -> int:
     ctx = zmq.Context()
-    heartbeat = _Heartbeat(ctx, address, stage.stage_id, heartbeat_s)
+    heartbeat = _Heartbeat(ctx, address, creds, heartbeat_s)
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 2000)
-    sock.setsockopt(zmq.IDENTITY, f"stage-{stage.stage_id}".encode())
-    _connect(sock, address)
+    sock.setsockopt(zmq.IDENTITY, creds.route.encode())
+    _connect(sock, address, creds)
     engine: StageEngine | None = None
     try:
         try:
@@ -213,11 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     # The stage runs in its own session, so a terminal's Ctrl-C reaches only the
     # orchestrator, which tells the stages to stop (Shutdown, then SIGTERM).
     signal.signal(signal.SIGTERM, on_term)
+    creds = read_credentials(sys.stdin.buffer)
     stage = msgspec.json.decode(sys.stdin.buffer.read(), type=ResolvedStage)
-    if stage.stage_id != args.stage_id:
-        print(f"stage id mismatch: --stage-id {args.stage_id}, config {stage.stage_id}", file=sys.stderr)
+    if not stage.stage_id == creds.stage_id == args.stage_id:
+        why = f"--stage-id {args.stage_id}, config {stage.stage_id}, credentials {creds.stage_id}"
+        print(f"stage id mismatch: {why}", file=sys.stderr)
         return 2
-    return serve(stage, args.address, args.heartbeat_s)
+    return serve(stage, args.address, creds, args.heartbeat_s)
 
 
 if __name__ == "__main__":
