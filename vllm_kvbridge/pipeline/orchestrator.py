@@ -59,7 +59,7 @@ from vllm_kvbridge.pipeline.results import (  # re-exported: the pipeline's publ
     StageRecord,
     StageRecovering,
 )
-from vllm_kvbridge.pipeline.stage_handles import LOG_TAIL_LINES, RunLogDir, StageHandle, stop_stages
+from vllm_kvbridge.pipeline.stage_handles import LOG_TAIL_LINES, RunLogDir, RunShm, StageHandle, stop_stages
 from vllm_kvbridge.pipeline.supervision import (
     RestartPolicy,
     StageSupervision,
@@ -103,6 +103,7 @@ class Pipeline:
         self.log_dir = self._logs.path  # made at start() when the run makes its own
         self._progress = progress or (lambda line: None)
         self._env = dict(env or {})
+        self._shm: RunShm | None = None
         self._control: ControlPlane | None = None
         self._stages: dict[int, StageHandle] = {}
         self._order = [s.stage_id for s in self.plan.stages]
@@ -152,6 +153,7 @@ class Pipeline:
             return
         self._started = True
         self.log_dir = self._logs.ensure()
+        self._shm = RunShm(self.run_id, self._env)  # reaps dead runs' leftovers now
         try:
             self._backend = backend = make_backend(self.plan, self.run_id, self._ray_address)
             self.plan = place_stages(self.plan, backend, self.run_id, self._progress)
@@ -159,6 +161,7 @@ class Pipeline:
             for stage in self.plan.stages:
                 self._spawn(stage)
             self._wait_ready()
+            self._shm.started()
             self._serving = True
         except BaseException:
             self.close()
@@ -200,6 +203,8 @@ class Pipeline:
         if self._control is not None:
             self._control.close()
         self._control = None
+        if self._shm is not None:
+            self._shm.close()
         lost = any(h.failure for h in self._stages.values())
         failed = self.failure or lost or self._request_failed
         clean = (self._serving or not self._started) and not failed
@@ -354,6 +359,7 @@ class Pipeline:
             self._control.revoke(h.control_key)
         with contextlib.suppress(subprocess.TimeoutExpired):
             h.proc.wait(timeout=1)  # reap it
+        RunShm.reap()  # the queues and semaphores its engine recorded (its lock dropped)
         self._progress(f"[{h.label}] LOST: {error.error}; {sup.plan_line(delay)}")
         # What it handed on may have died with it: its consumers fail what they had not read.
         notices = producer_lost_notices(h.stage, self._results, self._where, self._supervision)

@@ -14,6 +14,7 @@ gives a run's ZMQ edges bound beyond loopback their own CURVE keypair; :func:`lo
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -31,6 +32,8 @@ from vllm_kvbridge.config.resolve import ResolvedConnector, ResolvedStage
 from vllm_kvbridge.connectors.keys import edge_name
 from vllm_kvbridge.pipeline.control_auth import credentials_from
 from vllm_kvbridge.pipeline.results import StageError
+
+logger = logging.getLogger(__name__)
 
 #: Lines of a stage's log quoted in its error.
 LOG_TAIL_LINES = 15
@@ -229,13 +232,62 @@ def stop_stages(
 
 def reap_run_edges(stages: Sequence[ResolvedStage]) -> None:
     """Reap what the stopped stages' processes left on every edge of the run."""
-    from vllm_kvbridge.connectors.leftovers import reap_dead_leftovers
+    from vllm_kvbridge.connectors.leftovers import reap_dead_leftovers, reap_dead_runs
 
     reap_dead_leftovers(
         (e.from_stage, e.to_stage, e.connector.name, e.connector.config)
         for s in stages
         for e in (*s.inputs, *s.outputs)
     )
+    # And, host-wide, whatever any run whose processes all died left behind (its vLLM
+    # queues and semaphores too): each process of a run holds an owner lock while it lives.
+    reap_dead_runs()
+
+
+class RunShm:
+    """A run's hold on /dev/shm (``connectors/shm_owners.py``), from its orchestrator: an owner
+    lock held while the process lives (the kernel drops it however the process dies), so a
+    successor reaps what this run left; dead runs' leftovers are reaped at its start, when a
+    stage is lost and at its close. Its stage processes hold locks of the same run
+    (``RUN_ID_ENV`` in ``env``)."""
+
+    def __init__(self, run_id: str, env: dict[str, str]) -> None:
+        from vllm_kvbridge.connectors.leftovers import RUN_ID_ENV
+
+        self._owner = hold_shm_owner(run_id, "orchestrator")
+        env[RUN_ID_ENV] = run_id
+        self.reap()
+
+    @staticmethod
+    def reap() -> None:
+        from vllm_kvbridge.connectors.leftovers import reap_dead_runs
+
+        reap_dead_runs()
+
+    def started(self) -> None:
+        """Record the names this process mapped while the stages started (its semaphores)."""
+        if self._owner is not None:
+            self._owner.record_mapped(descendants=False)
+
+    def close(self) -> None:
+        """After the stages stopped: release this run's names, then reap the stages' records."""
+        if self._owner is not None:
+            self._owner.release()
+        self.reap()
+
+
+def hold_shm_owner(run_id: str | None, role: str) -> Any:
+    """This process's owner lock for its run's shared-memory names (``connectors/shm_owners.py``),
+    or None where it cannot be taken (logged: reaping then falls back to the edge leftovers)."""
+    from vllm_kvbridge.connectors.leftovers import hold_owner
+
+    try:
+        return hold_owner(run_id, role)
+    except (OSError, ValueError) as exc:
+        logger.warning(
+            "kvbridge: no shared-memory owner lock for %s (%s): its names are reaped by edge only", role, exc
+        )
+        return None
 
 
 def _wait_exit(handles: Sequence[StageHandle], deadline: float) -> None:

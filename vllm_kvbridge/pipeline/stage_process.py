@@ -35,10 +35,12 @@ import msgspec
 import zmq
 
 from vllm_kvbridge.config.resolve import ResolvedStage
+from vllm_kvbridge.connectors.leftovers import RUN_ID_ENV, ShmOwner
 from vllm_kvbridge.errors import RequestRejected
 from vllm_kvbridge.pipeline import messages as m
 from vllm_kvbridge.pipeline.control_auth import StageCredentials, read_credentials
 from vllm_kvbridge.pipeline.engines import StageEngine, build_engine
+from vllm_kvbridge.pipeline.stage_handles import hold_shm_owner
 
 #: How long the serve loop sleeps in poll when the engine has nothing to do (seconds); an
 #: engine's waker (``StageEngine.waker``) or a message ends the sleep at once.
@@ -102,7 +104,15 @@ class _Heartbeat:
         self._thread.join(timeout=5)
 
 
-def serve(stage: ResolvedStage, address: str, creds: StageCredentials, heartbeat_s: float = 1.0) -> int:
+def serve(
+    stage: ResolvedStage,
+    address: str,
+    creds: StageCredentials,
+    heartbeat_s: float = 1.0,
+    owner: ShmOwner | None = None,
+) -> int:
+    """Run ``stage`` until :class:`Shutdown` (exit status). ``owner``: this process's lock on
+    its run's shared-memory names; the names its engine maps are recorded in it."""
     ctx = zmq.Context()
     heartbeat = _Heartbeat(ctx, address, creds, heartbeat_s)
     sock = ctx.socket(zmq.DEALER)
@@ -127,6 +137,8 @@ def serve(stage: ResolvedStage, address: str, creds: StageCredentials, heartbeat
                 )
             )
             return 1
+        if owner is not None:
+            owner.record_mapped()  # vLLM made its queues and semaphores at start
         sock.send(m.encode(m.Ready(stage.stage_id, os.getpid(), engine.info())))
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -138,6 +150,8 @@ def serve(stage: ResolvedStage, address: str, creds: StageCredentials, heartbeat
         while True:
             if time.monotonic() >= next_stats:  # between steps: the engine's own thread
                 next_stats = time.monotonic() + STATS_S
+                if owner is not None:
+                    owner.record_mapped()
                 now = engine.edge_counters()
                 if now != counters:
                     counters = now
@@ -194,6 +208,8 @@ def serve(stage: ResolvedStage, address: str, creds: StageCredentials, heartbeat
         heartbeat.stop()
         sock.close()
         ctx.term()
+        if owner is not None:
+            owner.release()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         why = f"--stage-id {args.stage_id}, config {stage.stage_id}, credentials {creds.stage_id}"
         print(f"stage id mismatch: {why}", file=sys.stderr)
         return 2
-    return serve(stage, args.address, creds, args.heartbeat_s)
+    owner = hold_shm_owner(None, f"stage-{stage.stage_id}") if os.environ.get(RUN_ID_ENV) else None
+    return serve(stage, args.address, creds, args.heartbeat_s, owner)
 
 
 if __name__ == "__main__":
