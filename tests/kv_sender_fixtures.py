@@ -112,3 +112,18 @@ def held_until_it_fails(sender: WorkerKVSender, ns: str, first: str, held: str) 
     with receiver(ns) as recv:
         read_exact(recv, first)
     return why
+
+
+def one_segment(ns: str) -> int:
+    """Segment bytes one request's KV (``PLAN``) takes on a shm edge, measured by a real
+    put (a sender whose ``max_held_bytes`` is a multiple of it holds that many)."""
+    sender = worker(ns)
+    try:
+        sender.send([spec("probe")])
+        wait(lambda: status(sender, "probe") == "done")
+        held = sender.manager.connector.health()["held_bytes"]
+        sender.discard(["probe"])
+    finally:
+        sender.shutdown()
+    assert held > 0
+    return held

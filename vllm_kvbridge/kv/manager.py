@@ -3,8 +3,7 @@
 The public API of one stage rank's KV transfer; each job lives in its own module and the
 manager wires them together:
 
-* :mod:`~vllm_kvbridge.kv.send` - gather on the model thread, puts on one I/O thread with
-  retries and backoff, ``done``/``failed`` reporting;
+* :mod:`~vllm_kvbridge.kv.send` / :mod:`~vllm_kvbridge.kv.send_queue` - gather, then puts side by side;
 * :mod:`~vllm_kvbridge.kv.sender_info` - the put metadata a sender hands out and the
   receiver's per-stage lookup of it;
 * :mod:`~vllm_kvbridge.kv.receive` - one cache of a request from every sender rank, within
@@ -29,7 +28,7 @@ engine's id to the id used in transfer keys (vLLM adds suffixes; the receiver kn
 user's id). The gather (one indexed copy per layer, only the heads the receivers need)
 runs on the calling thread, because the caller frees the blocks afterwards (on the staged
 path, the default on GPU: queued on a copy stream; see :mod:`~vllm_kvbridge.kv.send`);
-the connector's put runs on one I/O thread, with ``send_retries`` retries and backoff. A
+the connector's puts run off it, each request against its own deadline, with retries. A
 request is reported ``done`` only when every put of it succeeded; otherwise ``failed``
 (never both, never silently dropped). Ids in ``get_finished`` are ``finished_reqs``' keys.
 
@@ -83,7 +82,8 @@ from vllm_kvbridge.kv.receive import (
     ReceivedStore,
     request_id_of,
 )
-from vllm_kvbridge.kv.send import KVSendQueue, Stager, StagingFull, gather_job, layout_for
+from vllm_kvbridge.kv.send import Stager, StagingFull, gather_job, layout_for
+from vllm_kvbridge.kv.send_queue import KVSendQueue
 from vllm_kvbridge.kv.sender_info import SentInfoTable, StageSenderInfo
 from vllm_kvbridge.kv.topology import TPTopology
 from vllm_kvbridge.wire.kv_format import KVCacheTransferData
@@ -125,7 +125,7 @@ class KVTransferManager:
         self._stop = threading.Event()  # set by shutdown: interrupts backoffs and receives
         self._closed = False
         self._sent_info = SentInfoTable(sender_info_ttl_s, max_sender_info)
-        self._sends = KVSendQueue(config, self._get_connector, self.metrics, self._sent_info, self._stop)
+        self.sends = KVSendQueue(config, self._get_connector, self.metrics, self._sent_info, self._stop)
         self._stager: Stager | None = None  # the staged send path, made at the first send
         self._stage_info = StageSenderInfo()
         self._ledger = ReadLedger()  # read vs. withdrawn receives (withdraw_receive)
@@ -274,9 +274,9 @@ class KVTransferManager:
                 continue
             except Exception as exc:  # one bad request must not stop the others
                 logger.error("KV gather for request %s failed: %s", engine_id, exc)
-                self._sends.fail(engine_id, f"gather failed: {exc}")
+                self.sends.fail(engine_id, f"gather failed: {exc}")
                 continue
-            self._sends.submit(job)
+            self.sends.submit(job)
             submitted.append(engine_id)
         return submitted
 
@@ -286,7 +286,7 @@ class KVTransferManager:
 
     def copies_in_flight(self, request_ids: set[str]) -> set[str]:
         """Which of ``request_ids`` still have a staged copy reading their blocks."""
-        return self._sends.copies_in_flight(request_ids)
+        return self.sends.copies_in_flight(request_ids)
 
     def staging_stats(self) -> dict[str, Any] | None:
         """The staging pool's counters (None: direct path); ``full``: refusals, the backpressure."""
@@ -294,11 +294,11 @@ class KVTransferManager:
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """``(done, failed)`` request ids since the last call; each id is reported once."""
-        return self._sends.get_finished()
+        return self.sends.get_finished()
 
     def send_failure_reason(self, request_id: str) -> str | None:
         """Why the send of ``request_id`` (an id :meth:`get_finished` reported failed) failed."""
-        return self._sends.failure_reason(request_id)
+        return self.sends.failure_reason(request_id)
 
     def get_sender_info(self, request_id: str) -> dict[str, Any] | None:
         """The put metadata of a sent request, for the receiver (engine's or transfer id).
@@ -322,15 +322,15 @@ class KVTransferManager:
         info = self._sent_info.withdraw(request_id)
         keys = list((info or {}).get("keys") or {})
         if keys and self._connector is not None:
-            self._sends.withdraw_keys(keys)
+            self.sends.withdraw_keys(keys)
         return len(keys)
 
     def pending_sends(self) -> int:
-        return self._sends.pending()
+        return self.sends.pending()
 
     def queued_send_bytes(self) -> int:
         """Bytes of gathered KV whose puts have not completed (see ``max_send_queue_bytes``)."""
-        return self._sends.queued_bytes()
+        return self.sends.queued_bytes()
 
     # -- receiving (kv/receive.py, kv/cfg.py) ------------------------------------------
     def update_sender_info(
@@ -562,7 +562,7 @@ class KVTransferManager:
     def health(self) -> dict[str, Any]:
         conn = self._connector
         state = {
-            "pending_sends": self._sends.pending(),
+            "pending_sends": self.sends.pending(),
             "prefetch_in_flight": self._prefetcher.in_flight(),
             "received_waiting": len(self._received),
             "parts_waiting": self._receiver.waiting_parts(),
@@ -584,7 +584,7 @@ class KVTransferManager:
         if self._leases is not None:
             self._leases.close()
         self._prefetcher.shutdown()
-        self._sends.shutdown(timeout)
+        self.sends.shutdown(timeout)
         if self._stager:
             self._stager.close()
         self._receiver.clear()

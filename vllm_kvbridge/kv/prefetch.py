@@ -2,9 +2,18 @@
 
 :class:`KVPrefetcher` runs at most ``max_inflight`` receives at once on a thread pool and
 hands out their futures by request id. :meth:`KVPrefetcher.take` turns a finished one into
-its result: ``None`` for a recoverable failure (nothing was consumed: timeout, transport
-error; the caller receives synchronously), :class:`KVPrefetchConsumeError` when a payload
-was consumed but could not be used (the data is gone, so it is not retried).
+its result: ``None`` for a recoverable failure (nothing was consumed: a transport error;
+the caller receives synchronously), :class:`KVPrefetchConsumeError` when a payload was
+consumed but could not be used (the data is gone, so it is not retried).
+
+One deadline per request: a prefetch that timed out *is* the request's receive, over at
+its deadline (``recv_timeout`` from when the prefetch began), so :meth:`~KVPrefetcher.take`
+raises its :class:`~vllm_kvbridge.errors.TransferTimeout` instead of letting the caller
+wait a second ``recv_timeout`` synchronously while the requests behind it wait too (issue
+36: 30 s of prefetch, then 30 s more). :meth:`~KVPrefetcher.ready` and
+:meth:`~KVPrefetcher.when_done` tell a consumer whose queue holds several requests which
+ones it can take now without waiting (the diffusion stage takes those first, so a late KV
+holds up no request behind it).
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from typing import Any
 
 import torch
 
-from vllm_kvbridge.errors import KVBridgeError, TransferError
+from vllm_kvbridge.errors import KVBridgeError, TransferError, TransferTimeout
 from vllm_kvbridge.kv.receive import Consumed, ReceivedKV, request_id_of
 
 logger = logging.getLogger(__name__)
@@ -108,17 +117,38 @@ class KVPrefetcher:
         with self._lock:
             return self._futures.pop(rid, None)
 
+    def ready(self, rid: str) -> bool | None:
+        """Whether ``rid``'s prefetch finished (arrived, or failed: taking it waits for
+        nothing); None when there is no prefetch of it."""
+        with self._lock:
+            future = self._futures.get(rid)
+        return None if future is None else future.done()
+
+    def when_done(self, rid: str, callback: Callable[[str], None]) -> bool:
+        """Call ``callback(rid)`` once ``rid``'s prefetch finished (at once if it has; on the
+        prefetch's thread otherwise); False when there is no prefetch of it."""
+        with self._lock:
+            future = self._futures.get(rid)
+        if future is None:
+            return False
+        future.add_done_callback(lambda _: callback(rid))
+        return True
+
     @staticmethod
     def take(
         rid: str, future: Future[ReceivedKV], on_consumed: Callable[[], None] | None = None
     ) -> ReceivedKV | None:
-        """The prefetch's result, ``None`` when it failed recoverably (see the module docstring).
+        """The prefetch's result, ``None`` when it failed recoverably (see the module
+        docstring); raises the :class:`TransferTimeout` of one that timed out.
 
-        ``on_consumed`` runs before :class:`KVPrefetchConsumeError` is raised (a leader tells
-        its followers).
+        ``on_consumed`` runs before this raises (a leader tells its followers).
         """
         try:
             return future.result()
+        except TransferTimeout:
+            if on_consumed is not None:
+                on_consumed()
+            raise  # its deadline passed: a second receive would only wait it out again
         except Consumed as exc:
             if on_consumed is not None:
                 on_consumed()

@@ -1,4 +1,4 @@
-"""The send side: gather a finished request's KV on the model thread, publish it on an I/O thread.
+"""The send side: gather a finished request's KV on the model thread, publish it off it.
 
 :func:`layout_for` tells the page layout of vLLM's caches. :func:`gather_job` copies one
 request's blocks (only the heads each receiver rank needs) **once**, straight into a
@@ -6,8 +6,9 @@ destination the connector lends (:meth:`Connector.reserve
 <vllm_kvbridge.connectors.base.Connector.reserve>`: a shared-memory segment, a registered
 slab, the buffer ZMQ serves from), at the offsets of the packed payload of a
 :class:`KVCacheTransferData` (its tensors are :class:`~vllm_kvbridge.wire.fill.TensorFill`
-s that gather when packed). :class:`KVSendQueue` publishes the filled destinations from
-one I/O thread with ``send_retries`` retries and exponential backoff. Where a host
+s that gather when packed). :class:`~vllm_kvbridge.kv.send_queue.KVSendQueue` publishes the
+filled destinations off the model thread, each request side by side with the others and
+against its own deadline, with ``send_retries`` retries and exponential backoff. Where a host
 connector's memory is full at the gather, the KV goes to a host buffer whose put waits for
 room (:class:`~vllm_kvbridge.connectors.base.HeapReservation`: a second copy, only then).
 The gather runs on the caller's thread
@@ -27,7 +28,7 @@ memory through a copy stream and its bounded device scratch
 (:mod:`vllm_kvbridge.wire.staging`), the job carries the copy's :class:`Fence`, and the
 I/O thread waits on it, copies the staged bytes into the connector's destination and
 publishes them. A caller that holds the request's blocks (``info["blocks_held"]``) gives
-them back only once :meth:`KVSendQueue.copies_in_flight` no longer names the request;
+them back only once the send queue's ``copies_in_flight`` no longer names the request;
 where the pool has no room it gets :class:`StagingFull` and keeps holding them. A request is reported
 ``done`` only when every put of it succeeded, otherwise ``failed`` (never both, never
 silently dropped); the put metadata of a done request goes to the
@@ -37,10 +38,6 @@ silently dropped); the put metadata of a done request goes to the
 from __future__ import annotations
 
 import logging
-import queue
-import threading
-import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -50,12 +47,9 @@ import torch
 
 from vllm_kvbridge.connectors.base import Connector, HeapReservation, PutResult, Reservation
 from vllm_kvbridge.connectors.keys import KV
-from vllm_kvbridge.connectors.put_retry import put_with_retry
 from vllm_kvbridge.errors import ConfigError, TransferRefused
-from vllm_kvbridge.kv.config import KVTransferConfig, StageId
+from vllm_kvbridge.kv.config import StageId
 from vllm_kvbridge.kv.layout import KEY, VALUE, KVCacheLayout, RequestGather, cpu_layout, packed_layout
-from vllm_kvbridge.kv.metrics import KVTransferMetrics
-from vllm_kvbridge.kv.sender_info import SentInfoTable
 from vllm_kvbridge.kv.staged import HostGather, ReserveFull, StagedReservation, Stager, StagingFull
 from vllm_kvbridge.kv.topology import Route, TPTopology
 from vllm_kvbridge.wire import encode
@@ -67,7 +61,6 @@ from vllm_kvbridge.wire.staging import Fence, StagingBuffer
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "KVSendQueue",
     "ReserveFull",
     "SendJob",
     "StagedReservation",
@@ -76,9 +69,6 @@ __all__ = [
     "gather_job",
     "layout_for",
 ]
-
-#: How many failure reasons :meth:`KVSendQueue.failure_reason` remembers.
-_MAX_REASONS = 1024
 
 
 @dataclass
@@ -375,179 +365,3 @@ def _reserve(
     if got.full:
         return HeapReservation(connector, from_stage, to_stage, key, nbytes)
     raise TransferRefused(f"{key}: the connector refused {nbytes} bytes: {got.error}")
-
-
-class KVSendQueue:
-    """Puts :class:`SendJob` s from one I/O thread (started on the first job) and reports them.
-
-    ``connector`` is called for the connector at each attempt (so a failed creation is
-    retried); ``stop`` interrupts backoffs and fails the jobs not started yet.
-    """
-
-    def __init__(
-        self,
-        config: KVTransferConfig,
-        connector: Callable[[], Connector],
-        metrics: KVTransferMetrics,
-        sent_info: SentInfoTable,
-        stop: threading.Event,
-    ) -> None:
-        self._config, self._connector, self._metrics = config, connector, metrics
-        self._sent_info, self._stop = sent_info, stop
-        self._lock = threading.Lock()
-        self._queue: queue.Queue[SendJob | None] = queue.Queue()
-        self._io_thread: threading.Thread | None = None
-        self._pending: set[str] = set()
-        self._copying: dict[str, Fence] = {}  # engine id -> fence of a staged copy not waited for
-        self._queued_bytes = 0  # gathered KV not put yet (queued or being put)
-        self._done: list[str] = []
-        self._failed: dict[str, str] = {}
-        self._reasons: OrderedDict[str, str] = OrderedDict()  # bounded by _MAX_REASONS
-
-    def submit(self, job: SendJob) -> None:
-        with self._lock:
-            if self._io_thread is None:
-                self._io_thread = threading.Thread(target=self._io_loop, name="kvbridge-kv-send", daemon=True)
-                self._io_thread.start()
-            self._pending.add(job.engine_id)
-            self._queued_bytes += job.nbytes
-            if job.fence is not None:
-                self._copying[job.engine_id] = job.fence
-        self._metrics.transfer_started("send")
-        self._queue.put(job)
-
-    def fail(self, engine_id: str, reason: str) -> None:
-        """Report ``engine_id`` failed without sending (e.g. its gather failed)."""
-        self._metrics.failure("send")
-        with self._lock:
-            self._failed[engine_id] = reason
-
-    def get_finished(self) -> tuple[set[str], set[str]]:
-        """``(done, failed)`` engine ids since the last call; each id is reported once.
-        Why each failed stays readable with :meth:`failure_reason` (the newest ids only)."""
-        with self._lock:
-            done, self._done = set(self._done), []
-            failed = set(self._failed)
-            for rid, why in self._failed.items():
-                self._reasons[rid] = why
-                self._reasons.move_to_end(rid)
-            while len(self._reasons) > _MAX_REASONS:
-                self._reasons.popitem(last=False)
-            self._failed.clear()
-        return done, failed
-
-    def failure_reason(self, engine_id: str) -> str | None:
-        """Why the send of ``engine_id`` failed (once reported by :meth:`get_finished`)."""
-        with self._lock:
-            return self._reasons.get(engine_id)
-
-    def pending(self) -> int:
-        with self._lock:
-            return len(self._pending)
-
-    def copies_in_flight(self, engine_ids: set[str]) -> set[str]:
-        """Which of ``engine_ids`` have a staged copy still reading their blocks: their
-        blocks must not go back to vLLM yet (``finished_sending`` waits for them)."""
-        with self._lock:
-            fences = {e: self._copying.get(e) for e in engine_ids}
-        return {e for e, fence in fences.items() if fence is not None and not fence.done()}
-
-    def queued_bytes(self) -> int:
-        """Bytes of gathered KV whose puts have not completed: what a full edge makes grow,
-        so a caller holds its next gathers (in the engine's blocks) while it is over budget."""
-        with self._lock:
-            return self._queued_bytes
-
-    def _io_loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            try:
-                error = self._send(job) if not self._stop.is_set() else "manager shut down"
-            except Exception as exc:  # never let the I/O thread die
-                error = f"unexpected: {exc!r}"
-            job.release()  # what was not published (a failed or cancelled send)
-            with self._lock:
-                self._pending.discard(job.engine_id)
-                self._copying.pop(job.engine_id, None)
-                self._queued_bytes -= job.nbytes
-                if error is None:
-                    self._done.append(job.engine_id)
-                else:
-                    self._failed[job.engine_id] = error
-            if error is not None:
-                logger.error("KV send of request %s failed: %s", job.engine_id, error)
-                self._metrics.failure("send")
-            self._metrics.transfer_ended("send")
-            del job  # the gathered KV goes now, not when the next job arrives
-
-    def _send(self, job: SendJob) -> str | None:
-        """Put every part (retries, and waits for room on a full edge); None on success,
-        else why it failed."""
-        cfg = self._config
-        if job.fence is not None:
-            try:  # the staged gather (on the copy stream) must have completed
-                job.fence.wait()
-            except Exception as exc:
-                return f"gather failed: {type(exc).__name__}: {exc}"
-        infos: dict[str, Any] = {"ranks": {}, "keys": {}}
-        put_keys: list[str] = []
-        for key, rank, reservation in job.parts:
-            start = time.perf_counter()
-            outcome = put_with_retry(
-                reservation.publish,
-                retries=cfg.send_retries,
-                backoff=cfg.backoff,
-                send_timeout_s=cfg.send_timeout,
-                stop=self._stop,
-                # A request withdrawn while its put waits for room needs no room any more.
-                cancelled=lambda: self._sent_info.is_withdrawn(job.request_id),
-            )
-            for _ in range(outcome.retries):
-                self._metrics.retry("send")
-            if outcome.full_wait_s:
-                self._metrics.full_wait(outcome.full_wait_s)
-            if outcome.result is None:
-                self.withdraw_keys(put_keys)  # release what this request already put
-                return f"{key}: {outcome.error}"
-            infos["ranks"][str(rank)] = outcome.result.metadata
-            infos["keys"][key] = outcome.result.metadata
-            put_keys.append(key)
-            self._metrics.success("send", outcome.result.nbytes, time.perf_counter() - start)
-        infos["num_kv_heads"] = job.num_kv_heads  # lets a receiver that is not configured check
-        if not self._sent_info.record((job.engine_id, job.request_id), infos):
-            # Withdrawn while it was being sent (its request failed elsewhere): nobody will
-            # consume it. The send itself did complete, so it is reported done.
-            self.withdraw_keys(put_keys)
-        return None
-
-    def withdraw_keys(self, keys: list[str]) -> None:
-        """``cleanup`` each of ``keys`` (put by this stage, never to be consumed)."""
-        for key in keys:
-            try:
-                self._connector().cleanup(key)
-            except Exception as exc:  # withdraw the others anyway; the TTL reaper is the backstop
-                logger.warning("KV withdraw: cleanup(%s) failed: %s", key, exc)
-
-    def shutdown(self, timeout: float) -> None:
-        """Join the I/O thread (``stop`` must be set); report jobs never started as failed."""
-        with self._lock:
-            io_thread = self._io_thread
-        if io_thread is not None:
-            self._queue.put(None)
-            io_thread.join(timeout)
-        while True:  # jobs never started: report them failed, never done
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.release()  # waits for a staged copy into its buffers first
-                with self._lock:
-                    self._pending.discard(job.engine_id)
-                    self._copying.pop(job.engine_id, None)
-                    self._queued_bytes -= job.nbytes
-                    self._failed[job.engine_id] = "manager shut down"
-                self._metrics.failure("send")
-                self._metrics.transfer_ended("send")

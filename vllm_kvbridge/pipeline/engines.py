@@ -228,6 +228,8 @@ class DiffusionStageEngine(StageEngine):
         self._current: list[tuple[m.Submit, Any]] = []  # the batch popped, being received/denoised
         self._pending = 0
         self._stop = False
+        # A queued request whose KV arrives may now run ahead of a late one: wake up for it.
+        self.runner.on_kv_ready(self._wakeup.set)
         self._thread = threading.Thread(target=self._work, name="kvbridge-diffusion", daemon=True)
         self._thread.start()
 
@@ -307,9 +309,10 @@ class DiffusionStageEngine(StageEngine):
 
     def _work(self) -> None:
         try:
+            waiting = False  # nothing queued was ready: sleep until a KV arrives
             while True:
                 with self._lock:
-                    idle = not self._queue and not self._stop
+                    idle = (waiting or not self._queue) and not self._stop
                 if idle:  # queued work is taken at once, not on the next wakeup
                     self._wakeup.wait(0.1)
                 with self._lock:
@@ -319,6 +322,7 @@ class DiffusionStageEngine(StageEngine):
                     if not self._queue:
                         continue
                     batch, dropped = self._take_batch()
+                    waiting = not batch and not dropped
                     self._current = batch
                     nxt = [self._queue[i][1] for i in self._select(self._queue)[0]]
                 try:
@@ -345,6 +349,7 @@ class DiffusionStageEngine(StageEngine):
             self.runner.max_batch_size,
             lambda e: self.runner.steps_of(e[1]),
             lambda e: e[0].request_id in self._aborted,
+            lambda e: self.runner.kv_ready(e[1]),
         )
 
     def _take_batch(self) -> tuple[list[tuple[m.Submit, Any]], list[tuple[m.Submit, Any, bool]]]:

@@ -5,11 +5,14 @@ Batching policy (the diffusion stage engine forms batches with :func:`select_bat
 * requests join a batch only at step 0: a batch runs all its steps with the rows it
   started with (minus those aborted on the way); a request arriving while a batch
   denoises waits for the next one;
-* a batch is formed when the worker becomes free, from the head of the queue: the head,
-  then the queued requests after it in arrival order that have the head's ``num_steps``,
-  up to ``max_batch_size``. Others (another step count) stay queued in arrival order for a
-  later batch. The worker never waits for a batch to fill (no latency is added to a lone
-  request);
+* a batch is formed when the worker becomes free, from the first queued request whose KV
+  is ready (``ready``: it arrived, or its receive is over; :meth:`DiffusionRunner.kv_ready
+  <vllm_kvbridge.runner.diffusion_runner.DiffusionRunner.kv_ready>`), then the ready
+  requests after it in arrival order that have its ``num_steps``, up to ``max_batch_size``.
+  Others (another step count, or KV still on its way) stay queued in arrival order for a
+  later batch: a request whose KV is late never holds up one whose KV is there, and fails
+  by its own deadline (issue 36). The worker never waits for a batch to fill (no latency
+  is added to a lone request);
 * each request's KV (and CFG companion) is received on its own, prefetched while the
   previous batch denoises, and conditions only its own row;
 * each row starts from its own request's noise, drawn exactly as the unbatched loop draws
@@ -66,13 +69,15 @@ def select_batch(
     max_size: int,
     steps_of: Callable[[T], int],
     skip: Callable[[T], bool] = lambda _: False,
+    ready: Callable[[T], bool] = lambda _: True,
 ) -> tuple[list[int], list[int]]:
     """Indices into ``queue`` of the next batch, and of the entries to drop on the way.
 
-    The batch is the first entry ``skip`` does not reject and, in arrival order, the later
-    ones with its step count, up to ``max_size``. ``skip`` (aborted / lost requests) marks
-    entries that are never batched: those the scan passes are returned second, so the
-    caller drops them now instead of leaving them ahead of the next batch.
+    The batch is the first entry ``skip`` does not reject that is ``ready`` and, in arrival
+    order, the later ready ones with its step count, up to ``max_size``; entries not ready
+    stay (an empty batch: none is ready, the caller waits). ``skip`` (aborted / lost
+    requests) marks entries that are never batched: those the scan passes are returned
+    second, so the caller drops them now instead of leaving them ahead of the next batch.
     """
     batch: list[int] = []
     skipped: list[int] = []
@@ -82,6 +87,8 @@ def select_batch(
             break
         if skip(item):
             skipped.append(i)
+        elif not ready(item):
+            continue  # its KV is on its way: the ones behind it go first
         elif steps is None or steps_of(item) == steps:
             steps = steps_of(item) if steps is None else steps
             batch.append(i)

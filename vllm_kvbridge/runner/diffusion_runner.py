@@ -3,9 +3,9 @@
 A diffusion stage has no vLLM engine. This runner builds the module its stage config
 names (``diffusion.class_path`` + ``kwargs`` + optional safetensors ``weights``),
 receives each request's KV cache from the upstream LLM stage through the
-:class:`~vllm_kvbridge.kv.manager.KVTransferManager` (with async prefetch of the next
-queued request, so the transfer of request ``n+1`` overlaps the denoise loop of ``n``),
-and runs a flow-matching Euler loop of ``num_steps`` steps:
+:class:`~vllm_kvbridge.kv.manager.KVTransferManager` (with async prefetch of the queued
+requests, so their transfers overlap the denoise loop of the running one), and runs a
+flow-matching Euler loop of ``num_steps`` steps:
 
     x_1 ~ N(0, I) (seeded per request);  x_{t - 1/n} = x_t - v(x_t, t, KV) / n;  image = decode(x_0)
 
@@ -37,6 +37,14 @@ step then mixes ``forward(.., kv)`` and ``forward(.., companion_kv)`` with
 Failure contract: a KV that does not arrive by ``kv_transfer.recv_timeout`` fails that
 request with :class:`~vllm_kvbridge.errors.TransferTimeout` (never "run without KV");
 a module that cannot be imported, built or loaded fails the stage at start.
+
+Queue order (issue 36): a queued request's KV is prefetched while it waits (the first
+``max(max_prefetch_inflight, max_batch_size)`` of the queue, :mod:`~vllm_kvbridge.runner.kv_ready`),
+against one deadline, ``recv_timeout`` from that prefetch's start: a prefetch that timed
+out fails its request when taken, with no second, synchronous wait. :meth:`DiffusionRunner.kv_ready`
+says whether a queued request can be taken without waiting for its KV, so the stage takes
+a ready request before a late one (``select_batch``'s ``ready``), and
+:meth:`DiffusionRunner.on_kv_ready` wakes it when a prefetch finished.
 """
 
 from __future__ import annotations
@@ -310,6 +318,12 @@ class DiffusionRunner(KVBridgeModelRunnerMixin):
         self.prefetch_enabled = bool(stage.kv_transfer.get("prefetch", True))
         # Created now, not on first request: a bad connector config fails the stage at start.
         self._kv = self.kvbridge_kv_manager if self.need_kv else None
+        self._ready: Any = None  # KVReadiness of the queue, when its KV is prefetched
+        if self._kv is not None and self.prefetch_enabled:
+            from vllm_kvbridge.runner.kv_ready import KVReadiness
+
+            window = max(self._kv.config.max_prefetch_inflight, self.max_batch_size)
+            self._ready = KVReadiness(self._start_prefetch, self._kv._prefetcher, window)
 
     def kvbridge_kv_manager_kwargs(self) -> dict[str, Any]:
         # The module knows how many KV heads it consumes (the TP routing needs it).
@@ -324,15 +338,36 @@ class DiffusionRunner(KVBridgeModelRunnerMixin):
         return KVJob(req.transfer_request_id, list(req.cfg_purposes))
 
     def hold_kv(self, req: DiffusionRequest) -> None:
-        """While ``req`` waits in this stage's queue, keep its KV at the sender past the TTL:
-        the manager renews every announced key (leases) until :meth:`release_kv`."""
+        """``req`` joined this stage's queue: keep its KV at the sender past the TTL while it
+        waits (the manager renews every announced key until :meth:`release_kv`), and
+        prefetch it if it is among the first queued (:meth:`kv_ready`)."""
         if self._kv is not None and req.from_stage >= 0:
             self._kv.hold_leases(req.transfer_request_id, req.sender_info)
+            if self._ready is not None:
+                self._ready.hold(req.transfer_request_id, req)
 
     def release_kv(self, req: DiffusionRequest) -> None:
-        """``req`` left the queue (it is received now, or dropped): stop renewing its KV."""
+        """``req`` left the queue (it is received now, or dropped): stop renewing its KV; the
+        next queued request's prefetch may start."""
         if self._kv is not None:
             self._kv.release_leases(req.transfer_request_id)
+            if self._ready is not None:
+                self._ready.leave(req.transfer_request_id)
+
+    def kv_ready(self, req: DiffusionRequest) -> bool:
+        """Whether taking ``req`` now waits for nothing: its KV arrived (prefetched), or its
+        prefetch failed (it fails at once), or it gets no prefetch (received when taken).
+        A queued request whose KV is still on its way is not ready: the stage takes ready
+        ones first (``select_batch``'s ``ready``), and this one fails by its own deadline."""
+        if self._ready is None or req.from_stage < 0:
+            return True
+        return self._ready.ready(req.transfer_request_id)
+
+    def on_kv_ready(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (from a prefetch thread) when a queued request's prefetch
+        finished: a worker that found nothing ready waits for it."""
+        if self._ready is not None:
+            self._ready.listen(callback)
 
     def withdraw_lost_kv(self, req: DiffusionRequest) -> bool:
         """``req``'s producer process was lost: True when its KV died with it unread (the
@@ -353,17 +388,23 @@ class DiffusionRunner(KVBridgeModelRunnerMixin):
 
     def prefetch(self, req: DiffusionRequest) -> None:
         """Start pulling ``req``'s KV (and companions) in the background (no-op when disabled)."""
-        if not (self.need_kv and self.prefetch_enabled):
-            return
-        self._kv.start_prefetch(
+        if self.need_kv and self.prefetch_enabled:
+            self._start_prefetch(req)
+
+    def _start_prefetch(self, req: DiffusionRequest) -> bool:
+        """Start ``req``'s prefetch; whether it started (not: in flight already, or skipped)."""
+        started = self._kv.start_prefetch(
             [(self.kv_job(req), dict(req.sender_info))], cfg_kv_collect_func=cfg_kv_collect
         )
+        return bool(started)
 
     def receive_kv(self, req: DiffusionRequest, *, denoise: bool = False) -> ReceivedKVLayers:
         """The request's per-layer KV and companions, bytes per cache, seconds waited.
 
         Uses the prefetched KV when there is one, else receives within ``recv_timeout``
-        (raises :class:`~vllm_kvbridge.errors.TransferTimeout` naming the missing cache).
+        (raises :class:`~vllm_kvbridge.errors.TransferTimeout` naming the missing cache). A
+        prefetch that timed out raises its timeout: the request's deadline is over, it is
+        not waited for again.
         On a 2-rank stage the leader first tells rank 1 about the request (``denoise``:
         whether it will take part in the denoise loop), then distributes the KV to it.
         """

@@ -17,8 +17,10 @@ Contract
   ``max_send_queue_bytes`` or more (its edge is full, or slower than the engine), the sends
   whose blocks the scheduler holds for us (``release``: a finished request's) are *held*:
   not gathered, their blocks not given back, so the KV stays in the engine's cache and the
-  engine admits only what its cache holds. They are gathered in order, at the next steps,
-  once the queue drains; one held for ``send_timeout`` fails, and its blocks go back. On
+  engine admits only what its cache holds. At each step every held send is tried on its
+  own, oldest first: gathered while the queue has room and it fits, otherwise kept, and
+  failed (its blocks go back) once ``send_timeout`` passed since it was held, whatever the
+  sends before it do. On
   the staged path (``staging_bytes``; the default on GPU) a held send also stays held while
   the staging pool has no room (``staging.full`` counts it), and its blocks go back only
   once the copy that reads them completed (:meth:`KVTransferManager.copies_in_flight`). A
@@ -26,6 +28,11 @@ Contract
   gathered at once in every case: vLLM frees a running request's blocks without asking
   the connector when it finishes. :meth:`take_released` names the requests whose blocks
   may go back (gathered, failed or withdrawn).
+* One deadline per request: its ``send_timeout`` runs from the step that handed it in
+  (held or not) and bounds its hold and its put's wait for room alike. Its puts wait for
+  room side by side with the other requests' (:mod:`vllm_kvbridge.kv.send_queue`), so
+  with the edge full every request fails about ``send_timeout`` after its own start, not
+  after the ones before it (issue 36).
 * :meth:`status`, :meth:`sender_info` and :meth:`discard` are the worker RPCs' answers;
   they run on the worker's RPC thread, concurrently with :meth:`send`.
 * Status per transfer id: ``pending`` | ``done`` | ``failed: why``, and ``aborted``. A
@@ -66,6 +73,16 @@ class _SendState:
     transfer_id: str
     kv: str = PENDING
     aborted: bool = False
+
+
+@dataclass
+class _Held:
+    """A send held in the engine's blocks: since when, and why it was not gathered last."""
+
+    spec: Any
+    since: float
+    #: the gather found no room (staging pool / connector memory), not a full send queue
+    deferred: bool = False
 
 
 class WorkerKVSender:
@@ -131,7 +148,7 @@ class WorkerKVSender:
         self._lock = threading.Lock()
         self._live: dict[str, _SendState] = {}  # engine id -> state, until the send settled
         self._history: OrderedDict[str, dict[str, str]] = OrderedDict()  # transfer id -> line
-        self._held: deque[tuple[Any, float]] = deque()  # (KVSendSpec, held since), oldest first
+        self._held: deque[_Held] = deque()  # oldest first
         self._released: set[str] = set()  # engine ids whose blocks may go back
         self._copying: set[str] = set()  # gathered on the copy stream, blocks still read
         self._closed = False
@@ -148,59 +165,71 @@ class WorkerKVSender:
             for spec in specs:
                 self._live[spec.req_id] = _SendState(spec.transfer_id)
                 if spec.release:
-                    self._held.append((spec, now))
+                    self._held.append(_Held(spec, now))
                 else:
                     at_once.append(spec)
-        self._gather(at_once)
-        while (item := self._next_held(now)) is not None:
-            spec, since = item
-            if self._gather([spec]):  # no room in the staging pool: keep holding it
-                with self._lock:
-                    if now - since < self._send_timeout:
-                        self._held.appendleft((spec, since))
-                    else:
-                        stats = self.manager.staging_stats()
-                        self._drop_held_locked(
-                            spec,
-                            f"KV held {now - since:.1f} s in the engine (send_timeout "
-                            f"{self._send_timeout:g} s) while there was no room for it in the "
-                            f"staging pool or the connector's memory ({stats})",
-                        )
-                break
-            with self._lock:
-                self._copying.add(spec.req_id)
+        self._gather(at_once, now)
+        self._drain_held(now)
         self.poll()
         if idle and (self.held() or self.copying()):
             time.sleep(HELD_IDLE_PAUSE_S)
 
-    def _next_held(self, now: float) -> tuple[Any, float] | None:
-        """The oldest held send (and since when) if the queue has room, else None; fails
-        those held for ``send_timeout``."""
-        with self._lock:
-            while self._held:
-                spec, since = self._held[0]
+    def _drain_held(self, now: float) -> None:
+        """Try every held send once, oldest first, each on its own: gathered while the send
+        queue has room and the gather finds room, else kept; failed once held for
+        ``send_timeout``. One that cannot go never stops the ones after it."""
+        i = 0
+        while True:
+            with self._lock:
+                if i >= len(self._held):
+                    return
+                held = self._held[i]
                 queued = self.manager.queued_send_bytes()
-                if queued < self._queue_budget:
-                    self._held.popleft()
-                    return spec, since
-                if now - since < self._send_timeout:
-                    return None
-                self._held.popleft()
-                self._drop_held_locked(
-                    spec,
-                    f"KV held {now - since:.1f} s in the engine (send_timeout "
-                    f"{self._send_timeout:g} s) while {queued} bytes waited for their puts "
-                    f"(max_send_queue_bytes={self._queue_budget}): the edge stayed full",
-                )
-        return None
+                if queued >= self._queue_budget:
+                    held.deferred = False  # kept by the full queue this time
+                    if now - held.since >= self._send_timeout:
+                        del self._held[i]
+                        self._expire_locked(held, now, queued)
+                    else:
+                        i += 1
+                    continue
+                del self._held[i]  # out while it is gathered (a discard meanwhile finds nothing)
+            if not self._gather([held.spec], held.since):
+                with self._lock:
+                    self._copying.add(held.spec.req_id)
+                continue
+            # No room in the staging pool or the connector's memory: keep holding it.
+            with self._lock:
+                held.deferred = True
+                if now - held.since < self._send_timeout:
+                    self._held.insert(i, held)
+                    i += 1
+                else:
+                    self._expire_locked(held, now, queued)
+
+    def _expire_locked(self, held: _Held, now: float, queued: int) -> None:
+        """``held`` was held for ``send_timeout``: it fails naming what kept it."""
+        if held.deferred:
+            where = (
+                "there was no room for it in the staging pool or the connector's memory "
+                f"({self.manager.staging_stats()})"
+            )
+        else:
+            where = (
+                f"{queued} bytes waited for their puts (max_send_queue_bytes={self._queue_budget}): "
+                "the edge stayed full"
+            )
+        why = f"KV held {now - held.since:.1f} s in the engine (send_timeout {self._send_timeout:g} s) while "
+        self._drop_held_locked(held.spec, why + where)
 
     def _drop_held_locked(self, spec: Any, why: str) -> None:
         """A held send that will never be gathered: it fails with ``why``, its blocks go back."""
         self._settle(spec.req_id, f"{FAILED}: {why}")
         self._released.add(spec.req_id)
 
-    def _gather(self, specs: Sequence[Any]) -> list[str]:
-        """Gather ``specs``; returns the ids the staging pool had no room for (held ones)."""
+    def _gather(self, specs: Sequence[Any], since: float) -> list[str]:
+        """Gather ``specs`` (handed in at ``since``: their puts wait for room until
+        ``since + send_timeout``); returns the ids the staging pool had no room for (held ones)."""
         deferred: list[str] = []
         if not specs:
             return deferred
@@ -219,14 +248,15 @@ class WorkerKVSender:
             finished_reqs[spec.req_id] = info
         ids = {s.req_id: s.transfer_id for s in specs}
         try:
-            self.manager.handle_finished_requests_kv_transfer(
-                finished_reqs,
-                self.kv_caches,
-                self.block_size,
-                self.kv_caches[0].dtype,
-                request_id_resolver=ids.__getitem__,
-                deferred=deferred,
-            )
+            with self.manager.sends.deadlines({rid: since + self._send_timeout for rid in ids}):
+                self.manager.handle_finished_requests_kv_transfer(
+                    finished_reqs,
+                    self.kv_caches,
+                    self.block_size,
+                    self.kv_caches[0].dtype,
+                    request_id_resolver=ids.__getitem__,
+                    deferred=deferred,
+                )
         except Exception as exc:
             logger.exception("kvbridge: KV sends of this step could not start")
             why = f"{FAILED}: KV send could not start: {type(exc).__name__}: {exc}"
@@ -326,12 +356,12 @@ class WorkerKVSender:
         ids = list(request_ids)
         with self._lock:
             wanted = set(ids)
-            kept: deque[tuple[Any, float]] = deque()
-            for spec, since in self._held:
-                if spec.transfer_id in wanted:
-                    self._drop_held_locked(spec, "withdrawn before its KV was gathered")
+            kept: deque[_Held] = deque()
+            for held in self._held:
+                if held.spec.transfer_id in wanted:
+                    self._drop_held_locked(held.spec, "withdrawn before its KV was gathered")
                 else:
-                    kept.append((spec, since))
+                    kept.append(held)
             self._held = kept
         return {rid: self.manager.discard_sent(rid) for rid in ids}
 
@@ -354,8 +384,8 @@ class WorkerKVSender:
             self._closed = True
         self._exit_hook.cancel()
         with self._lock:
-            for spec, _ in self._held:
-                self._drop_held_locked(spec, "shut down before its KV was gathered")
+            for held in self._held:
+                self._drop_held_locked(held.spec, "shut down before its KV was gathered")
             self._held.clear()
         try:
             self.manager.shutdown(timeout=timeout)

@@ -25,12 +25,17 @@ Ordering contract (sender and receiver alike)
 ---------------------------------------------
 * One lock per object (``self._lock``) guards its per-request state; connector I/O is never
   done while holding it, so ``cancel``/``result``/``status`` never wait on the network.
-* Sender: a few I/O threads share one FIFO queue; a thread takes the oldest job whose
-  request has no put running, so the puts of a request happen one at a time in the order
-  they were submitted (chunk ``i`` lands before chunk ``i+1``) while a slow put of one
-  request (a slow link, sleeping retries) never holds up the other requests of the edge;
-  ``abort`` removes the request's queued puts and enqueues the abort envelope after the
-  put in progress.
+* Sender: jobs wait in one FIFO queue; each request with queued jobs has one *lane*, a
+  task of the sender's :class:`~vllm_kvbridge.connectors.put_retry.PutScheduler` that puts
+  the request's jobs one at a time in the order they were submitted (chunk ``i`` lands
+  before chunk ``i+1``). A lane that waits - for room on a full edge, for a retry's
+  backoff - holds none of the I/O threads, so every request's put is tried and fails on
+  its own, ``send_timeout_s`` after it could start (its enqueue, or its request's
+  previous put), never after the puts of other requests (issue 36: four threads that each
+  waited out a full edge made the fifth request wait twice as long); a put that is slow
+  in the connector itself (a slow link) holds one thread and leaves the others to the
+  rest of the edge. ``abort`` removes the request's queued puts and enqueues the abort
+  envelope after the put in progress.
 * Receiver: only the receive thread appends chunks, in chunk-id order; a request's terminal
   state (done, failed, cancelled) is set once, under the lock, and nothing is appended
   after it. Waiters are woken through one condition variable on that lock.
@@ -43,14 +48,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from vllm_kvbridge.connectors.base import Connector
 from vllm_kvbridge.connectors.keys import payload_key
-from vllm_kvbridge.connectors.put_retry import put_with_retry
+from vllm_kvbridge.connectors.put_retry import PutAttempt, PutOutcome, PutScheduler
 from vllm_kvbridge.errors import (
     ConfigError,
     TransferCorrupt,
@@ -60,8 +65,9 @@ from vllm_kvbridge.runner.doorbell import BELL_KEY, Bell
 
 logger = logging.getLogger(__name__)
 
-#: I/O threads per payload sender (per edge): enough that a few slow requests do not hold
-#: up the rest of the edge; a request's own puts still run one at a time.
+#: I/O threads per payload sender (per edge): enough that a few puts slow in the connector
+#: (a slow link) do not hold up the rest of the edge; waits for room hold none of them; a
+#: request's own puts still run one at a time.
 SEND_WORKERS = 4
 
 ENVELOPE_KEY = "kvbridge"
@@ -172,6 +178,38 @@ class _PutJob:
     request_id: str
     key: str
     envelope: dict[str, Any]
+    queued_at: float = field(default_factory=time.monotonic)
+
+
+class _Lane:
+    """The puts of one request, one at a time in submission order: a scheduler task that
+    takes the request's next queued job when its put is over, and ends with the queue."""
+
+    def __init__(self, sender: PayloadSender, request_id: str) -> None:
+        self._sender, self._request_id = sender, request_id
+        self._job: _PutJob | None = None
+        self._attempt: PutAttempt | None = None
+        self._free_since = time.monotonic()  # when the request's previous put ended
+
+    def __call__(self) -> float | None:
+        sender = self._sender
+        if self._job is None:
+            self._job = sender._next_job(self._request_id)
+            if self._job is None:
+                return None  # nothing queued: the lane is over (sender._next_job ended it)
+            # Its send_timeout runs from when it could start: its own enqueue, or when the
+            # request's previous put ended (a chunk waits for the one before it).
+            deadline = max(self._job.queued_at, self._free_since) + sender.send_timeout_s
+            self._attempt = sender._attempt(self._job, deadline)
+        assert self._attempt is not None
+        wake = self._attempt.step()
+        if wake is not None:
+            return wake
+        job, outcome = self._job, self._attempt.outcome
+        self._job = self._attempt = None
+        sender._run(job, outcome)
+        self._free_since = time.monotonic()
+        return self._free_since  # the next job, after the tasks already due
 
 
 class PayloadSender:
@@ -213,19 +251,15 @@ class PayloadSender:
         self._wake = threading.Condition(self._lock)
         self._queue: deque[_PutJob] = deque()
         self._queued: dict[str, int] = {}  # request id -> queued or running jobs
-        self._running: set[str] = set()  # requests with a put in progress
+        self._running: set[str] = set()  # requests with a lane (a put in progress or queued)
         self._status: dict[str, str] = {}
         self._final_seen: set[str] = set()
         self._next_chunk: dict[str, int] = {}
         self._closed = False
         self.last_metadata: dict[str, Any] = {}
         self._bell = Bell() if bell else None
-        self._threads = [
-            threading.Thread(target=self._loop, name=f"kvbridge-payload-send-{to_stage}-{i}", daemon=True)
-            for i in range(workers)
-        ]
-        for thread in self._threads:
-            thread.start()
+        # Started now: the edge's threads exist before its first request.
+        self._scheduler = PutScheduler(f"kvbridge-payload-send-{to_stage}", workers, start=True)
 
     def key(self, request_id: str, chunk: int | None) -> str:
         return payload_key(
@@ -259,7 +293,9 @@ class PayloadSender:
                 self._status[job.request_id] = "pending"
             if final:
                 self._final_seen.add(job.request_id)
-            self._wake.notify()
+            if job.request_id not in self._running:
+                self._running.add(job.request_id)
+                self._scheduler.submit(_Lane(self, job.request_id))
 
     def send_full(self, request_id: str, payload: Mapping[str, Any]) -> None:
         """Queue a request's one and only payload."""
@@ -324,48 +360,36 @@ class PayloadSender:
         with self._lock:
             return set(self._status) | set(self._next_chunk) | set(self._queued)
 
-    def _put(self, job: _PutJob) -> str | None:
-        outcome = put_with_retry(
+    def _attempt(self, job: _PutJob, deadline: float) -> PutAttempt:
+        """The put of ``job`` with retries, waiting for room until ``deadline``."""
+        return PutAttempt(
             lambda: self.connector.put(self.from_stage, self.to_stage, job.key, job.envelope),
             retries=self.retries,
             backoff=lambda i: min(self.backoff_s * 2**i, self.max_backoff_s),
             send_timeout_s=self.send_timeout_s,
+            deadline=deadline,
             stop=self._stop,
         )
+
+    def _next_job(self, request_id: str) -> _PutJob | None:
+        """Take the oldest queued job of ``request_id``; None (and its lane is over) when
+        there is none."""
+        with self._lock:
+            for i, job in enumerate(self._queue):
+                if job.request_id == request_id:
+                    del self._queue[i]
+                    return job
+            self._running.discard(request_id)
+            self._wake.notify_all()
+            return None
+
+    def _run(self, job: _PutJob, outcome: PutOutcome) -> None:
+        """``job``'s put is over: record how, ring the bell, tell the receiver of a failure."""
+        error = None
         if outcome.result is None:
-            return f"put of {job.key} failed: {outcome.error}"
-        self.last_metadata = dict(outcome.result.metadata)
-        return None
-
-    def _take_locked(self) -> _PutJob | None:
-        """The oldest queued job whose request has no put running (called with the lock)."""
-        for i, job in enumerate(self._queue):
-            if job.request_id not in self._running:
-                del self._queue[i]
-                self._running.add(job.request_id)
-                return job
-        return None
-
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                job = self._take_locked()
-                while job is None:
-                    # Closed: the jobs left belong to requests another thread is putting;
-                    # that thread takes them when its put returns.
-                    if self._closed:
-                        return
-                    self._wake.wait()
-                    job = self._take_locked()
-            try:
-                self._run(job)
-            finally:
-                with self._lock:
-                    self._running.discard(job.request_id)
-                    self._wake.notify_all()
-
-    def _run(self, job: _PutJob) -> None:
-        error = self._put(job)
+            error = f"put of {job.key} failed: {outcome.error}"
+        else:
+            self.last_metadata = dict(outcome.result.metadata)
         kind = job.envelope[ENVELOPE_KEY]["kind"]
         final = job.envelope[ENVELOPE_KEY]["final"]
         abort_after = False
@@ -396,20 +420,18 @@ class PayloadSender:
                 pass
 
     def threads_alive(self) -> int:
-        return sum(t.is_alive() for t in self._threads)
+        return self._scheduler.threads_alive()
 
     def close(self, timeout: float = 10.0) -> None:
         """Finish the queued puts (up to ``timeout``), stop the threads. Idempotent."""
+        end = time.monotonic() + timeout
         with self._lock:
             self._closed = True
-            self._wake.notify_all()
-        end = time.monotonic() + timeout
-        for thread in self._threads:
-            thread.join(max(0.0, end - time.monotonic()))
+            while self._running and (left := end - time.monotonic()) > 0:
+                self._wake.wait(left)
         self._stop.set()  # a put still waiting for room gives up (its request fails)
-        for thread in self._threads:
-            thread.join(0.5)
-        alive = sum(t.is_alive() for t in self._threads)
+        self._scheduler.hurry()
+        alive = self._scheduler.close(0.5)
         if alive:
             logger.warning("%d payload sender threads did not stop within %.1f s", alive, timeout)
         if self._bell is not None:
