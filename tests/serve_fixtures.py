@@ -1,5 +1,7 @@
 """Helpers of the serve tests: start ``vllm-kvbridge serve`` (or ``vllm serve``) as a real
-subprocess on a free loopback port, wait for it, stop it, and look for leftovers."""
+subprocess on a free loopback port, wait for it, stop it, and look for leftovers; or serve
+the real app in this process over a pipeline that is never started (:func:`serve_unstarted`),
+for what the HTTP layer decides before a request reaches a stage."""
 
 from __future__ import annotations
 
@@ -87,14 +89,17 @@ def start_serve(
     *extra: str,
     timeout_s: float = 300,
     tls: tuple[Path, Path] | None = None,
+    debug_endpoints: bool = True,
 ) -> Server:
-    """``vllm-kvbridge serve`` on a free port; ``tls``: (key, certificate) PEM files -> HTTPS."""
+    """``vllm-kvbridge serve`` on a free port; ``tls``: (key, certificate) PEM files -> HTTPS.
+    ``debug_endpoints``: pass ``--debug-endpoints`` (the tests read ``/debug/state`` and the
+    stages' pids in ``/health``, which a server without a key hides by default)."""
     port = free_port()
     argv = [
         sys.executable, "-m", "vllm_kvbridge.cli.main", "serve",
         "--stage-config", str(config), "--port", str(port), "--model", str(model),
         "--output-dir", str(tmp / "images"), "--log-dir", str(tmp / "logs"), "--drain-timeout", "5",
-        *extra,
+        *(["--debug-endpoints"] if debug_endpoints else []), *extra,
     ]  # fmt: skip
     scheme, verify = "http", True
     if tls is not None:
@@ -122,6 +127,54 @@ def serve_edited(
         yield srv
     finally:
         stop(srv)
+
+
+@dataclass
+class AppServer:
+    """The real app under uvicorn in this process (:func:`serve_unstarted`)."""
+
+    url: str
+    state: Any  # the app's ``ServerState`` (its ``service`` is real, its stages never start)
+
+
+@contextlib.contextmanager
+def serve_unstarted(
+    config: str | Path, model: str | Path, *, max_in_flight: int = 2, **app_kwargs: Any
+) -> Iterator[AppServer]:
+    """Serve ``build_app`` (``app_kwargs``: its options) with uvicorn on a free loopback port,
+    in a thread of this process, over a real :class:`PipelineService` whose pipeline is never
+    started: no stage process or engine, so a request the server hands to it stays in flight
+    until the server stops. For what the server must decide before that (limits, validation,
+    authentication, admission); the model's tokenizer does the prompt-length checks."""
+    import threading
+
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from vllm_kvbridge.pipeline import Pipeline
+    from vllm_kvbridge.pipeline.service import PipelineService
+    from vllm_kvbridge.server.app import ServerState, build_app
+
+    pipe = Pipeline.from_config(config, model=str(model))
+    service = PipelineService(pipe, max_in_flight=max_in_flight)
+    state = ServerState(
+        service, served_model_name=pipe.plan.name, tokenizer=AutoTokenizer.from_pretrained(str(model))
+    )
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(build_app(state, **app_kwargs), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, name="serve-unstarted", daemon=True)
+    thread.start()
+    try:
+        if not wait_for(lambda: server.started or not thread.is_alive(), 60) or not server.started:
+            raise RuntimeError("uvicorn did not start")
+        yield AppServer(f"http://127.0.0.1:{port}", state)
+    finally:
+        service.close()  # fails whatever is in flight, so no handler waits past the exit
+        server.should_exit = True
+        thread.join(timeout=30)
+        pipe.close()
 
 
 def self_signed_cert(directory: Path) -> tuple[Path, Path]:

@@ -127,3 +127,19 @@ def test_killing_a_stage_group_removes_the_shared_memory_only_it_mapped(tmp_path
             p.wait()
         for n in (own, shared):
             Path(f"/dev/shm/{n}").unlink(missing_ok=True)
+
+
+def test_the_exit_cause_is_the_signal_or_the_exception_never_a_stray_log_line() -> None:
+    """Issue 36: a killed stage's 502/503 and /health quoted whatever it logged last (e.g.
+    a warning); now the signal that killed it, or the exception of its last traceback."""
+    from vllm_kvbridge.pipeline.stage_handles import exit_cause
+
+    log = "INFO starting\nWARNING libtcmalloc is not found in LD_PRELOAD\n"
+    assert exit_cause(-9, log) == "killed by SIGKILL"
+    assert exit_cause(-15, "") == "killed by SIGTERM"
+    crashed = (
+        log + 'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n'
+        "    boom()\nRuntimeError: out of blocks\nWARNING shutting down\n"
+    )
+    assert exit_cause(1, crashed) == "RuntimeError: out of blocks"
+    assert exit_cause(3, log) == "no error in its log"

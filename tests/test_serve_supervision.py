@@ -106,11 +106,12 @@ def test_killed_diffusion_stage_fails_its_requests_and_comes_back(served) -> Non
     assert wait_for(lambda: not state()["shm_published"], 10), state()
 
     # the restart waits at its gate: the stage is recovering and new requests are refused
-    h = wait_for(lambda: (lambda h: h if h["status"] == "recovering" else None)(_health(srv)), 30)
+    h = wait_for(lambda: (lambda h: h if h["status"] == "degraded" else None)(_health(srv)), 30)
     assert h, _health(srv)
     dit = h["stages"][1]
     assert dit["status"] == "recovering" and dit["restarts"] == 1 and "exited" in dit["error"]
-    assert httpx.get(srv.url + "/health").status_code == 503
+    # degraded, not down: a liveness probe must not kill a server that heals itself
+    assert httpx.get(srv.url + "/health").status_code == 200
     r = httpx.post(srv.url + IMAGES, json={"prompt": "too early"}, timeout=60)
     assert r.status_code == 503 and r.headers["Retry-After"] == "5", r.text
     assert "stage 1 (diffusion) is restarting" in r.json()["error"]["message"]
@@ -184,13 +185,14 @@ def test_a_stage_out_of_restarts_takes_the_pipeline_down_and_sigterm_cleans_up(s
     os.kill(pids[1], signal.SIGKILL)  # its third loss in the window: no restart left
 
     def down() -> dict | None:
-        # Until the orchestrator has noticed the exit the stage reads "stopped" (unhealthy,
+        # Until the orchestrator has noticed the exit the stage reads "stopped" (unavailable,
         # no error yet): wait for the pipeline's own verdict.
         h = _health(srv)
-        return h if h["status"] == "unhealthy" and h["error"] else None
+        return h if h["status"] == "down" and h["error"] else None
 
     h = wait_for(down, 30)
     assert h, _health(srv)
+    assert httpx.get(srv.url + "/health").status_code == 503  # down for good
     assert "not restarted: 2 restart(s) in the last 600 s (runtime.max_restarts: 2)" in h["error"]
     r = httpx.post(srv.url + IMAGES, json={"prompt": "a cat"}, timeout=30)
     assert r.status_code == 503 and "stage 1 (diffusion)" in r.json()["error"]["message"]

@@ -88,7 +88,9 @@ class SoakResult:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--stage-config", help="start `vllm-kvbridge serve` with this config")
-    where.add_argument("--url", help="drive a server already running on this host")
+    where.add_argument(
+        "--url", help="drive a server already running on this host (started with --debug-endpoints)"
+    )
     p.add_argument("--model", help="model for the started server (default: the tiny offline model)")
     p.add_argument("--requests", type=int, default=1000, help="requests in all (default 1000)")
     p.add_argument("--concurrency", type=int, default=8, help="client threads (default 8)")
@@ -122,7 +124,9 @@ class _Server:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
+        # --debug-endpoints: the soak reads /debug/state and the stages' pids, and sends no key.
         argv = [sys.executable, "-m", "vllm_kvbridge.cli.main", "serve", "--stage-config", config]
+        argv += ["--debug-endpoints"]
         argv += ["--port", str(port), "--drain-timeout", "5"] + (["--model", model] if model else [])
         self.url, self.log = f"http://127.0.0.1:{port}", log
         with open(log, "ab") as out:
@@ -316,7 +320,7 @@ def _kill_and_watch(client: httpx.Client, kill: Kill, start: float, timeout_s: f
         if h["status"] == "ok" and s.get("pid") != kill.pid:
             kill.recovery_s = time.monotonic() - t0
             return
-        if h["status"] == "unhealthy":
+        if h["status"] == "down":
             return  # no restart left: it is down for good
         time.sleep(0.1)
 

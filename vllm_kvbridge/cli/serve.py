@@ -4,6 +4,7 @@
                         [--served-model-name NAME] [--output-dir DIR] [--log-dir DIR]
                         [--drain-timeout S]
                         [--api-key KEY] [--unauthenticated-paths P,...] [--max-in-flight N]
+                        [--max-body-bytes N] [--debug-endpoints]
                         [--ssl-keyfile PEM --ssl-certfile PEM]
 
 Starts every stage (blocking until all are ready; the port opens only then), then serves
@@ -23,6 +24,7 @@ from typing import Any
 
 from vllm_kvbridge.errors import ConfigError
 from vllm_kvbridge.server.auth import API_KEY_ENV, api_key_from, open_paths_from
+from vllm_kvbridge.server.limits import DEFAULT_MAX_BODY_BYTES
 
 #: Seconds uvicorn waits past ``--drain-timeout`` for the aborted requests' 503 answers.
 SHUTDOWN_GRACE_S = 5
@@ -70,6 +72,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--max-in-flight",
         type=int,
         help="requests in flight at most; beyond, 429 with Retry-After (default: runtime.max_in_flight, 256)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="request bodies larger than this are answered 413, unread (%(default)s)",
+    )
+    p.add_argument(
+        "--debug-endpoints",
+        action="store_true",
+        help="without --api-key: serve /debug/state and show the stages' pids in /health (off: "
+        "404 / no pids); with a key both need it anyway",
     )
     p.add_argument("--ssl-keyfile", help="serve HTTPS with this private key (PEM)")
     p.add_argument("--ssl-certfile", help="serve HTTPS with this certificate chain (PEM)")
@@ -148,6 +162,9 @@ def _serve(args: argparse.Namespace) -> int:
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         print("error: --ssl-keyfile and --ssl-certfile go together", file=sys.stderr)
         return 2
+    if args.max_body_bytes < 1:
+        print("error: --max-body-bytes must be >= 1", file=sys.stderr)
+        return 2
     # Until uvicorn installs its own handlers, SIGTERM stops the stages being started.
     old = signal.signal(signal.SIGTERM, stop)
     model = args.model
@@ -202,7 +219,13 @@ def _serve(args: argparse.Namespace) -> int:
         drain_s=args.drain_timeout,
     )
     api_key = api_key_from(args.api_key)
-    app = build_app(state, api_key=api_key, open_paths=open_paths_from(args.unauthenticated_paths))
+    app = build_app(
+        state,
+        api_key=api_key,
+        open_paths=open_paths_from(args.unauthenticated_paths),
+        max_body_bytes=args.max_body_bytes,
+        debug_endpoints=args.debug_endpoints,
+    )
     scheme = "https" if args.ssl_certfile else "http"
     print(
         f"[serve] {pipe.plan.name} on {scheme}://{args.host}:{args.port} (run {pipe.run_id})"

@@ -7,8 +7,8 @@ started by :func:`spawn_stage`), or a process a Ray actor started on its node
 (:mod:`vllm_kvbridge.pipeline.ray_backend`). :func:`kill_stage_group` ends one for good on
 its host, removing the shared memory its vLLM engine could not; :func:`with_run_namespaces` gives a
 run's shared-memory and Mooncake-store edges their own namespace; :func:`with_run_curve_keys`
-gives a run's ZMQ edges bound beyond loopback their own CURVE keypair; :func:`log_tail` /
-:func:`last_error_line` read a stage's log for error reports.
+gives a run's ZMQ edges bound beyond loopback their own CURVE keypair; :func:`log_tail`
+reads a stage's log and :func:`exit_cause` says why its process exited, for error reports.
 """
 
 from __future__ import annotations
@@ -370,11 +370,21 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def last_error_line(tail: str) -> str:
-    for line in reversed(tail.splitlines()):
-        if line.strip() and not line.startswith(" "):
-            return line.strip()
-    return ""
+def exit_cause(code: int, tail: str) -> str:
+    """Why a stage process that exited with ``code`` did: the signal that killed it (its log's
+    last line then says nothing about it: it was whatever it logged last, e.g. a warning), or
+    the exception line of the last traceback in its log."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    lines = tail.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
+    if not starts:
+        return "no error in its log"
+    # The exception line: the first unindented line after the frames of the last traceback.
+    after = (line.strip() for line in lines[starts[-1] + 1 :] if line.strip() and not line.startswith(" "))
+    return next(after, "a traceback without its exception line")
 
 
 #: Connectors whose names (segments, store keys) live in a namespace shared by every run on

@@ -37,7 +37,7 @@ from typing import Any
 from vllm_kvbridge.config.resolve import ResolvedStage
 from vllm_kvbridge.pipeline import messages as m
 from vllm_kvbridge.pipeline.results import RequestResult, StageError
-from vllm_kvbridge.pipeline.stage_handles import StageHandle, last_error_line
+from vllm_kvbridge.pipeline.stage_handles import StageHandle, exit_cause
 
 __all__ = [
     "MAX_BACKOFF_S",
@@ -127,7 +127,7 @@ class StageSupervision:
             if h.failure is not None:
                 return h.failure
             tail = h.proc.log_tail()
-            why = last_error_line(tail) or "no output"
+            why = exit_cause(code, tail)
             return StageError(stage.stage_id, stage.kind, f"process exited with status {code} ({why})", tail)
         timeout = self.policy.heartbeat_timeout_s
         if h.ready_at and now - h.last_seen > timeout:

@@ -4,20 +4,22 @@ Endpoints: ``POST /v1/images/generations`` (pipelines ending in a diffusion stag
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (pipelines ending in an LLM
 stage; ``stream: true`` answers as server-sent events, one chunk per piece of text the
 last stage reports while it generates), ``POST /v1/audio/speech`` (pipelines ending in a
-vocoder stage; :mod:`vllm_kvbridge.server.speech`), ``GET /v1/models``, ``GET /health``
-(per stage; 503 when a stage is down), ``GET /metrics`` (Prometheus), ``GET /debug/state``
-(in-flight requests and this run's shared-memory names), ``GET /images/{name}`` (images
-returned as URLs).
+vocoder stage; :mod:`vllm_kvbridge.server.speech`), ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus), ``GET /debug/state`` (the last three and who sees what:
+:mod:`vllm_kvbridge.server.introspection`), ``GET /images/{name}`` (images returned as URLs).
 
-Error contract (OpenAI's ``{"error": {"message", "type", "param", "code"}}`` body):
-400 bad JSON / schema / too-long prompt / wrong endpoint for this pipeline, 401 no valid
-API key (with ``--api-key``), 404 unknown model, 429 ``max_in_flight`` requests are in
-flight (with ``Retry-After``), 502 the stage the request was in crashed or stalled (it is
-restarted: see ``pipeline/supervision.py``), 503 a stage is restarted meanwhile (with
-``Retry-After``), is down for good, or the server is shutting down, 504 the request outlived
-``runtime.request_timeout``, 500 a stage failed the request. A request never waits
-longer than the pipeline's ``request_timeout``. A client that disconnects has its
-request aborted in every stage (status 499 in the metrics).
+Error contract (OpenAI's ``{"error": {"message", "type", "param", "code"}}`` body, for every
+error: :mod:`vllm_kvbridge.server.errors`): 400 bad JSON / schema / too-long prompt or
+negative prompt / wrong endpoint for this pipeline, 401 no valid API key (with
+``--api-key``), 404 unknown model or path, 413 a body over ``--max-body-bytes``
+(:mod:`vllm_kvbridge.server.limits`), 429 ``max_in_flight`` requests are in flight (with
+``Retry-After``; an ``n``-image request is admitted or refused whole), 502 the stage the
+request was in crashed or stalled (it is restarted: see ``pipeline/supervision.py``), 503 a
+stage is restarted meanwhile (with ``Retry-After``), is down for good, or the server is
+shutting down, 504 the request outlived ``runtime.request_timeout``, 500 a stage failed the
+request. A request never waits longer than the pipeline's ``request_timeout``. A client that
+disconnects has its request aborted in every stage (status 499 in the metrics). Nothing
+slow (tokenizing, PNG/WAV encoding) runs on the event loop, which also answers ``/health``.
 """
 
 from __future__ import annotations
@@ -33,17 +35,18 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, Response, StreamingResponse
 
 from vllm_kvbridge.pipeline.messages import StageProgress
 from vllm_kvbridge.pipeline.orchestrator import RequestResult
-from vllm_kvbridge.server.auth import DEFAULT_OPEN_PATHS, ApiKeyAuth
-from vllm_kvbridge.server.errors import ApiError, ClientGone, error_body
+from vllm_kvbridge.server.auth import DEFAULT_OPEN_PATHS, SCOPE_KEY, ApiKeyAuth
+from vllm_kvbridge.server.errors import ApiError, ClientGone, error_body, install_error_handlers
+from vllm_kvbridge.server.introspection import add_introspection_routes
+from vllm_kvbridge.server.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from vllm_kvbridge.server.metrics import ServerMetrics
 from vllm_kvbridge.server.protocol import ChatCompletionRequest, CompletionRequest, ImageRequest
 from vllm_kvbridge.server.speech import add_speech_routes
-from vllm_kvbridge.server.state import SCOPE_KEY, ServerState
+from vllm_kvbridge.server.state import ServerState
 
 __all__ = ["ServerState", "build_app"]
 
@@ -85,10 +88,18 @@ class _CountRequests:
 
 
 def build_app(
-    state: ServerState, *, api_key: str | None = None, open_paths: Iterable[str] = DEFAULT_OPEN_PATHS
+    state: ServerState,
+    *,
+    api_key: str | None = None,
+    open_paths: Iterable[str] = DEFAULT_OPEN_PATHS,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    debug_endpoints: bool = False,
 ) -> FastAPI:
     """The app; the caller owns ``state.service`` (started before, closed on shutdown).
-    ``api_key``: require it on every path but ``open_paths`` (:mod:`vllm_kvbridge.server.auth`)."""
+    ``api_key``: require it on every path but ``open_paths`` (:mod:`vllm_kvbridge.server.auth`);
+    ``max_body_bytes``: answer a larger request body 413 (:mod:`vllm_kvbridge.server.limits`);
+    ``debug_endpoints``: without a key, open ``/debug/state`` and the pids in ``/health``
+    (:mod:`vllm_kvbridge.server.introspection`)."""
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
@@ -101,97 +112,14 @@ def build_app(
     app.state.kvbridge = state
     m = state.metrics
 
+    # Innermost first: the body is counted only for a request the key let in.
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(ApiKeyAuth, api_key=api_key, open_paths=open_paths)
-    app.add_middleware(_CountRequests, metrics=m)  # outermost: 401s are counted too
+    app.add_middleware(_CountRequests, metrics=m)  # outermost: 401s and 413s are counted too
 
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        m.failures.labels(exc.reason or ("bad_request" if exc.status < 500 else "error")).inc()
-        return JSONResponse(
-            error_body(exc.status, exc.message, exc.kind), status_code=exc.status, headers=exc.headers
-        )
-
-    @app.exception_handler(ClientGone)
-    async def client_gone(request: Request, exc: ClientGone) -> Response:
-        return Response(status_code=499)
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        parts = []
-        param = None
-        for e in exc.errors():
-            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-            param = param or (".".join(loc) or None)
-            if e.get("type") == "json_invalid":
-                parts.append(f"invalid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}")
-            else:
-                parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
-        m.failures.labels("bad_request").inc()
-        return JSONResponse(
-            error_body(400, "; ".join(parts) or "invalid request", "BadRequestError", param), status_code=400
-        )
-
-    # -- introspection -----------------------------------------------------------------
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        h = state.service.health()
-        down = [s for s in h["stages"] if s["status"] != "ready"]
-        body = {
-            "status": "ok" if h["ok"] else "recovering" if h["recovering"] else "unhealthy",
-            "pipeline": state.plan.name,
-            "stages": h["stages"],
-            "error": h["error"],
-        }
-        if down:
-            body["down"] = [
-                f"stage {s['stage_id']} ({s['kind']}): {s.get('error', s['status'])}" for s in down
-            ]
-        return JSONResponse(body, status_code=200 if h["ok"] else 503)
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": state.served_model_name,
-                    "object": "model",
-                    "created": state.created,
-                    "owned_by": "vllm-kvbridge",
-                    "max_model_len": state.max_model_len,
-                    "kvbridge": {
-                        "pipeline": state.plan.name,
-                        "output": state.output_kind,
-                        "stages": [{"stage_id": s.stage_id, "kind": s.kind} for s in state.plan.stages],
-                    },
-                }
-            ],
-        }
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        return Response(m.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/debug/state")
-    async def debug_state() -> dict[str, Any]:
-        from vllm_kvbridge.connectors.leftovers import shared_memory_names
-
-        run = state.service.pipeline.run_id
-        names = shared_memory_names(run)
-        return {
-            "run_id": run,
-            "in_flight": state.service.in_flight(),
-            "in_flight_high_water": state.service.high_water,
-            "max_in_flight": state.service.max_in_flight,
-            "shm_segments": names,
-            # published and not yet consumed payloads/KV caches (pool segments are reused)
-            "shm_published": [n for n in names if ".k." in n],
-            # request id -> the stages working on it (waiting for a recovering one: absent)
-            "requests": state.service.pipeline.request_stages(),
-        }
+    install_error_handlers(app, m)
+    add_introspection_routes(app, state, api_key=api_key, debug_endpoints=debug_endpoints)
 
     @app.get("/images/{name}")
     async def image_file(name: str) -> Response:
@@ -222,7 +150,10 @@ def build_app(
         params: dict[str, Any] = {}
         if body.max_tokens is not None:
             params["max_tokens"] = body.max_tokens
-        state.check_length(body.prompt, params.get("max_tokens"))
+        await state.check_length(body.prompt, params.get("max_tokens"))
+        if body.negative_prompt is not None:
+            # The CFG companion is its own prefill-only request (one token) on the first stage.
+            await state.check_length(body.negative_prompt, 1, param="negative_prompt")
         base_seed = body.seed if body.seed is not None else int(d.get("seed", 0))
         jobs = []
         for i in range(body.n):
@@ -233,22 +164,21 @@ def build_app(
                 sp["guidance_scale"] = body.guidance_scale
             if body.negative_prompt is not None:
                 sp["negative_prompt"] = body.negative_prompt
-            jobs.append(state.run(request, body.prompt, dict(params), {final.stage_id: sp}, prefix="img"))
-        results = await asyncio.gather(*jobs)
-        data = []
-        for r in results:
+            jobs.append((body.prompt, dict(params), {final.stage_id: sp}))
+        # All n images are admitted (and fail) together: a refused request starts none.
+        results = await state.run_many(request, jobs, prefix="img")
+
+        def encode(r: RequestResult) -> dict[str, Any]:
             png = encode_png(r.image)
             if body.response_format == "b64_json":
-                data.append(
-                    {"b64_json": base64.b64encode(png).decode("ascii"), "revised_prompt": body.prompt}
-                )
-            else:
-                assert state.output_dir is not None
-                name = f"{r.request_id}-{uuid.uuid4().hex[:8]}.png"
-                (state.output_dir / name).write_bytes(png)
-                data.append(
-                    {"url": str(request.url_for("image_file", name=name)), "revised_prompt": body.prompt}
-                )
+                return {"b64_json": base64.b64encode(png).decode("ascii"), "revised_prompt": body.prompt}
+            assert state.output_dir is not None
+            name = f"{r.request_id}-{uuid.uuid4().hex[:8]}.png"
+            (state.output_dir / name).write_bytes(png)
+            return {"url": str(request.url_for("image_file", name=name)), "revised_prompt": body.prompt}
+
+        # PNG encoding and the file write block: off the event loop, like tokenizing.
+        data = await asyncio.to_thread(lambda: [encode(r) for r in results])
         m.latency.labels("/v1/images/generations").observe(time.perf_counter() - t0)
         return {"created": int(time.time()), "data": data}
 
@@ -343,7 +273,7 @@ def build_app(
         t0 = time.perf_counter()
         _text_endpoint_checks(body.model)
         params = body.sampling_params()
-        state.check_length(body.text, params.get("max_tokens"))
+        await state.check_length(body.text, params.get("max_tokens"))
         cid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             if state.service.failure is not None:
@@ -372,8 +302,8 @@ def build_app(
         t0 = time.perf_counter()
         _text_endpoint_checks(body.model)
         params = body.sampling_params()
-        prompt = state.chat_prompt(body)
-        state.check_length(prompt, params.get("max_tokens"))
+        prompt = await state.chat_prompt(body)
+        await state.check_length(prompt, params.get("max_tokens"))
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             if state.service.failure is not None:

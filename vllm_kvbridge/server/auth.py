@@ -1,10 +1,13 @@
 """API-key authentication of ``vllm-kvbridge serve`` (``--api-key`` / ``VLLM_KVBRIDGE_API_KEY``).
 
 Checked like ``vllm serve --api-key``: a request must carry ``Authorization: Bearer <key>``
-(what the ``openai`` client sends for its ``api_key``); otherwise the answer is 401 with
-OpenAI's error body, before any handler runs. Unlike vLLM, every path is protected except
-those named open (``--unauthenticated-paths``, default ``/health`` and ``/metrics``, which
-probes and scrapers call without credentials; give ``""`` to protect them too).
+(what the ``openai`` client sends for its ``api_key``; the scheme in any case, as RFC 7235
+has it); otherwise the answer is 401 with OpenAI's error body, before any handler runs.
+Unlike vLLM, every path is protected except those named open (``--unauthenticated-paths``,
+default ``/health`` and ``/metrics``, which probes and scrapers call without credentials;
+give ``""`` to protect them too). On an open path a valid key still counts: the request is
+marked authenticated (``scope["kvbridge"]["authenticated"]``), and ``/health`` shows the
+stages' pids only to such a caller.
 
 What this covers: the HTTP API only. TLS for it is uvicorn's (``--ssl-keyfile`` /
 ``--ssl-certfile``). The data planes between stages are not behind this key (see
@@ -20,6 +23,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from vllm_kvbridge.server.errors import error_body
+
+#: ASGI scope key of the per-request flags the middlewares set (``authenticated`` here,
+#: ``client_gone`` by the app's request counter) for the handlers.
+SCOPE_KEY = "kvbridge"
 
 #: Environment variable read when ``--api-key`` is not given.
 API_KEY_ENV = "VLLM_KVBRIDGE_API_KEY"
@@ -46,18 +53,25 @@ class ApiKeyAuth:
         if not api_key:
             raise ValueError("ApiKeyAuth needs a non-empty key")
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
         self.open_paths = frozenset(open_paths)
 
     def _authorized(self, scope: Any) -> bool:
         for name, value in scope.get("headers") or ():
             if name == b"authorization":
+                scheme, _, token = bytes(value).strip().partition(b" ")
                 # Constant time: a timing side channel must not reveal the key byte by byte.
-                return hmac.compare_digest(value, self._expected)
+                same = hmac.compare_digest(token.strip(), self._expected)
+                return scheme.lower() == b"bearer" and same
         return False
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope.get("path") in self.open_paths or self._authorized(scope):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        authorized = self._authorized(scope)
+        scope.setdefault(SCOPE_KEY, {})["authenticated"] = authorized
+        if authorized or scope.get("path") in self.open_paths:
             await self.app(scope, receive, send)
             return
         why = "Unauthorized: a valid API key is required (Authorization: Bearer <key>)"
@@ -71,4 +85,4 @@ class ApiKeyAuth:
         await send({"type": "http.response.body", "body": body})
 
 
-__all__ = ["API_KEY_ENV", "ApiKeyAuth", "api_key_from", "open_paths_from"]
+__all__ = ["API_KEY_ENV", "SCOPE_KEY", "ApiKeyAuth", "api_key_from", "open_paths_from"]

@@ -35,7 +35,10 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
 
 class ServerMetrics:
     def __init__(
-        self, in_flight: Callable[[], float], stage_health: Callable[[], list[dict[str, Any]]]
+        self,
+        in_flight: Callable[[], float],
+        stage_health: Callable[[], list[dict[str, Any]]],
+        control_counters: Callable[[], dict[str, int]] = dict,
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -91,6 +94,14 @@ class ServerMetrics:
         self.puts_full = Counter(
             "kvbridge_edge_puts_full", "Puts that found their edge full", ["stage", "kind"], registry=r
         )
+        self.control_rejected = Counter(
+            "kvbridge_control_rejected",
+            "Control-plane peers refused (refused_connections) and frames dropped (dropped_frames)",
+            ["what"],
+            registry=r,
+        )
+        self._control_counters = control_counters
+        self._control_seen: dict[str, int] = {}
         self._restarts_seen: dict[str, int] = {}
         # (stage, counter) -> (pid, value) last seen: a restarted process counts from 0 again
         self._counters_seen: dict[tuple[str, str], tuple[int, float]] = {}
@@ -119,6 +130,11 @@ class ServerMetrics:
             counters, pid = s.get("counters", {}), s.get("pid", 0)
             for name, counter in (("leases_expired", self.leases_expired), ("puts_full", self.puts_full)):
                 self._follow(counter.labels(sid, s["kind"]), (sid, name), pid, counters)
+        # The orchestrator counts what its control plane refused; the counter follows it.
+        for what, value in self._control_counters().items():
+            if value > self._control_seen.get(what, 0):
+                self.control_rejected.labels(what).inc(value - self._control_seen.get(what, 0))
+                self._control_seen[what] = value
         return generate_latest(self.registry)
 
     def _follow(self, child: Any, key: tuple[str, str], pid: int, counters: dict[str, float]) -> None:

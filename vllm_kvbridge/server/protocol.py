@@ -3,14 +3,21 @@
 Only the OpenAI fields the pipeline honours are accepted; unknown fields are rejected
 (``extra="forbid"``) so a typo is a 400 with the field's name, not a silently ignored
 setting. Sampling values are range-checked here because a value vLLM rejects would
-otherwise fail inside a stage process.
+otherwise fail inside a stage process. Text the model reads (``prompt``, ``messages``,
+``input``, ``negative_prompt``) is bounded by the first stage's context (the server counts
+its tokens) and the body limit; every other text field has a short bound of its own.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+#: A name-like field (model, user, voice, size): nothing longer is meaningful.
+Name = Annotated[str, StringConstraints(max_length=256)]
+#: A stop string: vLLM matches it against the output, which is at most a context long.
+Stop = Annotated[str, StringConstraints(max_length=1024)]
 
 
 class _Request(BaseModel):
@@ -25,9 +32,9 @@ class SamplingFields(_Request):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
     seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
-    stop: str | list[str] | None = None
+    stop: Stop | Annotated[list[Stop], Field(max_length=4)] | None = None  # OpenAI: up to 4
     n: int = Field(default=1, ge=1, le=1)
-    user: str | None = None
+    user: Name | None = None
 
     def sampling_params(self) -> dict[str, Any]:
         out = {
@@ -44,7 +51,7 @@ class CompletionRequest(SamplingFields):
     """``POST /v1/completions`` (one prompt per request)."""
 
     prompt: str | list[str]
-    model: str | None = None
+    model: Name | None = None
     stream: bool = False
 
     @field_validator("prompt")
@@ -65,14 +72,14 @@ class CompletionRequest(SamplingFields):
 class ChatMessage(_Request):
     role: Literal["system", "user", "assistant"]
     content: str
-    name: str | None = None
+    name: Name | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    model: str | None = None
+    model: Name | None = None
     stream: bool = False
     max_completion_tokens: int | None = Field(default=None, ge=1, le=4096)
 
@@ -89,16 +96,16 @@ class ImageRequest(_Request):
     ``negative_prompt`` (the unconditional companion's prompt; default: the stage config's)."""
 
     prompt: str = Field(min_length=1)
-    model: str | None = None
+    model: Name | None = None
     n: int = Field(default=1, ge=1, le=8)
     response_format: Literal["b64_json", "url"] = "b64_json"
-    size: str | None = None
+    size: Name | None = None
     seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
     num_steps: int | None = Field(default=None, ge=1, le=1000)
     guidance_scale: float | None = Field(default=None, ge=0, le=100)
     negative_prompt: str | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=4096)
-    user: str | None = None
+    user: Name | None = None
 
 
 class SpeechRequest(_Request):
@@ -111,8 +118,8 @@ class SpeechRequest(_Request):
     stage's generation (a kvbridge extension)."""
 
     input: str = Field(min_length=1)
-    model: str | None = None
-    voice: str | None = None
+    model: Name | None = None
+    voice: Name | None = None
     response_format: Literal["wav", "pcm"] = "wav"
     stream_format: Literal["audio", "sse"] = "audio"
     max_tokens: int | None = Field(default=None, ge=1, le=4096)

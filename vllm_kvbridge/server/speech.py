@@ -15,6 +15,7 @@ body), its status being 200 already.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import json
@@ -87,16 +88,17 @@ def add_speech_routes(app: FastAPI, state: ServerState) -> None:
         for name in ("max_tokens", "seed"):
             if getattr(body, name) is not None:
                 params[name] = getattr(body, name)
-        state.check_length(body.input, params.get("max_tokens"))
+        await state.check_length(body.input, params.get("max_tokens"), param="input")
         if body.stream_format == "sse":
             if state.service.failure is not None:
                 raise ApiError(503, f"pipeline unavailable: {state.service.failure}", "service_unavailable")
             return StreamingResponse(events(request, body.input, params), media_type="text/event-stream")
         r = await state.run(request, body.input, params, prefix="speech")
         rate = int(r.sample_rate or 0)
+        # Encoding the whole clip blocks: off the event loop (the SSE deltas are small pieces).
         if body.response_format == "wav":
-            content, media = encode_wav(r.audio, rate), "audio/wav"
+            content, media = await asyncio.to_thread(encode_wav, r.audio, rate), "audio/wav"
         else:
-            content, media = encode_pcm16(r.audio), "audio/pcm"
+            content, media = await asyncio.to_thread(encode_pcm16, r.audio), "audio/pcm"
         metrics.latency.labels(ROUTE).observe(time.perf_counter() - t0)
         return Response(content, media_type=media, headers={"X-Sample-Rate": str(rate)})

@@ -16,6 +16,7 @@ from fastapi import Request
 from vllm_kvbridge.pipeline.messages import StageProgress
 from vllm_kvbridge.pipeline.orchestrator import PipelineError, RequestResult, StageRecovering
 from vllm_kvbridge.pipeline.service import Overloaded, PipelineService
+from vllm_kvbridge.server.auth import SCOPE_KEY
 from vllm_kvbridge.server.errors import ApiError, ClientGone
 from vllm_kvbridge.server.metrics import ServerMetrics
 from vllm_kvbridge.server.protocol import ChatCompletionRequest
@@ -33,8 +34,6 @@ ENDPOINT_OF_OUTPUT = {
     "audio": "/v1/audio/speech",
     "text": "/v1/completions or /v1/chat/completions",
 }
-#: ASGI scope key of the per-request flags the app's request counter sets (``client_gone``).
-SCOPE_KEY = "kvbridge"
 
 
 class ServerState:
@@ -62,9 +61,15 @@ class ServerState:
         self.default_max_tokens = int(entry.default_sampling_params.get("max_tokens") or 16)
         #: what the last stage makes: "image" (diffusion), "audio" (vocoder) or "text"
         self.output_kind = OUTPUT_OF_KIND.get(self.plan.final_stage.kind, "text")
-        self.metrics = ServerMetrics(lambda: float(service.in_flight()), service.pipeline.stage_health)
+        self.metrics = ServerMetrics(
+            lambda: float(service.in_flight()),
+            service.pipeline.stage_health,
+            service.pipeline.control_counters,
+        )
         service.on_result = self.metrics.observe_result
         self.created = int(time.time())
+        #: requests handed to the service so far (``/debug/state``: a refused one adds none)
+        self.submitted = 0
 
     # -- validation --------------------------------------------------------------------
     def require_output(self, kind: str) -> None:
@@ -85,25 +90,38 @@ class ServerState:
                 "model_not_found",
             )
 
-    def check_length(self, prompt: str, max_tokens: int | None) -> None:
+    async def check_length(self, prompt: str, max_tokens: int | None, param: str = "prompt") -> None:
+        """400 when ``prompt`` (the request field ``param``) and ``max_tokens`` do not fit the
+        first stage's context. Tokenized off the event loop: a long prompt takes seconds,
+        which would stall every other request and ``/health`` meanwhile."""
         if self.tokenizer is None or self.max_model_len is None:
             return
-        n = len(self.tokenizer(prompt).input_ids)
+        n = await asyncio.to_thread(self._count_tokens, prompt)
         want = max_tokens or self.default_max_tokens
         if n + want > self.max_model_len:
             raise ApiError(
                 400,
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {n + want} tokens ({n} in the prompt, {want} for the completion). "
-                "Please reduce the length of the prompt or max_tokens.",
+                f"requested {n + want} tokens ({n} in the {param}, {want} for the completion). "
+                f"Please reduce the length of the {param} or max_tokens.",
                 reason="bad_request",
+                param=param,
             )
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> str:
+    def _count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text).input_ids)
+
+    async def chat_prompt(self, req: ChatCompletionRequest) -> str:
+        """The chat's prompt: the model's chat template (rendered off the event loop, as it
+        runs over the whole transcript) or, without one, a plain transcript."""
         messages = [{"role": m.role, "content": m.content} for m in req.messages]
         tok = self.tokenizer
         if tok is not None and getattr(tok, "chat_template", None):
-            return str(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+            return str(
+                await asyncio.to_thread(
+                    tok.apply_chat_template, messages, tokenize=False, add_generation_prompt=True
+                )
+            )
         # No chat template (e.g. the tiny offline model): a plain transcript.
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
@@ -125,27 +143,61 @@ class ServerState:
         stage_params: dict[int, dict[str, Any]] | None = None,
         prefix: str = "req",
     ) -> RequestResult:
+        """Run one request; the :class:`ApiError` of the error contract when it fails."""
+        [result] = await self.run_many(request, [(prompt, params, stage_params)], prefix=prefix)
+        return result
+
+    async def run_many(
+        self,
+        request: Request,
+        jobs: list[tuple[str, dict[str, Any], dict[int, dict[str, Any]] | None]],
+        prefix: str = "req",
+    ) -> list[RequestResult]:
+        """Run the requests ``jobs`` (prompt, sampling params, stage params) of one HTTP
+        request together, admitted or refused as a whole: none is started unless all fit
+        under ``max_in_flight`` (429 otherwise). The first one to fail aborts the others."""
         svc = self.service
         self._check_up()
-        rid, fut = self._submit(prompt, params, stage_params=stage_params, prefix=prefix)
-        waiter = asyncio.wrap_future(fut)
+        self._admit(len(jobs))
+        # Every handler submits on this event loop thread and nothing awaits between the
+        # admission and the last submit, so no other request can take the room meanwhile.
+        submitted: list[tuple[str, asyncio.Future[RequestResult]]] = []
+        try:
+            for prompt, params, stage_params in jobs:
+                rid, fut = self._submit(prompt, params, stage_params=stage_params, prefix=prefix)
+                submitted.append((rid, asyncio.wrap_future(fut)))
+        except ApiError:  # a stage was lost between two submits: the request fails whole
+            for rid, _ in submitted:
+                svc.abort(rid, "refused: another part of its HTTP request was refused")
+            raise
+        waiting = dict(submitted)
         aborted = False
         try:
-            while True:
-                done, _ = await asyncio.wait({waiter}, timeout=DISCONNECT_POLL_S)
-                if done:
+            while waiting:
+                done, _ = await asyncio.wait(set(waiting.values()), timeout=DISCONNECT_POLL_S)
+                for rid in [rid for rid, w in waiting.items() if w in done]:
+                    self._checked(rid, waiting.pop(rid))  # raises the first failure
+                if not waiting:
                     break
                 if not aborted and self._drained_out():
-                    svc.abort(rid, "server shutting down")  # its result comes back as a 503
+                    for rid in waiting:
+                        svc.abort(rid, "server shutting down")  # its result comes back as a 503
                     aborted = True
                 if await request.is_disconnected():
-                    svc.abort(rid, "client disconnected")
+                    for rid in waiting:
+                        svc.abort(rid, "client disconnected")
                     self.metrics.failures.labels("client_disconnect").inc()
+                    waiting.clear()
                     raise ClientGone()
         except asyncio.CancelledError:  # server shutdown cancelled the handler
-            svc.abort(rid, "server shutting down")
+            for rid in waiting:
+                svc.abort(rid, "server shutting down")
             raise
-        return self._checked(rid, waiter)
+        except ApiError:
+            for rid in waiting:  # the answer is an error already: the rest would be wasted work
+                svc.abort(rid, "another part of its HTTP request failed")
+            raise
+        return [self._checked(rid, w) for rid, w in submitted]
 
     async def stream(
         self, request: Request, prompt: str, params: dict[str, Any], prefix: str = "req"
@@ -203,9 +255,27 @@ class ServerState:
                 self.metrics.failures.labels("client_disconnect").inc()
         yield self._checked(rid, waiter)
 
+    def _admit(self, n: int) -> None:
+        """Refuse (429, or 503 while a stage recovers) ``n`` requests that do not all fit now."""
+        svc = self.service
+        lost = svc.pipeline.recovering()
+        if lost and svc.failure is None:
+            raise _recovering(StageRecovering(lost[0]))
+        busy = svc.in_flight()
+        if busy + n > svc.max_in_flight:
+            what = f"{n} requests" if n > 1 else "a request"
+            raise ApiError(
+                429,
+                f"server busy: {busy} requests in flight, {what} more would pass the limit "
+                f"(max_in_flight {svc.max_in_flight})",
+                "rate_limit_exceeded",
+                "overloaded",
+                {"Retry-After": RETRY_AFTER_S},
+            )
+
     def _submit(self, prompt: str, params: dict[str, Any], **kwargs: Any) -> tuple[str, Any]:
         try:
-            return self.service.submit(prompt, params, **kwargs)
+            rid, fut = self.service.submit(prompt, params, **kwargs)
         except StageRecovering as exc:
             raise _recovering(exc) from None
         except Overloaded as exc:
@@ -216,6 +286,8 @@ class ServerState:
                 "overloaded",
                 {"Retry-After": RETRY_AFTER_S},
             ) from None
+        self.submitted += 1
+        return rid, fut
 
     def _check_up(self) -> None:
         if self.service.failure is not None:

@@ -1,0 +1,118 @@
+"""``GET /health``, ``/v1/models``, ``/metrics`` and ``/debug/state``, and what each shows to whom.
+
+``/health`` (open by default, for probes):
+
+* 200 ``"status": "ok"``: every stage is ready.
+* 200 ``"status": "degraded"``: a lost stage is being restarted (``stages`` says which, and
+  ``down`` why); the server still answers, new requests get 503 with ``Retry-After`` until it
+  is back. 200 so that a liveness probe does not kill a pod that is healing itself.
+* 503 ``"status": "down"``: a stage is down for good (its restarts are spent); only a
+  restart of the server helps. 503 ``"status": "unavailable"``: the server is shutting down.
+
+The stages' pids are shown only to a caller that presented the API key (without
+``--api-key``: only with ``--debug-endpoints``): a pid tells an attacker on the host which
+process to signal. ``/debug/state`` (in-flight request ids, shared-memory names) is
+likewise behind the key; without a key configured it is off (404) unless
+``--debug-endpoints`` turns it on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from vllm_kvbridge.server.auth import SCOPE_KEY
+from vllm_kvbridge.server.errors import ApiError
+from vllm_kvbridge.server.state import ServerState
+
+#: Stage fields only a caller with the key sees (see the module docstring).
+PRIVATE_STAGE_FIELDS = ("pid",)
+
+
+def add_introspection_routes(
+    app: FastAPI, state: ServerState, *, api_key: str | None, debug_endpoints: bool = False
+) -> None:
+    """Add the introspection endpoints to ``app`` (exposure as in the module docstring)."""
+
+    def trusted(request: Request) -> bool:
+        """Whether ``request`` may see internals: it presented the key (the auth middleware
+        checked it), or no key is configured and ``--debug-endpoints`` opened them."""
+        if api_key:
+            return bool(request.scope.get(SCOPE_KEY, {}).get("authenticated"))
+        return debug_endpoints
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        h = state.service.health()
+        stages = h["stages"]
+        if not trusted(request):
+            stages = [{k: v for k, v in s.items() if k not in PRIVATE_STAGE_FIELDS} for s in stages]
+        if h["ok"]:
+            status, code = "ok", 200
+        elif h["recovering"]:
+            status, code = "degraded", 200
+        else:
+            status, code = ("down" if h["error"] is not None else "unavailable"), 503
+        body: dict[str, Any] = {"status": status, "pipeline": state.plan.name, "stages": stages}
+        body["error"] = h["error"]
+        down = [s for s in stages if s["status"] != "ready"]
+        if down:
+            body["down"] = [
+                f"stage {s['stage_id']} ({s['kind']}): {s.get('error', s['status'])}" for s in down
+            ]
+        return JSONResponse(body, status_code=code)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.served_model_name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "vllm-kvbridge",
+                    "max_model_len": state.max_model_len,
+                    "kvbridge": {
+                        "pipeline": state.plan.name,
+                        "output": state.output_kind,
+                        "stages": [{"stage_id": s.stage_id, "kind": s.kind} for s in state.plan.stages],
+                    },
+                }
+            ],
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/debug/state")
+    async def debug_state(request: Request) -> dict[str, Any]:
+        from vllm_kvbridge.connectors.leftovers import shared_memory_names
+
+        if api_key and not trusted(request):  # also where --unauthenticated-paths names it
+            raise ApiError(401, "Unauthorized: /debug/state needs the API key", "authentication_error")
+        if not trusted(request):
+            raise ApiError(404, "Not Found (/debug/state is off: serve --debug-endpoints)", "NotFoundError")
+        run = state.service.pipeline.run_id
+        names = shared_memory_names(run)
+        return {
+            "run_id": run,
+            "in_flight": state.service.in_flight(),
+            "in_flight_high_water": state.service.high_water,
+            "max_in_flight": state.service.max_in_flight,
+            # requests handed to the pipeline since the start (a refused one adds none)
+            "submitted": state.submitted,
+            "shm_segments": names,
+            # published and not yet consumed payloads/KV caches (pool segments are reused)
+            "shm_published": [n for n in names if ".k." in n],
+            # request id -> the stages working on it (waiting for a recovering one: absent)
+            "requests": state.service.pipeline.request_stages(),
+        }
+
+
+__all__ = ["PRIVATE_STAGE_FIELDS", "add_introspection_routes"]
