@@ -55,8 +55,8 @@ def _segments(pipe: Pipeline, part: str) -> list[str]:
 
 def _wait_unread(pipe: Pipeline, timeout: float = 60.0) -> bool:
     """Wait, without reading it, until a stage message reaches the orchestrator's socket."""
-    assert pipe._sock is not None
-    return bool(pipe._sock.poll(int(timeout * 1000)))
+    assert pipe._control is not None
+    return bool(pipe._control.sock.poll(int(timeout * 1000)))
 
 
 def _layers(dump: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
