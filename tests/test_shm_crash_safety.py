@@ -107,6 +107,15 @@ FOREIGN = (
 """
 )
 
+#: Another process of run argv[1] (the orchestrator's role): holds an owner lock until killed.
+HOLD = """
+    import sys
+    from vllm_kvbridge.connectors.shm_owners import hold_owner
+    owner = hold_owner(sys.argv[1], "orchestrator")
+    print("held", flush=True)
+    sys.stdin.readline()
+"""
+
 REAP = """
     import json, os, sys
     from vllm_kvbridge.connectors.shm_owners import reap_dead_runs
@@ -389,4 +398,31 @@ def test_a_dead_owners_file_stays_while_its_runs_segments_are_held_and_goes_with
 
         _kill(worker)
         assert reap_dead_runs(prefix=token) == sorted(names)
+    assert _entries(token) == set()
+
+
+def test_a_live_runs_dead_stage_keeps_its_published_segments_until_the_run_ends() -> None:
+    """A stage killed while its run lives (the orchestrator restarts it): its vLLM queues and
+    semaphores go at once, but a segment it published stays - shared memory outlives its
+    sender and the consumer may still read it (the run's orchestrator reaps its own edges).
+    Once no process of the run lives, the reap takes the segments too."""
+    token = "cs" + uuid.uuid4().hex[:10]
+    run = f"{token}r"
+    with _processes(token) as started:
+        stage = _start_run(started, run)
+        orchestrator = _python(HOLD, run)  # another process of the same run, alive
+        started.append(orchestrator)
+        assert _read(orchestrator) == "held"
+        info = _made(stage)
+        stage_segments = {n for n in _entries(f"{run}-") if f".p.{info['pid']}." in n}
+        assert stage_segments  # its pool segment and the published key
+        _kill(stage)
+
+        _, removed = _reap_elsewhere(token)
+
+        assert sorted(removed) == sorted(info["own"])  # the queue and the semaphore only
+        assert all((SHM / n).exists() for n in stage_segments)
+        _kill(orchestrator)
+        _, removed = _reap_elsewhere(token)
+        assert stage_segments <= set(removed)
     assert _entries(token) == set()

@@ -409,14 +409,15 @@ def reap_dead_runs(shm_dir: str = SHM_DIR, *, prefix: str = "", every_namespace:
     names removed, sorted (dead owners' files included).
 
     ``prefix`` limits it to the runs whose id starts with it. Segments are reaped in the
-    namespaces of the runs that have a dead owner file (the pipeline names an edge's namespace
-    ``<run id>-<edge>``); ``every_namespace`` reaps dead segments in every namespace instead
+    namespaces of the runs that have a dead owner file and no live one (the pipeline names an
+    edge's namespace ``<run id>-<edge>``); ``every_namespace`` reaps dead segments in every namespace instead
     (what runs from before owner files left; other users of the connectors included). Safe at
     any time, from any process and PID namespace: live owners' names are never touched.
     """
     removed: list[str] = []
     live_names: set[str] = set()
     dead: list[tuple[str, int, dict[str, int]]] = []  # (owner file, its locked fd, names)
+    live_runs: set[str] = set()
     try:
         for name in _owner_files(shm_dir, prefix):
             path = os.path.join(shm_dir, name)
@@ -433,13 +434,17 @@ def reap_dead_runs(shm_dir: str = SHM_DIR, *, prefix: str = "", every_namespace:
             creating = header is None and time.time() - st.st_ctime < _CREATING_GRACE_S
             if not locked or creating:
                 live_names.update(names)
+                live_runs.add(_run_of(name))
                 os.close(fd)
             elif st.st_nlink == 0:
                 os.close(fd)  # another reaper finished it between our open and our lock
             else:
                 dead.append((name, fd, names))  # its lock stays ours until it is done
         if dead or every_namespace:
-            dead_runs = {_run_of(owner_file) for owner_file, _, _ in dead}
+            # Only runs with no live process: a live run's dead stage may have published
+            # segments its consumers still read (shared memory outlives its sender); that
+            # run's orchestrator reaps its own edges.
+            dead_runs = {_run_of(owner_file) for owner_file, _, _ in dead} - live_runs
             removed += _reap_segments(shm_dir, None if every_namespace else dead_runs)
         mapped = _all_mapped(shm_dir) if any(names for _, _, names in dead) else set()
         segments_left = {_run_of_segment(n) for n in _listdir(shm_dir)}
