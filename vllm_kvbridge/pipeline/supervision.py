@@ -127,7 +127,9 @@ class StageSupervision:
             if h.failure is not None:
                 return h.failure
             tail = h.proc.log_tail()
-            why = exit_cause(code, tail)
+            # A Ray-placed stage whose actor died: that is the cause (its log is on that node).
+            gone = getattr(h.proc, "gone", None)
+            why = f"its Ray actor is gone: {gone}" if gone else exit_cause(code, tail)
             return StageError(stage.stage_id, stage.kind, f"process exited with status {code} ({why})", tail)
         timeout = self.policy.heartbeat_timeout_s
         if h.ready_at and now - h.last_seen > timeout:
