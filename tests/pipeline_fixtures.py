@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm_kvbridge import procfs
 from vllm_kvbridge.models.tiny_dit import TinyKVDiT
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -88,18 +88,8 @@ def shm_segments(prefix: str = "kvbridge.r") -> list[str]:
 
 
 def descendants(pid: int) -> list[int]:
-    """Live descendant pids of ``pid`` (via ps; empty when none)."""
-    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
-    children: dict[int, list[int]] = {}
-    for line in out.splitlines():
-        p, pp = (int(x) for x in line.split())
-        children.setdefault(pp, []).append(p)
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+    """Live descendant pids of ``pid`` (zombies are not; empty when none)."""
+    return [p for p in procfs.descendants(pid) if procfs.state(p) not in (None, "Z")]
 
 
 def hf_reference(

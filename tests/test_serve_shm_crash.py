@@ -15,7 +15,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from pipeline_fixtures import FakeOpenAIServer, external_stage_config
+from pipeline_fixtures import FakeOpenAIServer, descendants, external_stage_config
 from serve_fixtures import start_serve, wait_for
 
 from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
@@ -24,21 +24,6 @@ from vllm_kvbridge.pipeline import Pipeline
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (by parent pid)."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
 
 
 def _alive(pid: int) -> bool:
@@ -55,7 +40,7 @@ def test_a_sigkilled_servers_successor_leaves_dev_shm_as_it_found_it(tmp_path: P
     with srv.http() as client:
         answer = client.post("/v1/images/generations", json={"prompt": "a cat", "n": 1})
     assert answer.status_code == 200, answer.text
-    tree = _descendants(srv.proc.pid)  # the stage processes and their vLLM engines
+    tree = set(descendants(srv.proc.pid))  # the stage processes and their vLLM engines
     assert tree
     os.kill(srv.proc.pid, signal.SIGKILL)
     srv.proc.wait(timeout=30)

@@ -4,8 +4,10 @@ DiT over shared memory) whose stages are killed, stalled and restarted, in file 
 The diffusion module is :class:`pipeline_fixtures.GatedDiT`: files in a gate directory
 hold its forward (requests stay in the stage, which keeps beating) and hold a restart before
 it is ready (the stage stays ``recovering``), so each state a test looks at lasts until the
-test moves on; no sleep decides the outcome. The config allows 2 restarts per stage in
-600 s and calls a stage stalled after 6 s without a heartbeat.
+test moves on; no sleep decides the outcome. The LLM stage's worker is
+:class:`wedged_worker.GatedWorker`, whose steps a gate holds (a wedged worker). The config
+allows 3 restarts per stage in 600 s and calls a stage stalled after 6 s without a
+heartbeat or without engine progress.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from pipeline_fixtures import descendants
 from serve_fixtures import ROOT, Server, metric, post_images, shm_names, start_serve, stop, wait_for
 
 from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
@@ -52,7 +55,12 @@ def served(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped
     text = text.replace(
         "    kind: diffusion\n", f"    kind: diffusion\n    env: {{KVBRIDGE_TEST_GATES: '{gates}'}}\n"
     )
-    text += f"runtime: {{max_restarts: 2, restart_backoff: 0.2, heartbeat_timeout: {HEARTBEAT_TIMEOUT_S}}}\n"
+    text = text.replace(  # a worker the tests can wedge: wedged_worker.py
+        "    kind: llm_ar\n",
+        "    kind: llm_ar\n    worker_cls: wedged_worker.GatedWorker\n"
+        f"    env: {{KVBRIDGE_TEST_GATES: '{gates}'}}\n",
+    )
+    text += f"runtime: {{max_restarts: 3, restart_backoff: 0.2, heartbeat_timeout: {HEARTBEAT_TIMEOUT_S}}}\n"
     config = tmp / "supervised.yaml"
     config.write_text(text)
     psm_before = _psm()
@@ -178,11 +186,69 @@ def test_killed_llm_stage_fails_its_request_and_is_back_within_one_engine_start(
     assert _stage(srv, 1)["pid"] == dit_pid  # the diffusion stage was not restarted
 
 
+def _engine_pids(stage_pid: int) -> list[int]:
+    return descendants(stage_pid)  # the vLLM engine core (and its worker, in one process here)
+
+
+def test_stopped_engine_core_of_an_idle_stage_is_found_and_restarted(served) -> None:  # type: ignore[no-untyped-def]
+    """The stage process keeps beating, its engine core is stopped (issue 36, item 2): found
+    by the stopped state of its process within the heartbeat timeout, killed, restarted."""
+    srv, _, _ = served
+    llm_pid = _stage(srv, 0)["pid"]
+    engine = _engine_pids(llm_pid)
+    assert engine, "the LLM stage has no engine-core process"
+    for pid in engine:
+        os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+
+    def recovering() -> dict | None:
+        s = _stage(srv, 0)
+        return s if s["status"] == "recovering" else None
+
+    s = wait_for(recovering, 60)
+    took = time.monotonic() - t0
+    assert s, _health(srv)
+    print(f"\nstopped engine core found {took:.1f} s after the stop (timeout {HEARTBEAT_TIMEOUT_S} s)")
+    assert "its engine made no progress" in s["error"] and "stopped (state T)" in s["error"], s
+    assert took >= HEARTBEAT_TIMEOUT_S - 1  # not before the timeout
+    assert httpx.get(srv.url + "/health").status_code == 200  # degraded while it recovers
+    assert all(wait_for(lambda pid=pid: not group_alive(pid), 30) for pid in [llm_pid, *engine])
+    assert _back(srv, 0, llm_pid, 300), _health(srv)
+    r = httpx.post(srv.url + IMAGES, json={"prompt": "a horse"}, timeout=120)
+    assert r.status_code == 200, r.text
+
+
+def test_wedged_llm_worker_fails_its_request_and_is_restarted(served) -> None:  # type: ignore[no-untyped-def]
+    """A worker stuck in a step (not stopped: a deadlock, a hung collective) leaves the stage
+    beating and its engine core waiting: the progress board shows no step, the request fails
+    naming it once the heartbeat timeout passed, and the stage comes back."""
+    srv, gates, _ = served
+    llm_pid = _stage(srv, 0)["pid"]
+    gates.set("llm_hold", True)
+    try:
+        threads, answers = post_images(srv, 1)
+        assert wait_for(lambda: (gates.path / "llm_wedged").exists(), 60)
+        # on its way to the timeout, /health shows the stall of a stage still ready
+        s = wait_for(lambda: (lambda s: s if s.get("stalled_s") else None)(_stage(srv, 0)), 30)
+        assert s and s["status"] == "ready" and "made no step" in s["stall"], _stage(srv, 0)
+        threads[0].join(120)
+    finally:
+        gates.set("llm_hold", False)
+    assert answers[0].status_code == 502, answers[0].text
+    message = answers[0].json()["error"]["message"]
+    assert "stage 0 (llm_ar) failed: its engine made no progress" in message and "made no step" in message
+    assert wait_for(lambda: not group_alive(llm_pid), 30)
+    assert _back(srv, 0, llm_pid, 300), _health(srv)
+    r = httpx.post(srv.url + IMAGES, json={"prompt": "a fox"}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert _stage(srv, 0)["restarts"] == 3
+
+
 def test_a_stage_out_of_restarts_takes_the_pipeline_down_and_sigterm_cleans_up(served) -> None:  # type: ignore[no-untyped-def]
     srv, _, psm_before = served
     run_id = httpx.get(srv.url + "/debug/state").json()["run_id"]
     pids = [s["pid"] for s in _health(srv)["stages"]]
-    os.kill(pids[1], signal.SIGKILL)  # its third loss in the window: no restart left
+    os.kill(pids[0], signal.SIGKILL)  # its fourth loss in the window: no restart left
 
     def down() -> dict | None:
         # Until the orchestrator has noticed the exit the stage reads "stopped" (unavailable,
@@ -193,9 +259,9 @@ def test_a_stage_out_of_restarts_takes_the_pipeline_down_and_sigterm_cleans_up(s
     h = wait_for(down, 30)
     assert h, _health(srv)
     assert httpx.get(srv.url + "/health").status_code == 503  # down for good
-    assert "not restarted: 2 restart(s) in the last 600 s (runtime.max_restarts: 2)" in h["error"]
+    assert "not restarted: 3 restart(s) in the last 600 s (runtime.max_restarts: 3)" in h["error"]
     r = httpx.post(srv.url + IMAGES, json={"prompt": "a cat"}, timeout=30)
-    assert r.status_code == 503 and "stage 1 (diffusion)" in r.json()["error"]["message"]
+    assert r.status_code == 503 and "stage 0 (llm_ar)" in r.json()["error"]["message"]
     assert stop(srv, signal.SIGTERM, timeout_s=60) == 0, srv.log()
     for pid in pids:
         assert wait_for(lambda pid=pid: not group_alive(pid), 10), group_alive(pid)

@@ -59,6 +59,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from vllm_kvbridge import procfs
 from vllm_kvbridge.connectors import shm_segments
 from vllm_kvbridge.errors import ConfigError
 
@@ -79,9 +80,12 @@ OWNER_PREFIX = "kvbridge-owner."
 #: The environment variable a run's processes find its run id in (see :func:`hold_owner`).
 RUN_ID_ENV = "VLLM_KVBRIDGE_RUN_ID"
 #: The only names besides our segments that are ever recorded, so ever reaped: Python's
-#: ``SharedMemory`` (``psm_`` + hex; vLLM's message queues) and multiprocessing's named
-#: semaphores (``sem.mp-`` + ``[a-z0-9_]``; what ``sem_open("/mp-...")`` creates).
-RECORDED_NAME = re.compile(r"psm_[0-9a-f]{1,64}|sem\.mp-[a-z0-9_]{1,64}")
+#: ``SharedMemory`` (``psm_`` + hex; vLLM's message queues), multiprocessing's named
+#: semaphores (``sem.mp-`` + ``[a-z0-9_]``; what ``sem_open("/mp-...")`` creates) and a
+#: stage's engine progress board while its engine starts (:mod:`vllm_kvbridge.runner.progress`).
+RECORDED_NAME = re.compile(
+    r"psm_[0-9a-f]{1,64}|sem\.mp-[a-z0-9_]{1,64}|kvbridge-progress\.[0-9]{1,10}\.[0-9a-f]{12}"
+)
 #: No "-": a segment namespace is "<run id>-<edge>", split at its first "-".
 _RUN_ID = re.compile(r"[A-Za-z0-9_]{1,48}")
 #: An owner file with no complete header is being created (only without ``O_TMPFILE``, where
@@ -157,7 +161,7 @@ class ShmOwner:
         Call it once the engine is up (vLLM creates its queues and semaphores at start) and
         then every few seconds: a name created and lost between two calls is not recorded.
         """
-        pids = [self._pid, *(_descendants(self._pid) if descendants else [])]
+        pids = [self._pid, *(procfs.descendants(self._pid) if descendants else [])]
         mapped: set[tuple[int, int]] = set()
         for pid in pids:
             mapped |= _mapped_files(pid, self.shm_dir)
@@ -249,24 +253,6 @@ def _create_locked(path: str, shm_dir: str, header: bytes) -> int:
 
 
 # -- what processes map ---------------------------------------------------------------------
-
-
-def _descendants(root: int) -> list[int]:
-    """The pids of ``root``'s descendants (from ``/proc/<pid>/stat``'s parent field)."""
-    children: dict[int, list[int]] = {}
-    for entry in _listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    # Field 4 is the parent; the name (field 2) may hold spaces and parens.
-                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def _maps_lines(pid: int | str) -> list[bytes]:

@@ -178,6 +178,10 @@ class Heartbeat(_Msg, tag="heartbeat"):
     stage_id: int
     #: The stage process's pid: a restarted stage's beats are told from its predecessor's.
     pid: int
+    #: How long its engine has made no progress when the beat was sent, and why
+    #: (:mod:`vllm_kvbridge.pipeline.liveness`); 0.0 while it makes progress.
+    stalled_s: float = 0.0
+    stall: str = ""
 
 
 class StageStats(_Msg, tag="stage_stats"):

@@ -350,13 +350,16 @@ class Pipeline:
         restart left (or while the pipeline starts), fail the pipeline."""
         sid = h.stage.stage_id
         h.failure, h.lost = error, True
+        # Its whole group goes first, also when the pipeline fails with it: the engine core
+        # of a killed stage process holds its segments until it is gone, and the reap at
+        # close must find them ownerless.
+        h.proc.kill_group(h.shm_names)
+        if self._control is not None:
+            self._control.revoke(h.control_key)
         sup = self._supervision[sid]
         delay = sup.lost(error) if self._serving else None
         if delay is None:
             self._fail(sup.exhausted(error) if self._serving else error)
-        h.proc.kill_group(h.shm_names)
-        if self._control is not None:
-            self._control.revoke(h.control_key)
         with contextlib.suppress(subprocess.TimeoutExpired):
             h.proc.wait(timeout=1)  # reap it
         RunShm.reap()  # the queues and semaphores its engine recorded (its lock dropped)
@@ -392,6 +395,9 @@ class Pipeline:
             self._control.drop(f"{h.label} spoke for another process or of a request not given to it")
             return
         h.last_seen = time.monotonic()
+        if isinstance(msg, m.Heartbeat):
+            h.stalled_since = h.last_seen - msg.stalled_s if msg.stalled_s > 0 else 0.0
+            h.stall = msg.stall
         if isinstance(msg, m.StageStats):
             h.counters = dict(msg.counters)
         if isinstance(msg, m.Heartbeat | m.StageStats):

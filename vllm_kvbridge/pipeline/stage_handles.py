@@ -32,6 +32,7 @@ from vllm_kvbridge.config.resolve import ResolvedConnector, ResolvedStage
 from vllm_kvbridge.connectors.keys import edge_name
 from vllm_kvbridge.pipeline.control_auth import credentials_from
 from vllm_kvbridge.pipeline.results import StageError
+from vllm_kvbridge.procfs import group_pids, state
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,10 @@ class StageHandle:
     failure: StageError | None = None
     #: ``time.monotonic()`` of its last message (a heartbeat or any other).
     last_seen: float = 0.0
+    #: ``time.monotonic()`` since which its engine made no progress, as its latest heartbeat
+    #: said (0.0: it does; :mod:`vllm_kvbridge.pipeline.liveness`), and why.
+    stalled_since: float = 0.0
+    stall: str = ""
     #: The orchestrator gave it up (it died, failed or stalled, and was killed).
     lost: bool = False
     #: /dev/shm names its process group mapped when it became ready (vLLM's own), to
@@ -296,16 +301,6 @@ def _wait_exit(handles: Sequence[StageHandle], deadline: float) -> None:
             h.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
 
 
-def _group_pids(pgid: int) -> list[int]:
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            # Field 5 is the process group; the name (field 2) may hold spaces and parens.
-            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) == pgid:
-                pids.append(int(stat.parent.name))
-    return pids
-
-
 def _shm_mapped(pids: list[int] | None = None) -> set[str]:
     """Names under /dev/shm that ``pids`` (every process when None) map."""
     maps = [Path(f"/proc/{p}/maps") for p in pids] if pids is not None else Path("/proc").glob("[0-9]*/maps")
@@ -322,7 +317,7 @@ def _shm_mapped(pids: list[int] | None = None) -> set[str]:
 def shm_mapped_by_group(pgid: int) -> set[str]:
     """/dev/shm names the live processes of group ``pgid`` map, but our connectors' (their
     reapers know the owners: see :mod:`vllm_kvbridge.connectors.leftovers`)."""
-    return {n for n in _shm_mapped(_group_pids(pgid)) if not n.startswith("kvbridge.")}
+    return {n for n in _shm_mapped(group_pids(pgid)) if not n.startswith("kvbridge.")}
 
 
 def kill_stage_group(
@@ -352,10 +347,9 @@ def kill_stage_group(
 def group_alive(pgid: int) -> list[int]:
     """The pids of group ``pgid`` still alive (zombies are not)."""
     alive = []
-    for pid in _group_pids(pgid):
-        with contextlib.suppress(OSError, IndexError):
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                alive.append(pid)
+    for pid in group_pids(pgid):
+        if state(pid) not in (None, "Z"):
+            alive.append(pid)
     return alive
 
 

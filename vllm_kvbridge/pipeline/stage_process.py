@@ -24,12 +24,14 @@ the orchestrator disappears, so a stage never outlives its pipeline.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 
 import msgspec
 import zmq
@@ -40,7 +42,9 @@ from vllm_kvbridge.errors import RequestRejected
 from vllm_kvbridge.pipeline import messages as m
 from vllm_kvbridge.pipeline.control_auth import StageCredentials, read_credentials
 from vllm_kvbridge.pipeline.engines import StageEngine, build_engine
+from vllm_kvbridge.pipeline.liveness import EngineLiveness
 from vllm_kvbridge.pipeline.stage_handles import hold_shm_owner
+from vllm_kvbridge.runner import progress
 
 #: How long the serve loop sleeps in poll when the engine has nothing to do (seconds); an
 #: engine's waker (``StageEngine.waker``) or a message ends the sleep at once.
@@ -72,16 +76,24 @@ def _connect(sock: zmq.Socket, address: str, creds: StageCredentials) -> None:
 
 
 class _Heartbeat:
-    """Sends :class:`Heartbeat` every ``interval_s`` from a daemon thread until stopped."""
+    """Sends :class:`Heartbeat` every ``interval_s`` from a daemon thread until stopped, with
+    what ``liveness`` says of the engine's progress."""
 
-    def __init__(self, ctx: zmq.Context, address: str, creds: StageCredentials, interval_s: float) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        address: str,
+        creds: StageCredentials,
+        interval_s: float,
+        liveness: EngineLiveness,
+    ) -> None:
         self._stop = threading.Event()
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 4)  # beats nobody reads are worthless: keep few
         # No routing id of its own: the orchestrator never writes to this socket.
         _connect(self._sock, address, creds)
-        self._beat = m.encode(m.Heartbeat(creds.stage_id, os.getpid()))
+        self._stage_id, self._liveness = creds.stage_id, liveness
         self._interval_s = interval_s
         self._thread = threading.Thread(target=self._run, name="kvbridge-heartbeat", daemon=True)
         self._thread.start()
@@ -89,8 +101,10 @@ class _Heartbeat:
     def _run(self) -> None:
         try:
             while True:
+                stalled_s, why = self._liveness.stall()
+                beat = m.Heartbeat(self._stage_id, os.getpid(), round(stalled_s, 3), why)
                 try:
-                    self._sock.send(self._beat, flags=zmq.NOBLOCK)
+                    self._sock.send(m.encode(beat), flags=zmq.NOBLOCK)
                 except zmq.Again:
                     pass  # the orchestrator is behind; it reads every beat queued so far
                 if self._stop.wait(self._interval_s):
@@ -104,6 +118,23 @@ class _Heartbeat:
         self._thread.join(timeout=5)
 
 
+@contextlib.contextmanager
+def _named_board(path: str, owner: ShmOwner | None) -> Iterator[None]:
+    """Name the engine's progress board (:mod:`vllm_kvbridge.runner.progress`) in the
+    environment while the engine starts (its processes open it then), and remove the name
+    once it is up; the stage's shared-memory owner records it meanwhile, for a stage killed
+    before then."""
+    os.environ[progress.PROGRESS_ENV] = path
+    try:
+        if owner is not None:
+            owner.record([os.path.basename(path)])
+        yield
+    finally:
+        os.environ.pop(progress.PROGRESS_ENV, None)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 def serve(
     stage: ResolvedStage,
     address: str,
@@ -114,7 +145,9 @@ def serve(
     """Run ``stage`` until :class:`Shutdown` (exit status). ``owner``: this process's lock on
     its run's shared-memory names; the names its engine maps are recorded in it."""
     ctx = zmq.Context()
-    heartbeat = _Heartbeat(ctx, address, creds, heartbeat_s)
+    path, board = progress.create()
+    liveness = EngineLiveness(board)
+    heartbeat = _Heartbeat(ctx, address, creds, heartbeat_s, liveness)
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 2000)
     sock.setsockopt(zmq.IDENTITY, creds.route.encode())
@@ -122,7 +155,8 @@ def serve(
     engine: StageEngine | None = None
     try:
         try:
-            engine = build_engine(stage)
+            with _named_board(path, owner):
+                engine = build_engine(stage)
         except BaseException as exc:
             if isinstance(exc, _Terminated):
                 raise
@@ -148,6 +182,7 @@ def serve(
         counters: dict[str, float] = {}
         next_stats = time.monotonic() + STATS_S
         while True:
+            liveness.turn()
             if time.monotonic() >= next_stats:  # between steps: the engine's own thread
                 next_stats = time.monotonic() + STATS_S
                 if owner is not None:

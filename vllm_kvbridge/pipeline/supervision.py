@@ -5,7 +5,10 @@ per stage. The contract (issue 15, item 1):
 
 * A stage is *lost* when, after the pipeline started, its process exits, it reports
   ``StageFailed``, it sends no heartbeat for ``heartbeat_timeout`` seconds (stopped or
-  starved: killed then), or a restart of it is not ready within its ``start_timeout``.
+  starved: killed then), its heartbeats say its engine made no progress for
+  ``heartbeat_timeout`` seconds (an engine core or worker stopped, deadlocked or wedged:
+  :mod:`~vllm_kvbridge.pipeline.liveness`; killed then), or a restart of it is not ready
+  within its ``start_timeout``.
 * The requests in it fail at once, each with an error naming the stage
   (``RequestResult.lost_stage``); every other stage working on them is told to drop them.
   The other stages keep running.
@@ -50,6 +53,9 @@ __all__ = [
 
 #: The longest wait before a restart, however many came before it (seconds).
 MAX_BACKOFF_S = 30.0
+#: ``/health`` shows a ready stage's engine stall once it is this long (seconds): shorter
+#: ones are steps in progress.
+STALL_SHOWN_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,12 @@ class StageSupervision:
             silent = f"no heartbeat for {now - h.last_seen:.1f} s (runtime.heartbeat_timeout: {timeout:g} s)"
             error = f"{silent}: stopped or stalled, killed"
             return StageError(stage.stage_id, stage.kind, error, h.proc.log_tail())
+        # A stall is as its beats tell it: once they stop, the rule above decides.
+        fresh = now - h.last_seen <= 2 * heartbeat_interval(self.policy)
+        if h.ready_at and h.stalled_since and fresh and now - h.stalled_since > timeout:
+            error = f"its engine made no progress for {now - h.stalled_since:.1f} s ({h.stall};"
+            error += f" runtime.heartbeat_timeout: {timeout:g} s): hung, killed"
+            return StageError(stage.stage_id, stage.kind, error, h.proc.log_tail())
         if not h.ready_at and now - h.spawned > stage.start_timeout:
             error = f"not ready after {stage.start_timeout:.0f} s (start_timeout)"
             return StageError(stage.stage_id, stage.kind, error, h.proc.log_tail())
@@ -203,4 +215,7 @@ def stage_status(
         entry["node_id"] = h.proc.node.node_id  # a Ray node id; "local" on the local backend
     if h is not None and h.counters:
         entry["counters"] = dict(h.counters)
+    stalled = time.monotonic() - h.stalled_since if h is not None and h.stalled_since else 0.0
+    if stalled >= STALL_SHOWN_S and entry["status"] == "ready":  # on its way to the timeout
+        entry.update(stalled_s=round(stalled, 1), stall=h.stall)  # type: ignore[union-attr]
     return entry

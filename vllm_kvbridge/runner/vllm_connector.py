@@ -76,6 +76,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm_kvbridge.config.engine_support import EngineFeatures, check_engine_supported
 from vllm_kvbridge.errors import ConfigError
+from vllm_kvbridge.runner import progress
 from vllm_kvbridge.runner.capture import CaptureUpdate, CapturingRequest
 from vllm_kvbridge.runner.conditioning import CONDITION_OPTION
 from vllm_kvbridge.runner.settings import KVSendSettings, RunnerSettings
@@ -202,6 +203,7 @@ class KVBridgeConnector(SleepModeRefusal, KVConnectorBase_V1):
         features = EngineFeatures.from_vllm_config(vllm_config)
         check_engine_supported(features, sends_kv=s.sends_kv, captures=s.payload.captures, where="engine")
         self.block_size = vllm_config.cache_config.block_size
+        progress.open_from_env()  # every step of either role is proof of the engine's progress
         # Scheduler side.
         self._tracked: dict[str, _Tracked] = {}
         self._pending: list[KVSendSpec] = []
@@ -321,6 +323,7 @@ class KVBridgeConnector(SleepModeRefusal, KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Held blocks whose gather is done (vLLM 0.33's V2 with a drafter calls this before the
         step's ``wait_for_save``: its gathers are reported a step later, see vllm_compat.py)."""
+        progress.touch()  # every step calls it, with or without a forward
         sender = self._sender
         if sender is not None:  # gathered this step, or failed/withdrawn (RPC thread) meanwhile
             taken = sender.take_released()
@@ -434,6 +437,7 @@ class KVBridgeConnector(SleepModeRefusal, KVConnectorBase_V1):
         return None
 
     def build_connector_meta(self, scheduler_output: Any) -> KVBridgeConnectorMetadata:
+        progress.touch()
         sends, self._pending = self._pending, []
         scheduled = scheduler_output.num_scheduled_tokens
         for req_id, tracked in self._tracked.items():
