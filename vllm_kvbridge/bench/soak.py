@@ -7,15 +7,21 @@ unloaded latency); a 429 or 503 with ``Retry-After`` is waited out and tried aga
 OpenAI's clients do (counted as ``retried``); ``--kill STAGE@SECONDS`` SIGKILLs a stage's
 process that many seconds into the load (the pid comes from ``/health``, so the server
 must run on this host) and measures how long the supervisor takes to have it ready again.
+``--faults`` injects the faults the server was hardened against (forged control frames,
+a stopped engine, a huge body, a full /dev/shm, a server SIGKILL and restart; see
+:mod:`vllm_kvbridge.bench.soak_faults`) one after another while the load runs, which then
+goes on until the last one is over.
 
-Printed as a table (and ``--json FILE``): requests ok / failed (by HTTP status) / aborted,
+Printed as a table (and ``--json FILE``): requests ok / failed (by HTTP status) / lost (no
+answer at all: the connection dropped) / aborted,
 latency p50 / p99 of the successful ones and each as a ratio to the unloaded latency
 measured first in the same run (``--baseline`` sequential requests, median and spread),
 throughput and its ratio to the sequential rate ``1 / unloaded latency`` (what
 ``--concurrency 1`` reaches, measured in the same run), recovery
 seconds per kill, and leftovers: KV payloads published but not consumed once the load
 drained, the server's thread count before and after the load, and (for a server started
-here) the run's shared-memory names and vLLM message queues left after it stopped.
+here) what is left in /dev/shm after it stopped: the segments and owner files of its runs
+(a killed one's too), vLLM's message queues, engine progress boards; and each fault's outcome.
 Nothing is asserted: a soak reports what it saw.
 """
 
@@ -39,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from vllm_kvbridge.bench.soak_faults import FAULTS, FaultOutcome, FaultRunner, parse_faults
 
 #: Tries again of one request answered 429 / 503 with Retry-After, at most.
 MAX_RETRIES = 20
@@ -65,6 +73,8 @@ class SoakResult:
     #: answers 429 / 503 with Retry-After that the client waited out and tried again
     retried: int = 0
     failed: dict[str, int] = field(default_factory=dict)  # HTTP status (or error type) -> count
+    #: requests that got no answer at all (the connection dropped: a server killed under them)
+    lost: int = 0
     baseline_s: float = 0.0
     #: every unloaded latency measured (``baseline_s`` is their median): the spread
     baseline_all_s: list[float] = field(default_factory=list)
@@ -72,6 +82,7 @@ class SoakResult:
     p99_s: float = 0.0
     wall_s: float = 0.0
     kills: list[Kill] = field(default_factory=list)
+    faults: list[FaultOutcome] = field(default_factory=list)
     leftovers: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -104,6 +115,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recovery-timeout", type=float, default=600.0, help="seconds to wait for a killed stage")
     p.add_argument("--api-key", default=os.environ.get("VLLM_KVBRIDGE_API_KEY"))
     p.add_argument("--seed", type=int, default=0, help="which requests abort, and when")
+    p.add_argument(
+        "--faults",
+        type=parse_faults,
+        default=[],
+        metavar="LIST",
+        help=f"inject these faults under the load, in order: 'all' or some of {','.join(FAULTS)}",
+    )
+    p.add_argument("--fault-gap", type=float, default=3.0, help="seconds before each fault (default 3)")
+    p.add_argument("--big-body-mb", type=float, default=20.0, help="the big-body fault's size (default 20)")
+    p.add_argument("--full-shm-s", type=float, default=5.0, help="how long full-shm holds (default 5)")
     p.add_argument("--json", metavar="OUT", help="also write the result as JSON to OUT")
 
 
@@ -120,10 +141,12 @@ def parse_kill(text: str) -> Kill:
 class _Server:
     """``vllm-kvbridge serve`` in its own session on a free loopback port."""
 
-    def __init__(self, config: str, model: str | None, log: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    def __init__(self, config: str, model: str | None, log: Path, port: int = 0) -> None:
+        if not port:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        self.config, self.model, self.port = config, model, port
         # --debug-endpoints: the soak reads /debug/state and the stages' pids, and sends no key.
         argv = [sys.executable, "-m", "vllm_kvbridge.cli.main", "serve", "--stage-config", config]
         argv += ["--debug-endpoints"]
@@ -145,6 +168,15 @@ class _Server:
             time.sleep(0.5)
         self.stop()
         raise SystemExit(f"the server was not healthy after {timeout_s:.0f} s; see {self.log}")
+
+    def crash(self) -> _Server:
+        """SIGKILL the server (only it: its stages notice and go) and start its successor
+        on the same port, once the port is free."""
+        self.proc.kill()
+        self.proc.wait()
+        successor = _Server(self.config, self.model, self.log, self.port)
+        successor.wait_ready()
+        return successor
 
     def stop(self) -> int | None:
         if self.proc.poll() is None:
@@ -186,31 +218,31 @@ def run(args: argparse.Namespace) -> SoakResult:
         raise SystemExit(
             "vllm-kvbridge bench soak: need --requests >= 1, --concurrency >= 1, 0 <= --abort-frac <= 1"
         )
-    server = None
+    servers: list[_Server] = []  # the one serving last (a restart fault adds its successor)
     psm_before = _psm()
     if args.stage_config:
         log = Path(tempfile.mkdtemp(prefix="kvbridge-soak-")) / "serve.log"
-        server = _Server(args.stage_config, args.model, log)
+        servers.append(_Server(args.stage_config, args.model, log))
         print(f"starting the server (log {log})", flush=True)
-        server.wait_ready()
-        url = server.url
+        servers[0].wait_ready()
+        url = servers[0].url
     else:
         url = args.url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     client = httpx.Client(base_url=url, headers=headers, timeout=600)
     try:
-        return _soak(client, args, kills, server, psm_before)
+        return _soak(client, args, kills, servers, psm_before)
     finally:
         client.close()
-        if server is not None:
-            server.stop()
+        if servers:
+            servers[-1].stop()
 
 
 def _soak(
     client: httpx.Client,
     args: argparse.Namespace,
     kills: list[Kill],
-    server: _Server | None,
+    servers: list[_Server],
     psm_before: set[str],
 ) -> SoakResult:
     models = client.get("/v1/models").json()["data"][0]
@@ -233,24 +265,54 @@ def _soak(
         args.requests, args.concurrency, baseline_s=statistics.median(baseline), baseline_all_s=baseline
     )
     state = client.get("/debug/state").json()
-    server_pid = server.proc.pid if server is not None else None
-    threads_before = _threads(server_pid)
+    threads_before = _threads(servers[-1].proc.pid if servers else None)
+    faults = None
+    if args.faults:
+
+        def restart() -> int:
+            servers.append(servers[-1].crash())
+            return servers[-1].proc.pid
+
+        faults = FaultRunner(
+            client,
+            args.faults,
+            path,
+            restart=restart if servers else None,
+            gap_s=args.fault_gap,
+            recovery_timeout_s=args.recovery_timeout,
+            big_body_mb=args.big_body_mb,
+            full_shm_s=args.full_shm_s,
+        )
     rng = random.Random(args.seed)
-    plan = [rng.random() < args.abort_frac for _ in range(args.requests)]
-    cutoffs = [rng.uniform(0.05, max(0.1, res.baseline_s)) for _ in range(args.requests)]
     lock = threading.Lock()
     latencies: list[float] = []
-    local = threading.local()  # one connection pool per client thread
+    issued = 0
 
-    def one(i: int) -> None:
-        if not hasattr(local, "client"):
-            local.client = httpx.Client(base_url=str(client.base_url), headers=client.headers)
+    def next_request() -> tuple[int, bool, float] | None:
+        """The next request's index, whether the client abandons it and when; None when the
+        load is over (``--requests`` sent, and the faults, if any, are over)."""
+        nonlocal issued
+        with lock:
+            if issued >= args.requests and (faults is None or faults.done.is_set()):
+                return None
+            issued += 1
+            return issued - 1, rng.random() < args.abort_frac, rng.uniform(0.05, max(0.1, res.baseline_s))
+
+    def one(i: int, abort: bool, cutoff: float, http: httpx.Client) -> None:
         t0 = time.monotonic()
-        retries = 0
+        retries, lost = 0, False
         try:
-            timeout = httpx.Timeout(cutoffs[i]) if plan[i] else httpx.Timeout(600)
+            timeout = httpx.Timeout(cutoff) if abort else httpx.Timeout(600)
             while True:
-                r = local.client.post(path, json=body(i), timeout=timeout)
+                try:
+                    r = http.post(path, json=body(i), timeout=timeout)
+                except httpx.ConnectError:
+                    # Never reached a server (one restarting): safe to try again, as clients do.
+                    if retries >= MAX_RETRIES * 10:
+                        raise
+                    retries += 1
+                    time.sleep(1.0)
+                    continue
                 # As OpenAI's clients do: a 429 / 503 with Retry-After is tried again later.
                 if r.status_code in (429, 503) and "retry-after" in r.headers and retries < MAX_RETRIES:
                     retries += 1
@@ -259,18 +321,27 @@ def _soak(
                 break
             key = None if r.status_code == 200 else str(r.status_code)
         except httpx.TimeoutException:
-            key = "aborted" if plan[i] else "client_timeout"
+            key = "aborted" if abort else "client_timeout"
+        except httpx.TransportError:
+            key, lost = None, True  # the connection dropped: no answer at all
         except httpx.HTTPError as exc:
             key = type(exc).__name__
         with lock:
             res.retried += retries
-            if key is None:
+            if lost:
+                res.lost += 1
+            elif key is None:
                 res.ok += 1
                 latencies.append(time.monotonic() - t0)
             elif key == "aborted":
                 res.aborted += 1
             else:
                 res.failed[key] = res.failed.get(key, 0) + 1
+
+    def worker() -> None:
+        with httpx.Client(base_url=str(client.base_url), headers=client.headers) as http:
+            while (nxt := next_request()) is not None:
+                one(*nxt, http)
 
     start = time.monotonic()
     killers = [
@@ -279,11 +350,18 @@ def _soak(
     ]
     for t in killers:
         t.start()
+    if faults is not None:
+        faults.start(start, after=killers)
     with ThreadPoolExecutor(args.concurrency) as pool:
-        list(pool.map(one, range(args.requests)))
+        for f in [pool.submit(worker) for _ in range(args.concurrency)]:
+            f.result()
     res.wall_s = time.monotonic() - start
     for t in killers:
         t.join()
+    if faults is not None:
+        faults.join()
+        res.faults = faults.outcomes
+    res.requests = issued
     res.kills = kills
     res.p50_s, res.p99_s = _percentile(latencies, 0.5), _percentile(latencies, 0.99)
     # Leftovers once the load drained: nothing in flight, nothing published and unread.
@@ -295,16 +373,31 @@ def _soak(
     res.leftovers = {
         "in_flight": after["in_flight"],
         "published_unread": len(after["shm_published"]),
-        "server_threads_before": threads_before,
-        "server_threads_after": _threads(server_pid),
+        "server_threads_before": threads_before if len(servers) < 2 else None,
+        "server_threads_after": _threads(servers[-1].proc.pid) if len(servers) == 1 else None,
     }
-    if server is not None:
-        from vllm_kvbridge.connectors.leftovers import shared_memory_names
-
-        res.leftovers["server_exit"] = server.stop()
-        res.leftovers["shm_after_stop"] = len(shared_memory_names(state["run_id"]))
-        res.leftovers["vllm_queues_after_stop"] = len(_psm() - psm_before)
+    if servers:
+        res.leftovers["server_exit"] = servers[-1].stop()
+        runs = [state["run_id"], *(faults.killed_runs if faults else []), after["run_id"]]
+        res.leftovers.update(_shm_left(sorted(set(runs)), psm_before))
     return res
+
+
+def _shm_left(runs: list[str], psm_before: set[str]) -> dict[str, int]:
+    """What a server's runs left in /dev/shm once it stopped: each should be 0."""
+    from vllm_kvbridge.bench.soak_faults import BALLAST_PREFIX
+    from vllm_kvbridge.connectors.leftovers import shared_memory_names
+    from vllm_kvbridge.connectors.shm_owners import owners
+    from vllm_kvbridge.runner.progress import PREFIX as PROGRESS_PREFIX
+
+    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
+    return {
+        "shm_after_stop": sum(len(shared_memory_names(run)) for run in runs),
+        "owner_files_after_stop": sum(len(owners(prefix=run)) for run in runs),
+        "vllm_queues_after_stop": len(_psm() - psm_before),
+        "progress_boards_after_stop": sum(n.startswith(PROGRESS_PREFIX) for n in names),
+        "ballast_after_stop": sum(n.startswith(BALLAST_PREFIX) for n in names),
+    }
 
 
 def _kill_and_watch(client: httpx.Client, kill: Kill, start: float, timeout_s: float) -> None:
@@ -338,6 +431,7 @@ def format_result(r: SoakResult) -> str:
         ("requests (concurrency)", f"{r.requests} ({r.concurrency})"),
         ("ok", str(r.ok)),
         ("failed (by status)", failed),
+        ("lost (no answer)", str(r.lost)),
         ("aborted by the client", str(r.aborted)),
         ("retried after 429/503", str(r.retried)),
         ("unloaded latency (ceiling)", f"{r.baseline_s:.3f} s{spread}"),
@@ -348,6 +442,10 @@ def format_result(r: SoakResult) -> str:
     for k in r.kills:
         back = "not back" if k.recovery_s is None else f"back in {k.recovery_s:.1f} s"
         rows.append((f"kill stage {k.stage_id} at {k.killed_at_s:.1f} s", back))
+    for f in r.faults:
+        verdict = {True: "held", False: "NOT HELD", None: "not run"}[f.held]
+        back = "" if f.recovery_s is None else f", healthy again in {f.recovery_s:.1f} s"
+        rows.append((f"fault {f.fault} at {f.at_s:.1f} s", f"{verdict}{back}: {f.detail}"))
     rows += [(f"leftover: {k}", str(v)) for k, v in r.leftovers.items()]
     width = max(len(a) for a, _ in rows)
     return "\n".join(f"{a:<{width}}  {b}" for a, b in rows)

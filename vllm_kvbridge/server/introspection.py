@@ -5,7 +5,9 @@
 * 200 ``"status": "ok"``: every stage is ready.
 * 200 ``"status": "degraded"``: a lost stage is being restarted (``stages`` says which, and
   ``down`` why); the server still answers, new requests get 503 with ``Retry-After`` until it
-  is back. 200 so that a liveness probe does not kill a pod that is healing itself.
+  is back. 200 so that a liveness probe does not kill a pod that is healing itself. Also
+  while a stage's connector cannot reach its edge's service (a Mooncake master down): the
+  requests over that edge fail, and restarting this server would not help.
 * 503 ``"status": "down"``: a stage is down for good (its restarts are spent); only a
   restart of the server helps. 503 ``"status": "unavailable"``: the server is shutting down.
 
@@ -51,17 +53,25 @@ def add_introspection_routes(
             stages = [{k: v for k, v in s.items() if k not in PRIVATE_STAGE_FIELDS} for s in stages]
         if h["ok"]:
             status, code = "ok", 200
-        elif h["recovering"]:
+        elif h["error"] is None and (h["recovering"] or h["cut_off"]):
             status, code = "degraded", 200
         else:
             status, code = ("down" if h["error"] is not None else "unavailable"), 503
         body: dict[str, Any] = {"status": status, "pipeline": state.plan.name, "stages": stages}
         body["error"] = h["error"]
-        down = [s for s in stages if s["status"] != "ready"]
+        down = [
+            f"stage {s['stage_id']} ({s['kind']}): {s.get('error', s['status'])}"
+            for s in stages
+            if s["status"] != "ready"
+        ]
+        down += [
+            f"stage {s['stage_id']} ({s['kind']}): {s['counters']['edges_unreachable']:g} of its connectors"
+            " cannot reach their edge's service (a Mooncake master down?): requests over it fail"
+            for s in stages
+            if s["stage_id"] in h["cut_off"]
+        ]
         if down:
-            body["down"] = [
-                f"stage {s['stage_id']} ({s['kind']}): {s.get('error', s['status'])}" for s in down
-            ]
+            body["down"] = down
         return JSONResponse(body, status_code=code)
 
     @app.get("/v1/models")
@@ -102,6 +112,8 @@ def add_introspection_routes(
         names = shared_memory_names(run)
         return {
             "run_id": run,
+            # where the stages reach the orchestrator (CURVE: only the keys it issued get in)
+            "control_address": state.service.pipeline.control_address,
             "in_flight": state.service.in_flight(),
             "in_flight_high_water": state.service.high_water,
             "max_in_flight": state.service.max_in_flight,
