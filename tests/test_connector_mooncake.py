@@ -20,7 +20,7 @@ from mooncake_fixtures import MooncakeMaster, free_port
 
 from vllm_kvbridge.config import resolve
 from vllm_kvbridge.connectors import create_connector, payload_key
-from vllm_kvbridge.connectors.base import parse_size
+from vllm_kvbridge.connectors.base import edge_counters, parse_size
 from vllm_kvbridge.connectors.mooncake_store import MooncakeStoreConnector
 from vllm_kvbridge.errors import ConfigError, TransferCorrupt, TransferError, TransferRefused, TransferTimeout
 
@@ -199,12 +199,15 @@ def test_master_killed_mid_run_then_restarted(mooncake_master: MooncakeMaster):
         down = sender.put(0, 1, key("down"), payload(2))
         assert not down.ok and "master" in down.error and time.monotonic() - start < 10
         assert sender.health()["master_reachable"] is False
+        # what the stage reports to the pipeline (/health degraded, kvbridge_edge_unreachable)
+        assert edge_counters([sender.health()])["edges_unreachable"] == 1
 
         mooncake_master.start()  # same ports: clients reconnect by themselves
         until = soon(20)
         while not (sender.health()["master_reachable"] and receiver.health()["master_reachable"]):
             assert time.monotonic() < until, "clients did not reconnect to the restarted master"
             time.sleep(0.1)
+        assert edge_counters([sender.health(), receiver.health()])["edges_unreachable"] == 0
         result = None
         while result is None or not result.ok:  # segments are re-mounted shortly after reconnecting
             assert time.monotonic() < until, result

@@ -220,8 +220,10 @@ DEFAULT_LEASE_S = 60.0
 RENEW_FRACTION = 1 / 6
 
 #: ``health()`` counters a stage adds up over its connectors and reports to the pipeline
-#: (``serve``'s Prometheus series), by their name there.
-EDGE_COUNTERS = {"expired": "leases_expired", "put_full": "puts_full"}
+#: (``serve``'s Prometheus series), by their name there. ``unreachable`` is a state, not a
+#: count: 1 while a connector cannot reach the service its edge needs (a Mooncake store's
+#: master); summed, how many of the stage's connectors are cut off (``/health`` degraded).
+EDGE_COUNTERS = {"expired": "leases_expired", "put_full": "puts_full", "unreachable": "edges_unreachable"}
 
 
 def edge_counters(healths: Iterable[Mapping[str, Any] | None]) -> dict[str, float]:

@@ -601,7 +601,8 @@ class MooncakeStoreConnector(Connector):
         store = self._store
         if store is not None and not self._closed:
             status["local_hostname"] = self.hostname
-            status["master_reachable"] = store.health_check() == OK
+            status["master_reachable"] = reachable = store.health_check() == OK
+            status["unreachable"] = int(not reachable)  # connectors.base.EDGE_COUNTERS
         return status
 
     def _close(self) -> None:

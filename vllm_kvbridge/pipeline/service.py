@@ -165,13 +165,18 @@ class PipelineService:
             return len(self._futures)
 
     def health(self) -> dict[str, Any]:
-        """``{"ok": bool, "recovering": bool, "stages": [...], "error": str | None}`` (see
-        ``Pipeline.stage_health``)."""
+        """``{"ok": bool, "recovering": bool, "cut_off": [stage ids], "stages": [...], "error":
+        str | None}`` (see ``Pipeline.stage_health``). ``cut_off``: ready stages some of whose
+        connectors cannot reach their edge's service (``edges_unreachable``: a Mooncake
+        master down); they are up, but their requests over that edge fail."""
         stages = self.pipeline.stage_health()
-        ok = self.failure is None and not self._closed and all(s["status"] == "ready" for s in stages)
+        cut_off = [s["stage_id"] for s in stages if s.get("counters", {}).get("edges_unreachable")]
+        cut_off = [] if self._closed or self.failure is not None else cut_off
+        ready = all(s["status"] == "ready" for s in stages)
+        ok = self.failure is None and not self._closed and ready and not cut_off
         recovering = self.failure is None and any(s["status"] == "recovering" for s in stages)
         error = None if self.failure is None else str(self.failure)
-        return {"ok": ok, "recovering": recovering, "stages": stages, "error": error}
+        return {"ok": ok, "recovering": recovering, "cut_off": cut_off, "stages": stages, "error": error}
 
     # -- the pump thread ----------------------------------------------------------------
     def _pump(self) -> None:

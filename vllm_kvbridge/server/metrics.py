@@ -94,6 +94,12 @@ class ServerMetrics:
         self.puts_full = Counter(
             "kvbridge_edge_puts_full", "Puts that found their edge full", ["stage", "kind"], registry=r
         )
+        self.edge_unreachable = Gauge(
+            "kvbridge_edge_unreachable",
+            "Connectors of the stage that cannot reach their edge's service (a Mooncake master)",
+            ["stage", "kind"],
+            registry=r,
+        )
         self.control_rejected = Counter(
             "kvbridge_control_rejected",
             "Control-plane peers refused (refused_connections) and frames dropped (dropped_frames)",
@@ -128,6 +134,7 @@ class ServerMetrics:
                 self.stage_restarts.labels(sid, s["kind"]).inc(new)
                 self._restarts_seen[sid] = s["restarts"]
             counters, pid = s.get("counters", {}), s.get("pid", 0)
+            self.edge_unreachable.labels(sid, s["kind"]).set(float(counters.get("edges_unreachable", 0)))
             for name, counter in (("leases_expired", self.leases_expired), ("puts_full", self.puts_full)):
                 self._follow(counter.labels(sid, s["kind"]), (sid, name), pid, counters)
         # The orchestrator counts what its control plane refused; the counter follows it.
