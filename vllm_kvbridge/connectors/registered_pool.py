@@ -52,6 +52,8 @@ class RegisteredBufferPool:
         self._free: list[np.ndarray] = []
         self._lent: dict[int, tuple[np.ndarray, bool]] = {}  # id(slab) -> (slab, pooled)
         self._pooled = 0  # bytes of every slab the pool owns (free or lent)
+        #: slabs registered so far: a pool that reuses its slabs registers a few, once
+        self.registrations = 0
 
     def acquire(self, need: int) -> tuple[np.ndarray, bool]:
         """A registered slab of at least ``need`` bytes and whether it belongs to the pool."""
@@ -73,6 +75,7 @@ class RegisteredBufferPool:
         if rc != 0:
             raise TransferError(f"{self._what} registration of {capacity} bytes failed (rc={rc})")
         with self._lock:
+            self.registrations += 1
             if self._keep is None:  # closed meanwhile
                 self._unregister(slab.ctypes.data)
                 raise TransferError(f"{self._what} buffer pool is closed")
