@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from vllm_kvbridge.errors import PayloadError
+from vllm_kvbridge.wire import parallel_copy
 from vllm_kvbridge.wire.dtypes import (
     ITEMSIZE,
     NUMPY_DTYPE_NAMES,
@@ -132,10 +133,11 @@ def dense_cpu(t: torch.Tensor) -> bool:
 def copy_bytes(dst: int, src: int, nbytes: int) -> None:
     """``memmove(dst, src, nbytes)``; the caller has checked both ranges.
 
-    Large copies release the GIL, small ones keep it (see :data:`GIL_FREE_COPY`).
+    Large copies release the GIL (see :data:`GIL_FREE_COPY`) and the largest run on
+    several threads (:mod:`vllm_kvbridge.wire.parallel_copy`); small ones keep the GIL.
     """
     if nbytes >= GIL_FREE_COPY:
-        ctypes.memmove(dst, src, nbytes)
+        parallel_copy.memmove(dst, src, nbytes)
     elif nbytes:
         _memmove_holding_gil(dst, src, nbytes)
 
