@@ -13,6 +13,7 @@ import json
 import math
 import os
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -172,6 +173,28 @@ def test_kv_path_skips_mooncake_where_it_is_missing(monkeypatch: pytest.MonkeyPa
     assert recv["endpoint"] == f"tcp://127.0.0.1:{send['port']}"
     send, recv = edge_configs("shm", 1 << 20)
     assert send == recv
+
+
+@pytest.mark.parametrize("name", ["mooncake-te", "nixl"])
+def test_kv_path_edges_of_the_engine_connectors_move_a_payload(name: str) -> None:
+    """The engine path runs on the transfer-engine and NIXL connectors too (issue 37, item 3):
+    the configs it gives each side make a working pair (the receiver finds the sender in
+    the put's metadata). Their engine runs are in the bench, not here (one engine each)."""
+    import torch
+
+    from vllm_kvbridge.bench.kv_path import CONNECTORS
+    from vllm_kvbridge.connectors import create_connector
+
+    send, recv = edge_configs(name, 1 << 20)
+    payload = {"k": torch.arange(4096, dtype=torch.float32)}
+    with (
+        create_connector(CONNECTORS[name], send) as sender,
+        create_connector(CONNECTORS[name], recv) as receiver,
+    ):
+        result = sender.put(0, 1, "kv-path-probe", payload)
+        assert result.ok, result.error
+        got = receiver.get(0, 1, "kv-path-probe", result.metadata, deadline=time.monotonic() + 30)
+        assert torch.equal(got["k"], payload["k"])
 
 
 def test_kv_heavy_model_bytes() -> None:

@@ -56,7 +56,13 @@ from vllm_kvbridge.config.platform import detect_platform, platform_engine_args
 logger = logging.getLogger(__name__)
 
 #: Short names accepted by ``--connectors`` (the registry's aliases, spelled as the other benches).
-CONNECTORS = {"shm": "SharedMemoryConnector", "zmq": "ZmqConnector", "mooncake": "MooncakeStoreConnector"}
+CONNECTORS = {
+    "shm": "SharedMemoryConnector",
+    "zmq": "ZmqConnector",
+    "mooncake": "MooncakeStoreConnector",
+    "mooncake-te": "MooncakeTransferEngineConnector",
+    "nixl": "NixlConnector",
+}
 
 
 class Unavailable(Exception):
@@ -116,7 +122,7 @@ def edge_configs(name: str, max_bytes: int) -> tuple[dict[str, Any], dict[str, A
         return {"host": "127.0.0.1", "port": port}, {"endpoint": f"tcp://127.0.0.1:{port}"}
     if name == "mooncake":
         try:
-            import mooncake.store  # noqa: F401
+            import mooncake.store
 
             from vllm_kvbridge.connectors.mooncake_master import master_binary
 
@@ -131,6 +137,20 @@ def edge_configs(name: str, max_bytes: int) -> tuple[dict[str, Any], dict[str, A
         except Exception as exc:  # no master could be started
             raise Unavailable(f"no mooncake_master: {exc}") from None
         return cfg, {**cfg, "global_segment_size": 0}
+    if name == "mooncake-te":  # P2P handshake: the receiver finds the sender in the metadata
+        try:
+            import mooncake.engine  # noqa: F401
+        except ImportError as exc:
+            raise Unavailable(f"Mooncake is not installed here ({exc})") from None
+        return {}, {}
+    if name == "nixl":
+        from vllm_kvbridge.connectors.nixl_agent import import_nixl
+
+        try:
+            import_nixl()
+        except ImportError as exc:
+            raise Unavailable(str(exc)) from None
+        return {}, {}
     raise Unavailable(f"unknown connector {name!r}")
 
 
