@@ -51,6 +51,7 @@ from vllm_kvbridge.pipeline.stage_handles import (
     LOG_TAIL_LINES,
     LocalStageProcess,
     StageHandle,
+    exit_cause,
     log_tail,
     reap_run_edges,
     stage_env,
@@ -196,6 +197,11 @@ class RayStageProcess:
         if tail is None:
             return f"its Ray actor on node {self.node.ip} is gone ({self.gone}); log there: {self.log}"
         return tail
+
+    def exit_reason(self, code: int, tail: str) -> str:
+        # An actor that died (its node removed, its worker killed) is the cause; the exit
+        # signal is only how Ray reports it.
+        return f"its Ray actor is gone: {self.gone}" if self.gone else exit_cause(code, tail)
 
 
 class RayBackend:

@@ -98,6 +98,10 @@ class StageProcess(Protocol):
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         """The last lines of its output (or why they cannot be read)."""
 
+    def exit_reason(self, code: int, tail: str) -> str:
+        """Why it ended with ``code``, in a few words (its signal, its log's error, or what
+        took the host that ran it)."""
+
 
 class LocalStageProcess:
     """A stage process that is a child of the orchestrator, in a session of its own."""
@@ -124,6 +128,9 @@ class LocalStageProcess:
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         return log_tail(self.log_path, lines)
+
+    def exit_reason(self, code: int, tail: str) -> str:
+        return exit_cause(code, tail)
 
 
 @dataclass

@@ -40,7 +40,7 @@ from typing import Any
 from vllm_kvbridge.config.resolve import ResolvedStage
 from vllm_kvbridge.pipeline import messages as m
 from vllm_kvbridge.pipeline.results import RequestResult, StageError
-from vllm_kvbridge.pipeline.stage_handles import StageHandle, exit_cause
+from vllm_kvbridge.pipeline.stage_handles import StageHandle
 
 __all__ = [
     "MAX_BACKOFF_S",
@@ -133,9 +133,7 @@ class StageSupervision:
             if h.failure is not None:
                 return h.failure
             tail = h.proc.log_tail()
-            # A Ray-placed stage whose actor died: that is the cause (its log is on that node).
-            gone = getattr(h.proc, "gone", None)
-            why = f"its Ray actor is gone: {gone}" if gone else exit_cause(code, tail)
+            why = h.proc.exit_reason(code, tail)
             return StageError(stage.stage_id, stage.kind, f"process exited with status {code} ({why})", tail)
         timeout = self.policy.heartbeat_timeout_s
         if h.ready_at and now - h.last_seen > timeout:
