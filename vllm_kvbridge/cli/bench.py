@@ -1,6 +1,7 @@
 """``vllm-kvbridge bench``: measurements.
 
-Sub-commands: ``connectors``, ``ar-overhead``, ``kv-path``, ``handoff``, ``soak``, ``gpu-path``.
+Sub-commands: ``connectors``, ``ar-overhead``, ``kv-path``, ``handoff``, ``soak``, ``gpu-path``, and
+``all`` (every bench, one table of ratios to ceilings measured in the same run).
 """
 
 from __future__ import annotations
@@ -95,6 +96,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     add_gpu_path_arguments(g)
     g.set_defaults(func=_run_gpu_path)
+    al = bench_sub.add_parser(
+        "all",
+        help="every bench, one table of ratios to same-run ceilings",
+        description="Run the connectors, handoff, kv-path and serve benches in one go and print one row "
+        "per figure: its value (a ratio to a ceiling measured in the same run, or ms), spread over the "
+        "repeats, goal, whether it is met and the ceiling. A figure whose engine cannot run here is "
+        "'not run' with its reason; the exit code is 1 only when every figure failed.",
+    )
+    from vllm_kvbridge.bench.all import add_arguments as add_all_arguments
+
+    add_all_arguments(al)
+    al.set_defaults(func=_run_all)
 
 
 def _run_connectors(args: argparse.Namespace) -> int:
@@ -159,6 +172,13 @@ def _run_gpu_path(args: argparse.Namespace) -> int:
 
     _report("gpu-path", args, run, format_result, write_json)
     return 0
+
+
+def _run_all(args: argparse.Namespace) -> int:
+    from vllm_kvbridge.bench.all import format_result, run, write_json
+
+    result = _report("all", args, run, format_result, write_json)
+    return 1 if result.all_failed else 0
 
 
 def _run_soak(args: argparse.Namespace) -> int:
