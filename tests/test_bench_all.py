@@ -16,13 +16,18 @@ import pytest
 from vllm_kvbridge.bench.all import parse_only, size_label
 from vllm_kvbridge.cli.main import main
 
+#: Smaller than the figures' 64 MB: the test checks the mechanism, in a fraction of the time.
+SIZE = 8 << 20
 CONNECTOR_FIGURES = {
-    "Mooncake store vs Mooncake's own put/get, 64 MB",
-    "NIXL connector vs NIXL agent write+READ, 64 MB",
-    "NIXL get vs NIXL READ, 64 MB",
-    "Mooncake TE vs raw TE read, 64 MB",
-    "SHM vs memcpy, 64 MB",
-    "ZMQ vs bare pyzmq, 64 MB",
+    f"{what}, {size_label(SIZE)}"
+    for what in (
+        "Mooncake store vs Mooncake's own put/get",
+        "NIXL connector vs NIXL agent write+READ",
+        "NIXL get vs NIXL READ",
+        "Mooncake TE vs raw TE read",
+        "SHM vs memcpy",
+        "ZMQ vs bare pyzmq",
+    )
 }
 HANDOFF_FIGURES = {"1 KB handoff p50, SHM (stage path)", "1 KB handoff p50, SHM (Connector.get)"}
 
@@ -32,7 +37,7 @@ HANDOFF_FIGURES = {"1 KB handoff p50, SHM (stage path)", "1 KB handoff p50, SHM 
 def test_bench_all_prints_one_table_and_writes_json(tmp_path):
     out = tmp_path / "all.json"
     argv = [sys.executable, "-m", "vllm_kvbridge.cli.main", "bench", "all"]
-    argv += ["--only", "connectors,handoff", "--repeat", "2", "--json", str(out)]
+    argv += ["--only", "connectors,handoff", "--repeat", "2", "--size", "8MB", "--json", str(out)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=580)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -50,7 +55,7 @@ def test_bench_all_prints_one_table_and_writes_json(tmp_path):
             met = f["value"] >= f["goal_value"] if f["goal_op"] == ">=" else f["value"] <= f["goal_value"]
             assert f["met"] == met
     # shm and zmq need nothing optional: they always run, with a spread over the repeats
-    for name in ("SHM vs memcpy, 64 MB", "ZMQ vs bare pyzmq, 64 MB"):
+    for name in (f"SHM vs memcpy, {size_label(SIZE)}", f"ZMQ vs bare pyzmq, {size_label(SIZE)}"):
         f = figures[name]
         assert f["value"] is not None
         assert f["spread_min"] * (1 - 1e-9) <= f["value"] <= f["spread_max"] * (1 + 1e-9)
