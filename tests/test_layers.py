@@ -1,6 +1,6 @@
 """Imports only point down the layers (docs/architecture.md, section 2), read from the code.
 
-cli > bench > server > pipeline > runner > models > kv > connectors > wire > config > errors.
+cli > bench > server > pipeline > runner > models > kv > connectors > wire > config > procfs > errors.
 Every ``import`` of the package is checked, including the lazy ones inside functions.
 """
 
@@ -14,6 +14,7 @@ import vllm_kvbridge
 PKG = Path(vllm_kvbridge.__file__).parent
 ORDER = [
     "errors",
+    "procfs",
     "config",
     "wire",
     "connectors",
