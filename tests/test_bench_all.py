@@ -24,7 +24,8 @@ CONNECTOR_FIGURES = {
         "Mooncake store vs Mooncake's own put/get",
         "NIXL connector vs NIXL agent write+READ",
         "NIXL get vs NIXL READ",
-        "Mooncake TE vs raw TE read",
+        "Mooncake TE vs raw TE write+read",
+        "Mooncake TE get vs raw TE read",
         "SHM vs memcpy",
         "ZMQ vs bare pyzmq",
     )

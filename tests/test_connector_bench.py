@@ -60,8 +60,9 @@ def test_sizes_and_arguments_are_validated():
 @pytest.mark.parametrize("connector", ["mooncake", "mooncake-te", "nixl"])
 def test_bench_row_has_an_interleaved_raw_engine_ceiling(connector, tmp_path, capsys, request, monkeypatch):
     """The Mooncake store against its own put + get, mooncake-te against a raw
-    transfer-engine read, nixl against NIXL's own agent READ: each sampled between the
-    connector's transfers, with its spread."""
+    transfer-engine write + read, nixl against NIXL's own agent write + READ: each sampled
+    between the connector's transfers, with its spread; the two engines that read the
+    sender's memory also give their get against the read alone."""
     if connector == "mooncake":  # the bench finds this test's master through the environment
         master = request.getfixturevalue("mooncake_master")
         for name, value in master.env().items():
@@ -76,3 +77,6 @@ def test_bench_row_has_an_interleaved_raw_engine_ceiling(connector, tmp_path, ca
     assert all(math.isfinite(row[k]) and row[k] > 0 for k in (KEYS | spread) - {"connector"})
     assert row["gbps_min"] <= row["gbps"] <= row["gbps_max"]
     assert row["ceiling_min_gbps"] <= row["ceiling_gbps"] <= row["ceiling_max_gbps"]
+    assert math.isfinite(row["get_ratio"]) == (connector != "mooncake"), row
+    if connector != "mooncake":
+        assert row["get_ratio"] > 0

@@ -5,11 +5,15 @@ kvbridge code on the data path) doing the read the connector's receiver does, on
 number of bytes and with the same split (``PIECE_BYTES`` pieces in batches of
 ``MAX_BATCH_PIECES``, the connector's defaults): another (spawned) process holds a
 registered, pre-faulted source buffer; this process reads it into its own registered,
-pre-faulted buffer over the same transport (TCP here). :meth:`TeReadProbe.sample` times one
-read; the connector bench samples it right before every connector transfer, so ceiling and
-connector see the same load on a shared machine. What the connector adds on top (pack into
-its slab, claim and confirm over its control socket, decode, first-touch of a new slab) is
-what the ratio shows.
+pre-faulted buffer over the same transport (TCP here). Before each read the source writes
+the bytes into its registered buffer (one copy, as fast as this package copies:
+:mod:`~vllm_kvbridge.wire.parallel_copy`; a payload is not in registered memory until
+somebody puts it there, and the connector's put is that copy). :meth:`TeReadProbe.sample`
+times the write plus the read, ``read_samples`` the read alone (the ceiling of the
+connector's ``get``); the connector bench samples it right before every connector
+transfer, so ceiling and connector see the same load on a shared machine. What the
+connector adds on top (encode, claim and confirm over its control socket, decode) is what
+the ratio shows. The NIXL probe is built the same way (:mod:`vllm_kvbridge.bench.nixl`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from vllm_kvbridge.connectors.mooncake_te import MAX_BATCH_PIECES, PIECE_BYTES
+from vllm_kvbridge.wire import parallel_copy
 
 
 def _engine(protocol: str) -> Any:
@@ -38,10 +43,14 @@ def _source(nbytes: int, protocol: str, pipe: Any) -> None:
     """Child: an engine with ``nbytes`` registered; waits until told to stop."""
     engine = _engine(protocol)
     buf = np.ones(nbytes, dtype=np.uint8)  # written: faulted in before timing
+    payload = np.full(nbytes, 7, dtype=np.uint8)  # the bytes to put there, faulted in too
     if engine.register_memory(buf.ctypes.data, nbytes) != 0:
         raise RuntimeError("register_memory failed in the bench source")
     pipe.send((f"127.0.0.1:{engine.get_rpc_port()}", buf.ctypes.data))
-    pipe.recv()
+    while pipe.recv() is not None:  # "write": the payload into registered memory
+        start = time.perf_counter()
+        parallel_copy.memmove(buf.ctypes.data, payload.ctypes.data, nbytes)
+        pipe.send(time.perf_counter() - start)
     engine.unregister_memory(buf.ctypes.data)
     pipe.send("bye")
 
@@ -69,9 +78,15 @@ class TeReadProbe:
             self.close()
             raise
         self.samples: list[float] = []
+        self.read_samples: list[float] = []
 
     def sample(self) -> float:
-        """Seconds of one read of the source's ``nbytes``, appended to ``samples``."""
+        """Seconds of one write of ``nbytes`` into the source's registered buffer plus one
+        read of them, appended to ``samples`` (the read alone to ``read_samples``)."""
+        self._pipe.send("write")
+        if not self._pipe.poll(60):
+            raise RuntimeError("the transfer-engine bench source did not write its buffer")
+        written = self._pipe.recv()
         engine, dst, src, n = self._engine, self._dst.ctypes.data, self._remote, self.nbytes
         offsets = list(range(0, n, PIECE_BYTES))
         start = time.perf_counter()
@@ -87,8 +102,9 @@ class TeReadProbe:
             if rc != 0:
                 raise RuntimeError(f"raw transfer-engine read of {n} bytes failed: {rc}")
         elapsed = time.perf_counter() - start
-        self.samples.append(elapsed)
-        return elapsed
+        self.read_samples.append(elapsed)
+        self.samples.append(written + elapsed)
+        return written + elapsed
 
     def gbps(self) -> float:
         """Median GB/s of the samples so far."""
