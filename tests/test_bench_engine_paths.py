@@ -154,10 +154,11 @@ def test_summary_ratios_slowdown_and_noise_floor() -> None:
 def test_kv_path_arguments_are_validated() -> None:
     assert parse_tokens("512, 2048,8192") == [512, 2048, 8192]
     assert parse_connectors("shm,zmq,mooncake") == ["shm", "zmq", "mooncake"]
+    assert parse_connectors("mooncake-te,nixl") == ["mooncake-te", "nixl"]
     for bad in ("", "x", "0", "512,-1"):
         with pytest.raises(ValueError):
             parse_tokens(bad)
-    for bad in ("", "tcp", "shm,nixl"):
+    for bad in ("", "tcp", "shm,ucx"):
         with pytest.raises(ValueError):
             parse_connectors(bad)
     for argv in (["--tokens", "lots"], ["--connectors", "carrier-pigeon"], ["--repeat", "0"]):
