@@ -22,7 +22,6 @@ shows the p99.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import sys
@@ -154,29 +153,8 @@ def _gbps(value: float, lo: float = math.nan, hi: float = math.nan) -> str:
 
 
 # -- the groups -------------------------------------------------------------------------
-def connector_unavailable(name: str) -> str | None:
-    """Why connector ``name`` cannot run here (its engine does not import), or None."""
-    try:
-        if name in ("mooncake", "mooncake-te"):
-            importlib.import_module("mooncake.store" if name == "mooncake" else "mooncake.engine")
-            if name == "mooncake":
-                from vllm_kvbridge.connectors.mooncake_master import master_binary
-
-                master_binary()
-        elif name == "nixl":
-            from vllm_kvbridge.connectors.nixl_agent import import_nixl, prepare_ucx_env
-
-            prepare_ucx_env()
-            import_nixl()
-        elif name == "zmq":
-            importlib.import_module("zmq")
-    except Exception as exc:
-        return one_line(exc)
-    return None
-
-
 def _connectors(args: argparse.Namespace, res: AllResult, out: list[Figure]) -> None:
-    from vllm_kvbridge.bench.connectors import run_connector_bench
+    from vllm_kvbridge.bench.connectors import connector_unavailable, run_connector_bench
 
     label = size_label(args.size)
     figs = {

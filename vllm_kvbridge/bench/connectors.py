@@ -122,6 +122,27 @@ CEILING_PROBES: dict[str, str] = {
 }
 
 
+def connector_unavailable(name: str) -> str | None:
+    """Why the bench connector ``name`` (``mooncake``, ``mooncake-te``, ``nixl``; the others
+    need nothing optional) cannot run here: its engine is not installed. None when it can."""
+    try:
+        if name == "mooncake":
+            import mooncake.store
+
+            from vllm_kvbridge.connectors.mooncake_master import master_binary
+
+            master_binary()
+        elif name == "mooncake-te":
+            import mooncake.engine  # noqa: F401
+        elif name == "nixl":
+            from vllm_kvbridge.connectors.nixl_agent import import_nixl
+
+            import_nixl()
+    except (ImportError, FileNotFoundError) as exc:
+        return f"{'NIXL' if name == 'nixl' else 'Mooncake'} is not installed here ({exc})"
+    return None
+
+
 def _ceiling_probe(name: str, nbytes: int) -> Any | None:
     ref = CEILING_PROBES.get(name)
     if ref is None:

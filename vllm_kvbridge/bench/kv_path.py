@@ -120,15 +120,13 @@ def edge_configs(name: str, max_bytes: int) -> tuple[dict[str, Any], dict[str, A
     if name == "zmq":
         port = _free_port()
         return {"host": "127.0.0.1", "port": port}, {"endpoint": f"tcp://127.0.0.1:{port}"}
+    if name not in CONNECTORS:
+        raise Unavailable(f"unknown connector {name!r}")
+    from vllm_kvbridge.bench.connectors import connector_unavailable
+
+    if (why := connector_unavailable(name)) is not None:
+        raise Unavailable(why)
     if name == "mooncake":
-        try:
-            import mooncake.store
-
-            from vllm_kvbridge.connectors.mooncake_master import master_binary
-
-            master_binary()
-        except (ImportError, FileNotFoundError) as exc:
-            raise Unavailable(f"Mooncake is not installed here ({exc})") from None
         from vllm_kvbridge.bench.mooncake import connector_config
 
         segment = max(1 << 30, 1 << (2 * max_bytes).bit_length())  # room for the payload, twice
@@ -137,21 +135,8 @@ def edge_configs(name: str, max_bytes: int) -> tuple[dict[str, Any], dict[str, A
         except Exception as exc:  # no master could be started
             raise Unavailable(f"no mooncake_master: {exc}") from None
         return cfg, {**cfg, "global_segment_size": 0}
-    if name == "mooncake-te":  # P2P handshake: the receiver finds the sender in the metadata
-        try:
-            import mooncake.engine  # noqa: F401
-        except ImportError as exc:
-            raise Unavailable(f"Mooncake is not installed here ({exc})") from None
-        return {}, {}
-    if name == "nixl":
-        from vllm_kvbridge.connectors.nixl_agent import import_nixl
-
-        try:
-            import_nixl()
-        except ImportError as exc:
-            raise Unavailable(str(exc)) from None
-        return {}, {}
-    raise Unavailable(f"unknown connector {name!r}")
+    # mooncake-te (P2P handshake) and nixl: the receiver finds the sender in the metadata
+    return {}, {}
 
 
 class _Memcpy:

@@ -46,7 +46,7 @@ from typing import Any
 
 import httpx
 
-from vllm_kvbridge.bench.soak_faults import FAULTS, FaultOutcome, FaultRunner, parse_faults
+from vllm_kvbridge.bench.soak_faults import FAULTS, FaultOutcome, FaultRunner, parse_faults, wait_healthy
 
 #: Tries again of one request answered 429 / 503 with Retry-After, at most.
 MAX_RETRIES = 20
@@ -405,17 +405,9 @@ def _kill_and_watch(client: httpx.Client, kill: Kill, start: float, timeout_s: f
     stages = client.get("/health").json()["stages"]
     kill.pid = next(s["pid"] for s in stages if s["stage_id"] == kill.stage_id)
     os.kill(kill.pid, signal.SIGKILL)
-    t0 = time.monotonic()
-    kill.killed_at_s = t0 - start
-    while time.monotonic() - t0 < timeout_s:
-        h = client.get("/health").json()
-        s = next(s for s in h["stages"] if s["stage_id"] == kill.stage_id)
-        if h["status"] == "ok" and s.get("pid") != kill.pid:
-            kill.recovery_s = time.monotonic() - t0
-            return
-        if h["status"] == "down":
-            return  # no restart left: it is down for good
-        time.sleep(0.1)
+    kill.killed_at_s = time.monotonic() - start
+    # None: not back in time, or no restart left (down for good)
+    kill.recovery_s = wait_healthy(client, timeout_s, not_pid=(kill.stage_id, kill.pid))
 
 
 def format_result(r: SoakResult) -> str:

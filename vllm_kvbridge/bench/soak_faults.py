@@ -39,7 +39,9 @@ from typing import Any
 
 import httpx
 
-__all__ = ["FAULTS", "FaultOutcome", "FaultRunner", "parse_faults"]
+from vllm_kvbridge import procfs
+
+__all__ = ["FAULTS", "FaultOutcome", "FaultRunner", "parse_faults", "wait_healthy"]
 
 FAULTS = ("forged", "sigstop", "big-body", "full-shm", "restart")
 BALLAST_PREFIX = "kvbridge-soak-ballast."
@@ -65,10 +67,23 @@ def parse_faults(text: str) -> list[str]:
     return names
 
 
-def _descendants(pid: int) -> list[int]:
-    from vllm_kvbridge import procfs
-
-    return procfs.descendants(pid)
+def wait_healthy(
+    client: httpx.Client, timeout_s: float, not_pid: tuple[int, int] | None = None
+) -> float | None:
+    """Seconds until ``/health`` is ok (with stage ``not_pid[0]`` on a pid other than
+    ``not_pid[1]``: it was restarted), or None if it never was within ``timeout_s`` or the
+    pipeline is down for good. A server that does not answer (restarting) is waited for."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        with contextlib.suppress(httpx.HTTPError):
+            h = client.get("/health", timeout=10).json()
+            if h["status"] == "down":
+                return None
+            pids = {s["stage_id"]: s.get("pid") for s in h["stages"]}
+            if h["status"] == "ok" and (not_pid is None or pids.get(not_pid[0]) != not_pid[1]):
+                return time.monotonic() - t0
+        time.sleep(0.1)
+    return None
 
 
 class FaultRunner:
@@ -134,19 +149,7 @@ class FaultRunner:
         return r.json() if r is not None else None
 
     def _healthy(self, timeout_s: float, not_pid: tuple[int, int] | None = None) -> float | None:
-        """Seconds until ``/health`` is ok (with stage ``not_pid[0]`` on a pid other than
-        ``not_pid[1]``), or None if it never was within ``timeout_s``."""
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout_s:
-            h = self._health()
-            if h is not None and h["status"] == "ok":
-                pids = {s["stage_id"]: s.get("pid") for s in h["stages"]}
-                if not_pid is None or pids.get(not_pid[0]) != not_pid[1]:
-                    return time.monotonic() - t0
-            if h is not None and h["status"] == "down":
-                return None
-            time.sleep(0.2)
-        return None
+        return wait_healthy(self.client, timeout_s, not_pid)
 
     def _stage_pids(self) -> dict[int, int]:
         h = self._health() or {"stages": []}
@@ -195,7 +198,7 @@ class FaultRunner:
 
     def _sigstop(self, out: FaultOutcome) -> None:
         pids = self._stage_pids()
-        engines = {sid: _descendants(pid) for sid, pid in pids.items()}
+        engines = {sid: procfs.descendants(pid) for sid, pid in pids.items()}
         sid = next((s for s, kids in engines.items() if kids), None)
         if sid is None:
             out.detail = "no stage has engine processes of its own (nothing to stop)"
