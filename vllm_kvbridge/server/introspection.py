@@ -53,7 +53,7 @@ def add_introspection_routes(
             stages = [{k: v for k, v in s.items() if k not in PRIVATE_STAGE_FIELDS} for s in stages]
         if h["ok"]:
             status, code = "ok", 200
-        elif h["error"] is None and (h["recovering"] or h["cut_off"]):
+        elif h["recovering"] or h["cut_off"]:  # both empty once the pipeline failed
             status, code = "degraded", 200
         else:
             status, code = ("down" if h["error"] is not None else "unavailable"), 503
