@@ -214,8 +214,10 @@ class _BytesWritten(TorchDispatchMode):
 def test_the_sender_copies_the_kv_bytes_once(token: str, monkeypatch: pytest.MonkeyPatch) -> None:
     caches, layout = _caches("cpu-vec")
     memmoved = []
-    real_copy = codec.copy_bytes
-    monkeypatch.setattr(codec, "copy_bytes", lambda d, s, n: (memmoved.append(n), real_copy(d, s, n)))
+    real_copy = codec.copy_many
+    monkeypatch.setattr(
+        codec, "copy_many", lambda copies: (memmoved.extend(n for *_, n in copies), real_copy(copies))
+    )
     reserved: list[Any] = []
     sender, receivers = _managers("SharedMemoryConnector", token, 1)
     real_reserve = sender.connector.reserve

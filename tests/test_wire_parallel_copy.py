@@ -43,3 +43,33 @@ def test_a_forked_child_copies_on_threads_of_its_own() -> None:
         os._exit(0 if (dst == 3).all() else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize("sizes", [[1, 3, 4096], [(1 << 20) + 5] * 9 + [17, 0, (3 << 20) + 1]])
+def test_many_copies_land_exactly_and_big_totals_spread_over_threads(sizes, monkeypatch) -> None:
+    """A payload's buffers together (not each) decide the split: 64 one-MiB tensors copy as
+    fast as one 64 MiB blob. A buffer may be cut between two threads; every byte lands."""
+    threads: set[str] = set()
+    copy_all = parallel_copy._copy_all
+
+    def recording(copies):
+        import threading
+
+        threads.add(threading.current_thread().name)
+        copy_all(copies)
+
+    monkeypatch.setattr(parallel_copy, "_copy_all", recording)
+    total = sum(sizes)
+    rng = np.random.default_rng(total)
+    src = rng.integers(0, 256, total + 64 * len(sizes), dtype=np.uint8)
+    dst = np.zeros(total + 64 * len(sizes) + 64, dtype=np.uint8)
+    copies, expected, s_off, d_off = [], np.zeros_like(dst), 0, 0
+    for n in sizes:
+        d_off += 13  # gaps that must stay untouched
+        copies.append((dst.ctypes.data + d_off, src.ctypes.data + s_off, n))
+        expected[d_off : d_off + n] = src[s_off : s_off + n]
+        s_off, d_off = s_off + n + 5, d_off + n
+    parallel_copy.memmove_many(copies)
+    assert np.array_equal(dst, expected)
+    big = total >= parallel_copy.PARALLEL_COPY and len(os.sched_getaffinity(0)) > 1
+    assert (len(threads) > 1) == big, threads

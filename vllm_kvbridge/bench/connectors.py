@@ -224,7 +224,8 @@ class MemcpyProbe:
     :meth:`tensors` copies every tensor of the payload (``memmove``, as a one-copy
     transport does) into one pre-faulted buffer at 64-byte aligned offsets; :meth:`blob`
     copies one contiguous blob of the same size. Both return seconds. Both copy as the
-    codec does (:func:`~vllm_kvbridge.wire.parallel_copy.memmove`: big copies on several
+    codec does (:func:`~vllm_kvbridge.wire.parallel_copy.memmove_many` /
+    :func:`~vllm_kvbridge.wire.parallel_copy.memmove`: the bytes spread over several
     threads), so the ceiling is the best copy this process makes, not one core's.
     """
 
@@ -242,9 +243,9 @@ class MemcpyProbe:
 
     def tensors(self) -> float:
         base = self.dst.ctypes.data
+        copies = [(base + off, t.data_ptr(), t.nbytes) for off, t in zip(self.offsets, self.tensors_list)]
         start = time.perf_counter()
-        for off, t in zip(self.offsets, self.tensors_list):
-            parallel_copy.memmove(base + off, t.data_ptr(), t.nbytes)
+        parallel_copy.memmove_many(copies)
         return time.perf_counter() - start
 
     def blob(self) -> float:

@@ -11,7 +11,9 @@ source. :meth:`NixlReadProbe.sample` times the write plus the READ (post to DONE
 connector bench samples it right before every connector transfer, so ceiling and
 connector see the same load on a shared machine. Both sides use the UCX environment the
 connector sets (:func:`~vllm_kvbridge.connectors.nixl_agent.prepare_ucx_env`), so
-``UCX_TLS`` is the same.
+``UCX_TLS`` is the same, and agents made as the connector makes them
+(:func:`~vllm_kvbridge.connectors.nixl_agent.new_agent`: a progress thread that sleeps
+when idle; NIXL's spinning default would take a core each from the connector it measures).
 
 Why the write is in the ceiling: it was not, and the connector read 0.47-0.52x of "NIXL's
 own READ" while its ``get`` matched the READ; the difference was exactly the copy into
@@ -29,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_kvbridge.connectors.nixl_agent import import_nixl, prepare_ucx_env
+from vllm_kvbridge.connectors.nixl_agent import import_nixl, new_agent, prepare_ucx_env
 from vllm_kvbridge.wire import parallel_copy
 
 
@@ -37,7 +39,7 @@ def _source(nbytes: int, pipe: Any) -> None:
     """Child: a raw agent with ``nbytes`` registered; drains notifications until told to stop."""
     prepare_ucx_env()
     api = import_nixl()
-    agent = api.nixl_agent(f"kvbridge-bench-src-{os.getpid()}", api.nixl_agent_config(backends=["UCX"]))
+    agent = new_agent(api, f"kvbridge-bench-src-{os.getpid()}", api.nixl_agent_config(backends=["UCX"]))
     buf = np.ones(nbytes, dtype=np.uint8)  # written: faulted in before timing
     payload = np.full(nbytes, 7, dtype=np.uint8)  # the bytes to put there, faulted in too
     reg = agent.register_memory([(buf.ctypes.data, nbytes, 0, "")], "DRAM")
@@ -71,8 +73,8 @@ class NixlReadProbe:
             if not self._pipe.poll(60):
                 raise RuntimeError("the NIXL bench source process did not start")
             metadata, self._remote_addr = self._pipe.recv()
-            self._agent = api.nixl_agent(
-                f"kvbridge-bench-dst-{os.getpid()}", api.nixl_agent_config(backends=["UCX"])
+            self._agent = new_agent(
+                api, f"kvbridge-bench-dst-{os.getpid()}", api.nixl_agent_config(backends=["UCX"])
             )
             self._dst = np.zeros(nbytes, dtype=np.uint8)
             self._reg = self._agent.register_memory([(self._dst.ctypes.data, nbytes, 0, "")], "DRAM")

@@ -63,7 +63,9 @@ params), ``ucx_tls`` (``"cma,tcp"``), ``ucx_modules`` (``"^ib"``; see
 says it), ``transfer_timeout_s`` (30), ``request_timeout_s`` (5; also bounds a renew),
 ``buffer_pool_bytes`` (512 MiB kept registered per side), ``max_payload_bytes`` (64 GiB),
 ``max_held_bytes`` (8 GiB of published payloads at once: a put over it is refused with
-``PutResult.full``, and the sender waits for room), ``limits`` (decoding).
+``PutResult.full``, and the sender waits for room), ``progress_delay_us`` (1000: how long
+NIXL's progress thread sleeps when nothing wakes it; 0 is NIXL's own busy loop, a core per
+agent, see :func:`~vllm_kvbridge.connectors.nixl_agent.new_agent`), ``limits`` (decoding).
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ from vllm_kvbridge.connectors.base import (
     parse_size,
 )
 from vllm_kvbridge.connectors.nixl_agent import (
+    DEFAULT_PROGRESS_DELAY_US,
     DEFAULT_UCX_MODULES,
     DEFAULT_UCX_TLS,
     NixlAgent,
@@ -211,7 +214,8 @@ class NixlConnector(Connector):
         )
         self._ctx = zmq.Context()
         self._client = ControlClient(self._ctx, lambda: self._closed)
-        self._agent = NixlAgent(list(backends), cfg.get("backend_params"))
+        progress_delay_us = number_option(cfg, "progress_delay_us", DEFAULT_PROGRESS_DELAY_US, int)
+        self._agent = NixlAgent(list(backends), cfg.get("backend_params"), progress_delay_us)
         # One pool per connector serves both roles: send slabs and receive slabs.
         self._pool = RegisteredBufferPool(
             self._agent.register, self._agent.unregister, pool_bytes, what="NIXL"
@@ -580,6 +584,7 @@ class NixlConnector(Connector):
             peer_invalidations=agent.peer_invalidations if agent is not None else 0,
             registered_regions=regions,
             registered_bytes=nbytes,
+            buffer_registrations=self._pool.registrations if self._pool is not None else 0,
             ucx_env=self.ucx_env,
         )
         return {**super().health(), **extra}

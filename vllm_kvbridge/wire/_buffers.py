@@ -142,6 +142,20 @@ def copy_bytes(dst: int, src: int, nbytes: int) -> None:
         _memmove_holding_gil(dst, src, nbytes)
 
 
+def copy_many(copies: list[tuple[int, int, int]]) -> None:
+    """:func:`copy_bytes` for every ``(dst, src, nbytes)``; non-overlapping destinations.
+
+    A payload's buffers are packed with one call: together they are often big where each
+    is not, and :func:`~vllm_kvbridge.wire.parallel_copy.memmove_many` then spreads their
+    bytes over several threads.
+    """
+    if sum(n for _, _, n in copies) >= parallel_copy.PARALLEL_COPY:
+        parallel_copy.memmove_many(copies)
+        return
+    for dst, src, nbytes in copies:
+        copy_bytes(dst, src, nbytes)
+
+
 def buffer_address(mv: memoryview) -> int:
     """Address of the first byte of a non-empty flat byte memoryview."""
     return np.frombuffer(mv, dtype=np.uint8).ctypes.data

@@ -71,7 +71,7 @@ from vllm_kvbridge.wire._buffers import (
     align_up,
     array_bytes,
     buffer_address,
-    copy_bytes,
+    copy_many,
     dense_cpu,
     prepare_array,
     prepare_tensor,
@@ -222,6 +222,7 @@ class Encoded:
         pos = len(head)
         region[:pos] = head
         base = buffer_address(region) if sizes else 0
+        copies: list[tuple[int, int, int]] = []  # made together: see copy_many
         for index, (start, size, src) in enumerate(zip(offsets, sizes, self._sources)):
             if start > pos:
                 region[pos:start] = _ZEROS[: start - pos]
@@ -232,7 +233,7 @@ class Encoded:
                 if size < GIL_FREE_COPY:
                     region[start:pos] = src
                 else:
-                    copy_bytes(base + start, buffer_address(src), size)
+                    copies.append((base + start, buffer_address(src), size))
             else:
                 # A dense CPU tensor (encode checked it): copy from its current data_ptr,
                 # after checking it still holds the bytes the table promises (bounds: the
@@ -241,7 +242,8 @@ class Encoded:
                 # these three attributes report.
                 if src.nbytes != size or not src.is_cpu or not src.is_contiguous():
                     raise PayloadError(f"buffer {index}: its tensor was changed in place after encode")
-                copy_bytes(base + start, src.data_ptr(), size)
+                copies.append((base + start, src.data_ptr(), size))
+        copy_many(copies)
         return total
 
     def to_bytes(self) -> bytes:

@@ -56,7 +56,7 @@ from vllm_kvbridge.wire._buffers import (
     align_up,
     buffer_address,
     byte_view,
-    copy_bytes,
+    copy_many,
     dense_cpu,
     prepare_tensor,
     tensor_bytes,
@@ -308,13 +308,15 @@ class KVCacheTransferData:
         region[len(prefix) : data_offset] = ZEROS[: data_offset - len(prefix)]
         base = buffer_address(region) if total else 0
         end = 0
+        copies: list[tuple[int, int, int]] = []  # made together: see copy_many
         for d, t in zip(header.tensors, tensors):
             start = data_offset + d.offset
             gap = start - (data_offset + end)
             if gap:
                 region[start - gap : start] = ZEROS[:gap]
-            _copy_tensor_into(region, base, start, t)
+            _copy_tensor_into(region, base, start, t, copies)
             end = d.offset + d.nbytes
+        copy_many(copies)
         return total
 
     def to_bytes(self, *, limits: Limits | None = None) -> bytes:
@@ -485,12 +487,18 @@ def _tensor(t: torch.Tensor | TensorFill) -> torch.Tensor:
     return t.materialize() if type(t) is TensorFill else t
 
 
-def _copy_tensor_into(region: memoryview, base: int, start: int, t: torch.Tensor | TensorFill) -> None:
+def _copy_tensor_into(
+    region: memoryview,
+    base: int,
+    start: int,
+    t: torch.Tensor | TensorFill,
+    copies: list[tuple[int, int, int]],
+) -> None:
     """Copy ``t``'s bytes to ``region[start:]`` (``base``: address of ``region[0]``).
 
-    Dense CPU tensors: one ``memmove`` (bounds were checked by the caller; copies of 1 MiB
-    and more release the GIL). Anything else (strided, conj/neg views, other devices):
-    one torch ``copy_`` straight into the destination.
+    Dense CPU tensors: one ``memmove`` added to ``copies``, which the caller makes with
+    :func:`copy_many` (bounds were checked here). Anything else (strided, conj/neg views,
+    other devices): one torch ``copy_`` straight into the destination, now.
     """
     if type(t) is TensorFill:
         t.fill_bytes(region, start)
@@ -501,7 +509,7 @@ def _copy_tensor_into(region: memoryview, base: int, start: int, t: torch.Tensor
     if dense_cpu(t):
         if start + nbytes > len(region):  # the layout guarantees this; never write out of bounds
             raise PayloadError(f"internal error: tensor of {nbytes} bytes at {start} overruns {len(region)}")
-        copy_bytes(base + start, t.data_ptr(), nbytes)
+        copies.append((base + start, t.data_ptr(), nbytes))
     else:
         t = t.detach()
         torch.frombuffer(region, dtype=t.dtype, count=t.numel(), offset=start).view(t.shape).copy_(t)
