@@ -83,6 +83,9 @@ def test_kv_path_rows_are_per_connector_and_token_count(kv_path) -> None:
         # and to the layout's own gather of the same KV, sampled with it
         assert math.isclose(row["gather_ratio"], row["gbps"] / row["gather_gbps"], rel_tol=1e-9)
         assert math.isfinite(row["gather_gbps"]) and row["gather_gbps"] > 0
+        # and to the connector's bare transport moving the same bytes, in the same run
+        assert math.isclose(row["transport_ratio"], row["gbps"] / row["transport_gbps"], rel_tol=1e-9)
+        assert math.isfinite(row["transport_gbps"]) and row["transport_gbps"] > 0
         # the sender's own put time comes from its connector's counters (worker RPC)
         assert math.isfinite(row["put_s"]) and row["put_s"] >= 0, row
 
@@ -95,7 +98,7 @@ def test_kv_path_prints_a_table(kv_path) -> None:
     title = max(i for i, line in enumerate(lines) if line.startswith("kv-path:"))
     header = lines[title + 1]
     assert header.split()[:2] == ["connector", "tokens"] and "memcpy" in header and "ratio" in header
-    assert "x gather" in header
+    assert "x gather" in header and "x transp" in header
     body = lines[title + 3 :]
     assert [(line.split()[0], int(line.split()[1])) for line in body] == [
         (r["connector"], r["tokens"]) for r in rows

@@ -263,12 +263,15 @@ def _serve(args: argparse.Namespace, res: AllResult, out: list[Figure]) -> None:
     import tempfile
 
     from vllm_kvbridge.bench import soak
+    from vllm_kvbridge.bench.dit_alone import describe, measure_dit_alone
 
     fig = Figure("serve", "image throughput through serve, concurrency 8 vs 1", ">=", 3.0, "x")
     out.append(fig)
     config = Path(args.stage_config)
     if not config.exists() and not config.is_absolute():  # the shipped one, from anywhere
         config = Path(__file__).resolve().parents[2] / config
+    # The DiT alone first, on a quiet machine: what batching could give with nothing in front.
+    alone = measure_dit_alone(config)
     log = Path(tempfile.mkdtemp(prefix="kvbridge-bench-all-")) / "serve.log"
     server = soak._Server(str(config), None, log)
     try:
@@ -281,11 +284,15 @@ def _serve(args: argparse.Namespace, res: AllResult, out: list[Figure]) -> None:
     finally:
         server.stop()
     res.benches["serve"] = {f"c{c}": {**asdict(r), "throughput": r.throughput} for c, r in runs.items()}
+    res.benches["serve"]["dit_alone"] = describe(alone)
     one, eight = runs[1], runs[8]
     if not (one.ok and eight.ok):
         fig.failed(f"no throughput: ok {one.ok}/{one.requests} at c=1, {eight.ok}/{eight.requests} at c=8")
         return
-    ceiling = f"c=1 {one.throughput:.2f}/s (p50 {one.p50_s:.2f} s); c=8 p50 {eight.p50_s:.2f} s"
+    ceiling = (
+        f"c=1 {one.throughput:.2f}/s (p50 {one.p50_s:.2f} s); c=8 p50 {eight.p50_s:.2f} s; DiT alone "
+        f"{alone.single_per_s:.0f}/s, batch {alone.batch} {alone.batched_per_s:.0f}/s ({alone.speedup:.1f}x)"
+    )
     if one.ok < one.requests or eight.ok < eight.requests:
         ceiling += f"; only {one.ok}/{one.requests} and {eight.ok}/{eight.requests} ok"
     fig.measured(eight.throughput / one.throughput, ceiling)

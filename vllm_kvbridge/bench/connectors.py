@@ -333,6 +333,25 @@ def shm_ceiling_times(nbytes: int, repeat: int, idle_s: Callable[[], float] | No
     return times[1:]
 
 
+def transport_ceiling_times(name: str, nbytes: int, repeat: int) -> list[float]:
+    """Seconds of ``repeat`` moves of ``nbytes`` by the bare transport under connector
+    ``name`` (after one warm-up): shared memory's and ZMQ's one-way trips, the raw-engine
+    probes of :data:`CEILING_PROBES`; empty for a connector with no ceiling known."""
+    if name == "SharedMemoryConnector":
+        return shm_ceiling_times(nbytes, repeat)
+    if name == "ZmqConnector":
+        return zmq_ceiling_times(nbytes, repeat)
+    probe = _ceiling_probe(name, nbytes)
+    if probe is None:
+        return []
+    try:
+        for _ in range(repeat + 1):
+            probe.sample()
+        return probe.samples[1:]
+    finally:
+        probe.close()
+
+
 def _connector_config(name: str) -> dict[str, Any]:
     if name == "SharedMemoryConnector":
         return {"namespace": "bench" + uuid.uuid4().hex[:8]}

@@ -23,7 +23,12 @@ keeps spinning for 1 s after its last step and would take a core from the copy):
 ``ratio = GB/s / memcpy GB/s``. A second ceiling, sampled at the same time: the layout's
 own copy of the same KV (:mod:`vllm_kvbridge.bench.gather_probe`: the strided pass out of a
 cache of the engine's layout, one thread), which on vLLM's CPU layout (K pages stored
-transposed) is far below a memcpy; ``x gather = GB/s / gather GB/s``.
+transposed) is far below a memcpy; ``x gather = GB/s / gather GB/s``. A third, right after:
+the connector's bare transport moving the same bytes
+(:func:`~vllm_kvbridge.bench.connectors.transport_ceiling_times`: shared memory's write,
+pipe message and read; one pyzmq message; the transfer engine's and NIXL's write into
+registered memory plus a READ; the Mooncake store's own put and get), median of
+``max(3, --repeat)``; ``x transp = GB/s / transp GB/s``.
 
 Per token count the first request is an untimed warm-up (it computes the prefill and
 warms the connector's pools); the ``--repeat`` timed ones reuse the same prompt, so
@@ -86,6 +91,8 @@ class Row:
     repeats: int
     gather_gbps: float = float("nan")  # best of the run's gathers of the same KV (gather_probe)
     gather_ratio: float = float("nan")  # gbps / gather_gbps
+    transport_gbps: float = float("nan")  # median of the bare transport's moves of the same bytes
+    transport_ratio: float = float("nan")  # gbps / transport_gbps
 
 
 def parse_tokens(text: str) -> list[int]:
@@ -185,6 +192,7 @@ def _measure(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from vllm_kvbridge.bench.connectors import transport_ceiling_times
     from vllm_kvbridge.bench.gather_probe import GatherProbe, engine_layout
     from vllm_kvbridge.bench.kv_model import cpu_kv_cache_args, kv_bytes
     from vllm_kvbridge.kv.config import KVTransferConfig
@@ -268,6 +276,8 @@ def _measure(
                 probe.sample()
             ceiling, gather_gbps = memcpy.gbps(), probe.gbps()
             del memcpy, probe
+            transport = transport_ceiling_times(connector, expected, max(3, args.repeat))
+            transport_gbps = expected / statistics.median(transport) / 1e9 if transport else math.nan
             median = statistics.median(seconds)
             gbps = expected / median / 1e9
             rows.append(
@@ -287,6 +297,8 @@ def _measure(
                     repeats=len(seconds),
                     gather_gbps=gather_gbps,
                     gather_ratio=gbps / gather_gbps,
+                    transport_gbps=transport_gbps,
+                    transport_ratio=gbps / transport_gbps,
                 )
             )
     finally:
@@ -379,7 +391,8 @@ def format_result(r: dict[str, Any]) -> str:
     ]
     header = (
         f"{'connector':<9} {'tokens':>6} {'bytes':>11} {'p50 ms':>9} {'min ms':>9} {'max ms':>9} "
-        f"{'GB/s':>6} {'min-max':>11} {'memcpy':>7} {'ratio':>6} {'gather':>7} {'x gather':>8} {'put ms':>8}"
+        f"{'GB/s':>6} {'min-max':>11} {'memcpy':>7} {'ratio':>6} {'gather':>7} {'x gather':>8} "
+        f"{'transp':>7} {'x transp':>8} {'put ms':>8}"
     )
     lines += [header, "-" * len(header)]
     for row in r["rows"]:
@@ -388,7 +401,8 @@ def format_result(r: dict[str, Any]) -> str:
             f"{row['connector']:<9} {row['tokens']:>6} {row['bytes']:>11} {row['seconds'] * 1e3:>9.1f} "
             f"{row['seconds_min'] * 1e3:>9.1f} {row['seconds_max'] * 1e3:>9.1f} {row['gbps']:>6.2f} "
             f"{spread:>11} {row['memcpy_gbps']:>7.2f} {row['ratio']:>6.3f} {row['gather_gbps']:>7.2f} "
-            f"{row['gather_ratio']:>8.3f} {row['put_s'] * 1e3:>8.1f}"
+            f"{row['gather_ratio']:>8.3f} {row.get('transport_gbps', math.nan):>7.2f} "
+            f"{row.get('transport_ratio', math.nan):>8.3f} {row['put_s'] * 1e3:>8.1f}"
         )
     for name, reason in r["skipped"].items():
         lines.append(f"{name}: skipped: {reason}")

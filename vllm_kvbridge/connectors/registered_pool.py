@@ -60,13 +60,15 @@ class RegisteredBufferPool:
         with self._lock:
             if self._keep is None:
                 raise TransferError(f"{self._what} buffer pool is closed")
-            best = None
-            for slab in self._free:
+            best, at = None, -1
+            for i, slab in enumerate(self._free):
                 fits = need <= slab.nbytes <= max(2 * need, MIN_SLAB)
                 if fits and (best is None or slab.nbytes < best.nbytes):
-                    best = slab
+                    best, at = slab, i
             if best is not None:
-                self._free.remove(best)
+                # By position: list.remove compares arrays with ==, elementwise (an error,
+                # or a wrong match, as soon as two slabs are free).
+                del self._free[at]
                 self._lent[id(best)] = (best, True)
                 return best, True
         capacity = max(MIN_SLAB, 1 << (need - 1).bit_length())
