@@ -169,6 +169,26 @@ class _Memcpy:
         return self.src.size / min(self.samples) / 1e9
 
 
+#: Connectors whose receiver reaches the sender at an address only the sender knows
+#: (its side channel, its engine's segment): the receiver needs the sender's put metadata.
+REACHED_AT_SENDER = ("mooncake-te", "nixl")
+
+
+def _sender_meta(llm: Any, rid: str, wait_s: float = 30.0) -> dict[str, Any]:
+    """The put metadata of ``rid``'s KV send, read from the engine's worker as the pipeline
+    reads it (``kvbridge_sender_info``), once the send completed. Transfer engine and NIXL
+    put the same address in every key's metadata, so one request's serves every later one."""
+    give_up = time.monotonic() + wait_s
+    while True:
+        got = llm.collective_rpc("kvbridge_sender_info", args=([rid],))[0].get("kv", {}).get(rid)
+        if got:
+            metas = [*got.get("keys", {}).values(), *got.get("ranks", {}).values()]
+            return dict(metas[0]) if metas else dict(got)
+        if time.monotonic() > give_up:
+            raise RuntimeError(f"the engine never reported the put metadata of {rid!r}")
+        time.sleep(0.01)
+
+
 def _put_counters(llm: Any, at_least: float = math.nan, wait_s: float = 10.0) -> tuple[float, float]:
     """(puts, put seconds) of the engine worker's connector, once it counts ``at_least`` puts
     (its I/O thread counts a put after publishing it, so the receiver may be faster; waits
@@ -254,6 +274,8 @@ def _measure(
                 )
                 llm.generate([prompt], params, use_tqdm=False)
                 finished = time.perf_counter()
+                if r == 0 and name in REACHED_AT_SENDER:  # untimed: as a pipeline forwards it
+                    receiver.update_sender_info(_sender_meta(llm, rid), 0)
                 data, nbytes = receiver.receive_kv_cache_for_request(rid, device)
                 held = time.perf_counter()
                 if nbytes != expected or data.key_cache[0].device.type != device.type:
