@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from vllm_kvbridge.cli.run import encode_png
 from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
 from vllm_kvbridge.pipeline import Pipeline
+from vllm_kvbridge.pipeline.images import encode_png
 
 
 def main() -> None:
