@@ -244,6 +244,9 @@ class MooncakeTransferEngineConnector(Connector):
             if r.key in self._held:
                 return self._put_failed(f"key {r.key!r} is already held for sending")
             self._held[r.key] = _Held(slab, r.nbytes, time.monotonic() + self.ttl_s)
+            server = self._server
+        if server is not None:
+            server.key_put(r.key)  # receivers waiting for it get it now
         self.stats.add(puts=1, put_bytes=r.nbytes, put_seconds=time.perf_counter() - start)
         return PutResult(
             ok=True,
@@ -387,7 +390,9 @@ class MooncakeTransferEngineConnector(Connector):
         delay = 0.001
         while True:
             wait_until = deadline if deadline is not None else time.monotonic() + self.request_timeout_s
-            answer = self._client.request(endpoint, request, wait_until)
+            asked = time.monotonic()
+            hold = ctl.hold_field(deadline)  # the sender answers when the key is put
+            answer = self._client.request(endpoint, request + hold, wait_until)
             status = answer[0] if answer else b""
             if status == ctl.OK and len(answer) == 5:
                 addr, nbytes, lease, lease_ms = (ctl.U64.unpack(a)[0] for a in answer[1:])
@@ -404,8 +409,9 @@ class MooncakeTransferEngineConnector(Connector):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TransferTimeout(f"{key!r} was not available at {endpoint} before the deadline")
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, 0.02)
+            if not (hold and time.monotonic() - asked >= ctl.LONG_POLL_S / 2):  # not held: back off
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, 0.02)
             self._check_open()
 
     def _read(

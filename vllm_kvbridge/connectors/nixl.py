@@ -45,7 +45,7 @@ decode raise :class:`TransferCorrupt`.
 
 Side channel (ZMQ multipart; ``nonce`` pairs a reply with its request; integers u64 le)::
 
-    [b"GET", nonce, key, receiver(8), max_bytes]
+    [b"GET", nonce, key, receiver(8), max_bytes(, hold_ms)]   (held until put: te_control)
         -> [nonce, b"OK", agent, addr, nbytes, gen, dgen, lease_left_ms, token]
          | [nonce, b"MISSING"] | [nonce, b"TOOBIG", nbytes] | [nonce, b"BAD"]
     [b"MD", nonce]           -> [nonce, b"MD", agent, metadata, gen, dgen]
@@ -102,7 +102,7 @@ from vllm_kvbridge.connectors.nixl_agent import (
     prepare_ucx_env,
 )
 from vllm_kvbridge.connectors.registered_pool import RegisteredBufferPool
-from vllm_kvbridge.connectors.te_control import RENEW, ControlClient, ControlServer
+from vllm_kvbridge.connectors.te_control import LONG_POLL_S, RENEW, ControlClient, ControlServer, hold_field
 from vllm_kvbridge.errors import (
     ConfigError,
     PayloadError,
@@ -282,6 +282,7 @@ class NixlConnector(Connector):
         if refused:
             why = f"{self.name} closed during put" if self._closed else f"key {r.key!r} is already published"
             return self._put_failed(why)
+        self._control.key_put(r.key)  # receivers waiting for it get it now
         self.stats.add(puts=1, put_bytes=r.nbytes, put_seconds=time.perf_counter() - start)
         metadata = {"endpoint": endpoint, "agent": self._agent.name, "lease_s": self.lease_s}
         return PutResult(ok=True, nbytes=r.nbytes, metadata=metadata)
@@ -462,8 +463,11 @@ class NixlConnector(Connector):
         while True:
             wait_until = deadline if deadline is not None else time.monotonic() + self.request_timeout_s
             # TransferError at once when the sender is gone (its port refuses connections),
-            # TransferTimeout when it does not answer by wait_until.
-            answer = self._client.request(endpoint, request, wait_until)
+            # TransferTimeout when it does not answer by wait_until. With a deadline the
+            # sender holds the request until the key is put (te_control's long poll).
+            asked = time.monotonic()
+            hold = hold_field(deadline)
+            answer = self._client.request(endpoint, request + hold, wait_until)
             status = answer[0] if answer else _BAD
             if status == _OK and len(answer) == 8 and self._was_consumed(answer[7]):
                 status = _MISSING  # ours already; the sender has not seen our notification yet
@@ -481,8 +485,9 @@ class NixlConnector(Connector):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TransferTimeout(f"{key!r} was not available at {endpoint} before the deadline")
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, 0.02)
+            if not (hold and time.monotonic() - asked >= LONG_POLL_S / 2):  # not held: back off
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, 0.02)
             self._check_open()
 
     def _read_claimed(self, endpoint: str, key: str, fields: list[bytes]) -> tuple[Any, int]:

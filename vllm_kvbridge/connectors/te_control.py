@@ -9,7 +9,7 @@ owns a ROUTER socket on a background thread; receivers talk to it through
 Messages (multipart; ``nonce`` pairs an answer with its request, so a late answer to a
 timed-out request is never taken for the answer to the next one)::
 
-    [b"CLAIM", nonce(8), key, receiver(8), max_bytes(u64)]
+    [b"CLAIM", nonce(8), key, receiver(8), max_bytes(u64)(, hold_ms(u64))]
         -> [nonce, b"OK", addr(u64), nbytes(u64), lease(u64), lease_ms(u64)]
          | [nonce, b"MISSING"] | [nonce, b"TOOBIG", nbytes(u64)]
     [b"DONE", nonce(8), key, lease(u64)]
@@ -25,6 +25,14 @@ poll), and a long read keeps its claim by claiming again between batches. (These
 transfer-engine connector's messages; the NIXL connector speaks its own over the same
 server and client, and RENEW.)
 
+Long poll: a CLAIM (or the NIXL connector's GET, the same shape) that ends with
+``hold_ms`` and finds nothing is not answered MISSING at once: the server holds it, and
+answers it as soon as the key is put (the connector calls :meth:`ControlServer.key_put`)
+or, at the latest, after ``hold_ms`` (MISSING). A receiver that asks before the sender's
+put completes thus gets the key on arrival, not at its next retry (which backed off to
+20 ms). At most :data:`MAX_HELD` requests are held; past that, MISSING at once, and the
+receiver backs off as without a hold.
+
 RENEW is the receiver's :meth:`~vllm_kvbridge.connectors.base.Connector.renew` (both
 connectors, via :meth:`ControlClient.renew`): the sender moves an unclaimed key's expiry to
 its ``lease_s`` from now and answers OK; a claimed key answers OK unchanged (its claim
@@ -39,6 +47,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import zmq
 
@@ -51,6 +60,30 @@ _MAX_IDLE = 8
 
 #: ``handler(request_frames) -> answer_frames`` (without identity and nonce).
 Handler = Callable[[list[bytes]], list[bytes]]
+#: Requests a server holds at once (long poll); more are answered MISSING at once.
+MAX_HELD = 256
+#: Longest hold a receiver asks for: it asks again after that (and re-checks it is open).
+LONG_POLL_S = 1.0
+#: How much earlier than its deadline a receiver's hold ends, so MISSING arrives in time.
+HOLD_MARGIN_S = 0.01
+_HOLD_FIELDS = 5  # [verb, key, receiver, max_bytes, hold_ms]
+
+
+def hold_field(deadline: float | None) -> list[bytes]:
+    """The ``hold_ms`` frame for a claim whose receiver waits until ``deadline`` (none
+    without a deadline: a single try)."""
+    if deadline is None:
+        return []
+    hold = min(LONG_POLL_S, deadline - time.monotonic() - HOLD_MARGIN_S)
+    return [U64.pack(int(hold * 1000))] if hold >= 0.001 else []
+
+
+@dataclass
+class _HeldRequest:
+    identity: bytes
+    nonce: bytes
+    request: list[bytes]  # without the hold field: what the handler sees
+    until: float
 
 
 class ControlServer:
@@ -75,7 +108,12 @@ class ControlServer:
         self._wake_recv.bind(wake)
         self._wake_send = ctx.socket(zmq.PAIR)
         self._wake_send.connect(wake)
+        self._wake_lock = threading.Lock()  # key_put is called from any thread
         self._thread: threading.Thread | None = None
+        self._held: dict[bytes, list[_HeldRequest]] = {}  # key -> held requests (server thread)
+        self._held_count = 0
+        #: requests answered or held so far (a receiver's poll loop shows as many)
+        self.requests = 0
 
     def start(self, tick: Callable[[], None], tick_s: float) -> None:
         self._thread = threading.Thread(
@@ -83,16 +121,27 @@ class ControlServer:
         )
         self._thread.start()
 
+    def key_put(self, key: str) -> None:
+        """``key`` was just put: answer the requests held for it (any thread; cheap when
+        nobody waits, a message to the server thread otherwise)."""
+        with self._wake_lock:
+            if self._thread is not None:
+                try:
+                    self._wake_send.send(b"K" + key.encode("ascii"), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # closing, or the thread is far behind: the hold's timeout answers
+
     def _serve(self, tick: Callable[[], None], tick_s: float) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_recv, zmq.POLLIN)
         next_tick = time.monotonic() + tick_s
         while True:
+            wake_at = min([next_tick, *(h.until for held in self._held.values() for h in held)])
             # Rounded up: rounded down, the last millisecond before every tick was a
             # busy loop of poll(0) (a fifth of a core with the 5 ms tick, idle).
-            events = dict(poller.poll(max(0, math.ceil((next_tick - time.monotonic()) * 1000))))
-            if self._wake_recv in events:
+            events = dict(poller.poll(max(0, math.ceil((wake_at - time.monotonic()) * 1000))))
+            if self._wake_recv in events and not self._take_wakes():
                 return
             while self._router in events:
                 try:
@@ -101,20 +150,77 @@ class ControlServer:
                     break
                 if len(request) < 3 or len(request[2]) != 8:
                     continue  # not even a nonce to answer to
-                identity, nonce = request[0], request[2]
-                try:
-                    answer = self._handler([request[1], *request[3:]])
-                except Exception:  # a bad request never takes the server down
-                    answer = [BAD]
-                self._router.send_multipart([identity, nonce, *answer])
+                self._answer(request[0], request[2], [request[1], *request[3:]])
+            if self._held:
+                self._expire_held()
             if time.monotonic() >= next_tick:
                 tick()
                 next_tick = time.monotonic() + tick_s
 
+    def _answer(self, identity: bytes, nonce: bytes, request: list[bytes]) -> None:
+        self.requests += 1
+        hold_ms = 0
+        if len(request) == _HOLD_FIELDS and len(request[4]) == 8:
+            hold_ms, request = U64.unpack(request[4])[0], request[:4]
+        answer = self._handle(request)
+        if answer == [MISSING] and hold_ms and self._held_count < MAX_HELD:
+            held = _HeldRequest(identity, nonce, request, time.monotonic() + hold_ms / 1000)
+            self._held.setdefault(request[1], []).append(held)
+            self._held_count += 1
+            return
+        self._router.send_multipart([identity, nonce, *answer])
+
+    def _handle(self, request: list[bytes]) -> list[bytes]:
+        try:
+            return self._handler(request)
+        except Exception:  # a bad request never takes the server down
+            return [BAD]
+
+    def _take_wakes(self) -> bool:
+        """Answer the held requests of the keys put since; False when told to stop."""
+        while True:
+            try:
+                msg = self._wake_recv.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            if not msg:
+                return False
+            waiting = self._held.pop(msg[1:], None)
+            if not waiting:
+                continue
+            still = []
+            for held in waiting:
+                answer = self._handle(held.request)
+                if answer == [MISSING]:  # another receiver claimed it: keep waiting
+                    still.append(held)
+                else:
+                    self._held_count -= 1
+                    self._router.send_multipart([held.identity, held.nonce, *answer])
+            if still:
+                self._held[msg[1:]] = still
+
+    def _expire_held(self) -> None:
+        now = time.monotonic()
+        for key in list(self._held):
+            kept = []
+            for held in self._held[key]:
+                if held.until <= now:
+                    self._held_count -= 1
+                    self._router.send_multipart([held.identity, held.nonce, MISSING])
+                else:
+                    kept.append(held)
+            if kept:
+                self._held[key] = kept
+            else:
+                del self._held[key]
+
     def close(self) -> None:
-        if self._thread is not None:
-            self._wake_send.send(b"")
-            self._thread.join(10)
+        with self._wake_lock:
+            thread, self._thread = self._thread, None
+            if thread is not None:
+                self._wake_send.send(b"")
+        if thread is not None:
+            thread.join(10)
         for sock in (self._router, self._wake_send, self._wake_recv):
             sock.close(linger=0)
 
@@ -225,4 +331,4 @@ class ControlClient:
             sock.close(linger=0)
 
 
-__all__ = ["ControlClient", "ControlServer", "refuses_connections"]
+__all__ = ["LONG_POLL_S", "MAX_HELD", "ControlClient", "ControlServer", "hold_field", "refuses_connections"]
