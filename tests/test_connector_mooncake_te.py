@@ -12,7 +12,6 @@ import multiprocessing as mp
 import os
 import signal
 import socket
-import threading
 import time
 
 import pytest
@@ -337,25 +336,3 @@ def test_bad_config_and_missing_metadata_are_clear_errors():
         te(protocol="rdma", device_name="mlx5_0")
     with te() as receiver, pytest.raises(TransferError, match="endpoint"):
         receiver.get(0, 1, key(), {}, deadline=deadline(1))
-
-
-def test_a_get_waiting_before_the_put_is_one_held_claim_answered_by_the_put():
-    """Long poll (te_control): the receiver's claim is held until the key is put, instead of
-    retries backing off to 20 ms (the engine path's receiver asks before the put is done)."""
-    with te() as sender, te() as receiver:
-        metadata = {**sender.receiver_metadata(), "segment": sender.segment}
-        out: list = []
-        thread = threading.Thread(
-            target=lambda: out.append(receiver.get(0, 1, key(), metadata, deadline=deadline(10)))
-        )
-        thread.start()
-        server = sender._server
-        give_up = time.monotonic() + 5
-        while server.requests < 1 and time.monotonic() < give_up:
-            time.sleep(0.001)
-        time.sleep(0.3)  # polling would have sent ~15 claims by now
-        assert server.requests == 1
-        assert sender.put(0, 1, key(), make_payload(5)).ok
-        thread.join(10)
-        assert same(out[0], make_payload(5))
-        assert server.requests <= 2  # the held claim, and the DONE after the read

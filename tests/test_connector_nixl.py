@@ -434,27 +434,3 @@ def test_an_idle_agent_leaves_the_cores_alone(delay_us, busy):
         time.sleep(1.0)
         share = (_cpu_seconds() - used) / (time.monotonic() - start)
     assert (share > 0.5) == busy, share
-
-
-def test_a_get_waiting_before_the_put_is_one_held_request_answered_by_the_put():
-    """Long poll (te_control): the receiver's GET is held until the key is put, instead of
-    retries backing off to 20 ms (the engine path's receiver asks before the put is done)."""
-    import threading
-
-    with create_connector("nixl", CONFIG) as sender, create_connector("nixl", CONFIG) as receiver:
-        metadata = sender.receiver_metadata()
-        out: list = []
-        thread = threading.Thread(
-            target=lambda: out.append(receiver.get(0, 1, key(), metadata, deadline=deadline(10)))
-        )
-        thread.start()
-        server = sender._control
-        give_up = time.monotonic() + 5
-        while server.requests < 1 and time.monotonic() < give_up:
-            time.sleep(0.001)
-        time.sleep(0.3)  # polling would have sent ~15 GETs by now
-        assert server.requests == 1
-        assert sender.put(0, 1, key(), make_payload(5)).ok
-        thread.join(10)
-        assert same(out[0], make_payload(5))
-        assert server.requests <= 2  # the held GET, and the metadata request of a first read

@@ -12,6 +12,7 @@ import time
 import pytest
 import zmq
 
+from vllm_kvbridge.connectors import create_connector
 from vllm_kvbridge.connectors import te_control as ctl
 
 
@@ -110,3 +111,37 @@ def test_the_hold_field_follows_the_deadline() -> None:
     assert ctl.hold_field(time.monotonic()) == []  # no time left to hold
     (frame,) = ctl.hold_field(time.monotonic() + 60)
     assert ctl.U64.unpack(frame)[0] == int(ctl.LONG_POLL_S * 1000)
+
+
+def _nixl():
+    return create_connector("nixl", {"host": "127.0.0.1", "port": 0}), "_control"
+
+
+def _te():
+    return create_connector("mooncake-te", {"local_hostname": "127.0.0.1"}), "_server"
+
+
+@pytest.mark.parametrize("make", [_nixl, pytest.param(_te, marks=pytest.mark.forked)], ids=["nixl", "te"])
+def test_a_connector_get_waiting_before_the_put_is_one_held_request(make) -> None:
+    """Both connectors on the long poll: a get that waits 0.3 s for the put sends one
+    request, answered by the put (retries backing off to 20 ms sent 18-19)."""
+    from connector_fixtures import deadline, key, make_payload, same
+
+    (sender, attr), (receiver, _) = make(), make()
+    with sender, receiver:
+        metadata = sender.receiver_metadata()
+        out: list = []
+        thread = threading.Thread(
+            target=lambda: out.append(receiver.get(0, 1, key(), metadata, deadline=deadline(10)))
+        )
+        thread.start()
+        server = getattr(sender, attr)
+        give_up = time.monotonic() + 5
+        while server.requests < 1 and time.monotonic() < give_up:
+            time.sleep(0.001)
+        time.sleep(0.3)
+        assert server.requests == 1
+        assert sender.put(0, 1, key(), make_payload(5)).ok
+        thread.join(10)
+        assert same(out[0], make_payload(5))
+        assert server.requests <= 2  # the held request, and NIXL's metadata / TE's DONE
