@@ -14,9 +14,10 @@ the host calls :meth:`kvbridge_add_step_output` with a request's outputs of one 
 * An aborted request: queued puts are dropped and an abort envelope tells the receiver.
 
 ``custom_process_next_stage_input_func(payload, request_id=..., final=...)`` turns each
-payload or chunk into the next stage's input just before it is put. The puts run on one
-background thread per edge (:class:`~vllm_kvbridge.runner.payload_stream.PayloadSender`);
-the model thread only copies rows and enqueues.
+payload or chunk into the next stage's input just before it is put. The puts run on each
+edge's :class:`~vllm_kvbridge.runner.payload_stream.PayloadSender` (a few I/O threads,
+``SEND_WORKERS``, one request's puts in order on one of them at a time); the model thread
+only copies rows and enqueues.
 
 Receiver side (input edges): :meth:`kvbridge_expect_payload` starts the background receive
 of a request, :meth:`kvbridge_get_payload` waits for it (rank 0 receives; with TP > 1 it is
