@@ -70,13 +70,11 @@ agent, see :func:`~vllm_kvbridge.connectors.nixl_agent.new_agent`), ``limits`` (
 
 from __future__ import annotations
 
-import atexit
 import os
 import socket as pysocket
 import struct
 import threading
 import time
-import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -99,6 +97,8 @@ from vllm_kvbridge.connectors.nixl_agent import (
     DEFAULT_UCX_MODULES,
     DEFAULT_UCX_TLS,
     NixlAgent,
+    close_at_exit,
+    closed_normally,
     prepare_ucx_env,
 )
 from vllm_kvbridge.connectors.registered_pool import RegisteredBufferPool
@@ -124,22 +124,6 @@ _NACK_WAIT_S = 0.5
 _LEASE_SHARE = 0.8
 #: Tokens of completed READs a receiver remembers (only until the sender saw the notification).
 _MAX_CONSUMED = 4096
-
-
-#: Connectors not closed yet. A process that exits with one open closes it at exit, before the
-#: interpreter tears down: an agent destroyed during that teardown (its progress thread
-#: still joinable, or the server thread inside NIXL) aborts the process
-#: ("terminate called without an active exception"; seen here once in ~35 such exits).
-_OPEN: weakref.WeakSet[NixlConnector] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_connectors() -> None:
-    for connector in list(_OPEN):
-        try:
-            connector.close()
-        except Exception:
-            pass
 
 
 def _u64(frame: bytes) -> int:
@@ -220,7 +204,7 @@ class NixlConnector(Connector):
         self._pool = RegisteredBufferPool(
             self._agent.register, self._agent.unregister, pool_bytes, what="NIXL"
         )
-        _OPEN.add(self)
+        close_at_exit(self)
 
     # -- sender -------------------------------------------------------------------------
     @classmethod
@@ -595,7 +579,7 @@ class NixlConnector(Connector):
         return {**super().health(), **extra}
 
     def _close(self) -> None:
-        _OPEN.discard(self)
+        closed_normally(self)
         if self._control is not None:
             self._control.close()  # joins the server thread: no handler runs after this
         with self._lock:

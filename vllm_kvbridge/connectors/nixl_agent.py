@@ -26,12 +26,14 @@ What this module owns:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
 import time
 import uuid
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -187,6 +189,31 @@ def new_agent(api: Any, name: str, config: Any, progress_delay_us: int = DEFAULT
             return api.nixl_agent(name, config)
         finally:
             bind.nixlAgentConfig = base
+
+
+#: Owners of agents (connectors) not closed yet. A process that exits with one open closes it
+#: at exit, before the interpreter tears down: an agent destroyed during that teardown (its
+#: progress thread still joinable, or the server thread inside NIXL) aborts the process
+#: ("terminate called without an active exception"; seen here once in ~35 such exits).
+_OPEN: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def close_at_exit(owner: Any) -> None:
+    """Have ``owner.close()`` called at interpreter exit unless :func:`closed_normally` first."""
+    _OPEN.add(owner)
+
+
+def closed_normally(owner: Any) -> None:
+    _OPEN.discard(owner)
+
+
+@atexit.register
+def _close_open_owners() -> None:
+    for owner in list(_OPEN):
+        try:
+            owner.close()
+        except Exception:
+            pass
 
 
 class _PeerLock:
