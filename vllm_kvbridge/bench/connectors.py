@@ -211,13 +211,6 @@ def _median_gbps(nbytes: int, times: list[float]) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def measure_memcpy(nbytes: int, repeat: int) -> float:
-    """GB/s of one copy of a contiguous ``nbytes`` blob (median of ``repeat``)."""
-    probe = MemcpyProbe({"blob": [torch.ones(nbytes, dtype=torch.uint8)]})
-    times = [probe.blob() for _ in range(repeat + 1)]
-    return _median_gbps(nbytes, times[1:])
-
-
 class MemcpyProbe:
     """Times one-copy ceilings of a payload, so they can be sampled between transfers.
 

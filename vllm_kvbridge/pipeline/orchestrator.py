@@ -622,9 +622,3 @@ class Pipeline:
 
     def stage_pids(self) -> dict[int, int]:
         return {sid: h.proc.pid for sid, h in self._stages.items()}
-
-    def stage_info(self) -> dict[int, dict[str, Any]]:
-        return {sid: dict(h.info) for sid, h in self._stages.items()}
-
-    def startup_seconds(self) -> dict[int, float]:
-        return {sid: h.ready_at - h.spawned for sid, h in self._stages.items() if h.ready_at}
