@@ -36,8 +36,9 @@ Contract
 * :meth:`status`, :meth:`sender_info` and :meth:`discard` are the worker RPCs' answers;
   they run on the worker's RPC thread, concurrently with :meth:`send`.
 * Status per transfer id: ``pending`` | ``done`` | ``failed: why``, and ``aborted``. A
-  request's line outlives it in a bounded history (:data:`STATUS_HISTORY`), so the
-  orchestrator can ask after the fact; an id never sent reads ``unknown``.
+  request's line outlives it in a bounded history
+  (:class:`~vllm_kvbridge.runner.transfer_status.StatusHistory`), so the orchestrator can
+  ask after the fact; an id never sent reads ``unknown``.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,12 +57,10 @@ from vllm_kvbridge.kv.compat import KV_SPEC_KEY, kv_spec
 from vllm_kvbridge.kv.layout import KVCacheLayout
 from vllm_kvbridge.runner.exit_hook import ExitHook
 from vllm_kvbridge.runner.settings import RunnerSettings
+from vllm_kvbridge.runner.transfer_status import DONE, FAILED, PENDING, UNKNOWN, StatusHistory
 
 logger = logging.getLogger(__name__)
 
-#: Terminal statuses kept for status queries after a request ended.
-STATUS_HISTORY = 4096
-PENDING, DONE, FAILED, UNKNOWN = "pending", "done", "failed", "unknown"
 #: Pause of an engine step that ran nothing while sends are held (no busy loop).
 HELD_IDLE_PAUSE_S = 0.01
 
@@ -147,7 +146,7 @@ class WorkerKVSender:
         )
         self._lock = threading.Lock()
         self._live: dict[str, _SendState] = {}  # engine id -> state, until the send settled
-        self._history: OrderedDict[str, dict[str, str]] = OrderedDict()  # transfer id -> line
+        self._history = StatusHistory()  # transfer id -> terminal line
         self._held: deque[_Held] = deque()  # oldest first
         self._released: set[str] = set()  # engine ids whose blocks may go back
         self._copying: set[str] = set()  # gathered on the copy stream, blocks still read
@@ -297,8 +296,8 @@ class WorkerKVSender:
                 state = self._live.get(engine_id)
                 if state is not None:
                     state.aborted = True
-                elif transfer_id in self._history:
-                    self._history[transfer_id]["aborted"] = "true"
+                else:
+                    self._history.mark(transfer_id, "aborted", "true")
 
     def poll(self) -> None:
         """Move sends that completed or failed since the last call into the history."""
@@ -317,10 +316,7 @@ class WorkerKVSender:
         if state is None:
             logger.warning("KV send result for unknown request %s: %s", engine_id, kv)
             return
-        self._history[state.transfer_id] = {"kv": kv, "aborted": str(state.aborted).lower()}
-        self._history.move_to_end(state.transfer_id)
-        while len(self._history) > STATUS_HISTORY:
-            self._history.popitem(last=False)
+        self._history.record(state.transfer_id, {"kv": kv, "aborted": str(state.aborted).lower()})
 
     # -- RPC thread --------------------------------------------------------------------------
     def status(self, request_ids: Iterable[str] | None = None) -> dict[str, dict[str, str]]:
@@ -334,8 +330,8 @@ class WorkerKVSender:
             for rid in ids:
                 if rid in live:
                     out[rid] = {"kv": live[rid].kv, "aborted": str(live[rid].aborted).lower()}
-                elif rid in self._history:
-                    out[rid] = dict(self._history[rid])
+                elif (line := self._history.get(rid)) is not None:
+                    out[rid] = line
                 else:
                     out[rid] = {"kv": UNKNOWN, "aborted": "false"}
             return out
@@ -407,4 +403,4 @@ def kv_caches_in_layer_order(kv_caches: Mapping[str, torch.Tensor]) -> list[torc
     return [distinct[i] for i in sorted(distinct)]
 
 
-__all__ = ["STATUS_HISTORY", "WorkerKVSender", "kv_caches_in_layer_order"]
+__all__ = ["WorkerKVSender", "kv_caches_in_layer_order"]

@@ -40,8 +40,9 @@ from vllm_kvbridge.runner.payload_stream import (
     PayloadSender,
     broadcast_payload,
 )
-from vllm_kvbridge.runner.runtime import DONE, FAILED, PENDING, RequestState, _ConnectorRuntimeMixin
+from vllm_kvbridge.runner.runtime import RequestState, _ConnectorRuntimeMixin
 from vllm_kvbridge.runner.settings import PayloadEdgeSettings, RunnerSettings
+from vllm_kvbridge.runner.transfer_status import DONE, FAILED, PENDING
 
 logger = logging.getLogger(__name__)
 

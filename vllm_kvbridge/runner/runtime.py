@@ -43,7 +43,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,15 +52,13 @@ from vllm_kvbridge.connectors.registry import create_connector
 from vllm_kvbridge.errors import ConfigError
 from vllm_kvbridge.runner.exit_hook import ExitHook
 from vllm_kvbridge.runner.settings import RunnerSettings
+from vllm_kvbridge.runner.transfer_status import FAILED, NONE, StatusHistory, merge_status
 
 logger = logging.getLogger(__name__)
 
-#: Terminal statuses kept for status queries after a request's state is gone.
-STATUS_HISTORY = 4096
 #: Wall-clock budget of :meth:`_ConnectorRuntimeMixin.kvbridge_shutdown` (vLLM kills a
 #: worker ~5 s after asking it to stop).
 SHUTDOWN_TIMEOUT_S = 3.0
-PENDING, DONE, FAILED, NONE = "pending", "done", "failed", "none"
 
 
 def _stage_edges(settings: RunnerSettings) -> list[tuple[Any, Any, str, dict[str, Any]]]:
@@ -109,18 +106,6 @@ class RequestState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def merge_status(kv: Mapping[str, str] | None, payload: Mapping[str, str] | None) -> dict[str, str]:
-    """One status line from a KV sender's (``kv``, ``aborted``) and a runtime's
-    (``payload``, ``aborted``) lines; a side that never heard of the request reads unknown."""
-    kv, payload = kv or {}, payload or {}
-    aborted = "true" in (kv.get("aborted"), payload.get("aborted"))
-    return {
-        "kv": kv.get("kv", "unknown"),
-        "payload": payload.get("payload", "unknown"),
-        "aborted": str(aborted).lower(),
-    }
-
-
 @dataclass
 class RuntimeState:
     """The runtime layer's state on a runner: one object, set by ``kvbridge_init``."""
@@ -132,8 +117,8 @@ class RuntimeState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     #: host request id -> state, until finished and nothing is in flight
     requests: dict[str, RequestState] = field(default_factory=dict)
-    #: transfer id -> terminal payload status, bounded (:data:`STATUS_HISTORY`)
-    history: OrderedDict[str, dict[str, str]] = field(default_factory=OrderedDict)
+    #: transfer id -> terminal payload status, the newest STATUS_HISTORY
+    history: StatusHistory = field(default_factory=StatusHistory)
     engine_to_transfer: dict[str, str] = field(default_factory=dict)
     #: "in:<peer>" / "out:<peer>" -> connector
     connectors: dict[str, Connector] = field(default_factory=dict)
@@ -318,13 +303,9 @@ class _ConnectorRuntimeMixin:
 
     def _record_history(self, state: RequestState) -> None:
         # Called with the lock held.
-        self._kvb.history[state.transfer_id] = {
-            "payload": state.payload,
-            "aborted": str(state.aborted).lower(),
-        }
-        self._kvb.history.move_to_end(state.transfer_id)
-        while len(self._kvb.history) > STATUS_HISTORY:
-            self._kvb.history.popitem(last=False)
+        self._kvb.history.record(
+            state.transfer_id, {"payload": state.payload, "aborted": str(state.aborted).lower()}
+        )
 
     def kvbridge_transfer_status(self, request_ids: Iterable[str] | None = None) -> dict[str, dict[str, str]]:
         """Per transfer id (or host id): ``{"kv": none|pending|done|failed: why|unknown,
@@ -339,8 +320,8 @@ class _ConnectorRuntimeMixin:
                 if rid in live:
                     s = live[rid]
                     payload[rid] = {"payload": s.payload, "aborted": str(s.aborted).lower()}
-                elif rid in self._kvb.history:
-                    payload[rid] = dict(self._kvb.history[rid])
+                elif (line := self._kvb.history.get(rid)) is not None:
+                    payload[rid] = line
         sender = self.kvbridge_kv_sender
         if sender is None:
             return {rid: merge_status({"kv": NONE}, payload.get(rid)) for rid in ids}

@@ -54,8 +54,8 @@ from vllm_kvbridge.connectors.base import edge_counters
 from vllm_kvbridge.errors import ConfigError
 from vllm_kvbridge.runner.ar_runner import KVBridgeARModelRunner, KVBridgeCPUModelRunner
 from vllm_kvbridge.runner.mixin import KVBridgeModelRunnerMixin
-from vllm_kvbridge.runner.runtime import merge_status
 from vllm_kvbridge.runner.settings import RunnerSettings, load_dotted
+from vllm_kvbridge.runner.transfer_status import merge_status
 from vllm_kvbridge.runner.vllm_connector import KVBridgeConnector, kv_transfer_config_dict
 
 CPU_WORKER = "vllm_kvbridge.runner.worker.KVBridgeCPUWorker"
