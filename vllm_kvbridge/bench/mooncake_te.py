@@ -13,18 +13,18 @@ times the write plus the read, ``read_samples`` the read alone (the ceiling of t
 connector's ``get``); the connector bench samples it right before every connector
 transfer, so ceiling and connector see the same load on a shared machine. What the
 connector adds on top (encode, claim and confirm over its control socket, decode) is what
-the ratio shows. The NIXL probe is built the same way (:mod:`vllm_kvbridge.bench.nixl`).
+the ratio shows. The NIXL probe is built the same way (:mod:`vllm_kvbridge.bench.nixl`;
+both on :class:`~vllm_kvbridge.bench.source_probe.SourceProbe`).
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import statistics
 import time
 from typing import Any
 
 import numpy as np
 
+from vllm_kvbridge.bench.source_probe import SourceProbe
 from vllm_kvbridge.connectors.mooncake_te import MAX_BATCH_PIECES, PIECE_BYTES
 from vllm_kvbridge.wire import parallel_copy
 
@@ -55,38 +55,24 @@ def _source(nbytes: int, protocol: str, pipe: Any) -> None:
     pipe.send("bye")
 
 
-class TeReadProbe:
+class TeReadProbe(SourceProbe):
     """Times raw transfer-engine reads of ``nbytes`` from another process (see the module docstring)."""
 
-    def __init__(self, nbytes: int, *, protocol: str = "tcp") -> None:
-        self.nbytes = nbytes
-        self.protocol = protocol
-        ctx = mp.get_context("spawn")
-        self._pipe, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_source, args=(nbytes, protocol, child), daemon=True)
-        self._proc.start()
-        self._engine: Any = None
-        try:
-            if not self._pipe.poll(60):
-                raise RuntimeError("the transfer-engine bench source process did not start")
-            self._segment, self._remote = self._pipe.recv()
-            self._engine = _engine(protocol)
-            self._dst = np.ones(nbytes, dtype=np.uint8)
-            if self._engine.register_memory(self._dst.ctypes.data, nbytes) != 0:
-                raise RuntimeError("register_memory failed in the bench reader")
-        except BaseException:
-            self.close()
-            raise
-        self.samples: list[float] = []
-        self.read_samples: list[float] = []
+    what = "transfer-engine"
 
-    def sample(self) -> float:
-        """Seconds of one write of ``nbytes`` into the source's registered buffer plus one
-        read of them, appended to ``samples`` (the read alone to ``read_samples``)."""
-        self._pipe.send("write")
-        if not self._pipe.poll(60):
-            raise RuntimeError("the transfer-engine bench source did not write its buffer")
-        written = self._pipe.recv()
+    def __init__(self, nbytes: int, *, protocol: str = "tcp", timeout_s: float = 60.0) -> None:
+        self.protocol = protocol
+        self._engine: Any = None
+        super().__init__(nbytes, _source, (nbytes, protocol), timeout_s)
+
+    def _connect(self, info: Any) -> None:
+        self._segment, self._remote = info
+        self._dst = np.ones(self.nbytes, dtype=np.uint8)
+        self._engine = _engine(self.protocol)
+        if self._engine.register_memory(self._dst.ctypes.data, self.nbytes) != 0:
+            raise RuntimeError("register_memory failed in the bench reader")
+
+    def _read(self) -> float:
         engine, dst, src, n = self._engine, self._dst.ctypes.data, self._remote, self.nbytes
         offsets = list(range(0, n, PIECE_BYTES))
         start = time.perf_counter()
@@ -101,46 +87,13 @@ class TeReadProbe:
                 )
             if rc != 0:
                 raise RuntimeError(f"raw transfer-engine read of {n} bytes failed: {rc}")
-        elapsed = time.perf_counter() - start
-        self.read_samples.append(elapsed)
-        self.samples.append(written + elapsed)
-        return written + elapsed
+        return time.perf_counter() - start
 
-    def gbps(self) -> float:
-        """Median GB/s of the samples so far."""
-        return self.nbytes / statistics.median(self.samples) / 1e9
-
-    def close(self) -> None:
+    def _release(self) -> None:
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.unregister_memory(self._dst.ctypes.data)
             del engine
-        try:
-            self._pipe.send(None)
-            if self._pipe.poll(30):
-                self._pipe.recv()
-        except (OSError, EOFError):
-            pass
-        self._proc.join(30)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join()
-
-    def __enter__(self) -> TeReadProbe:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
-def measure_te_ceiling(nbytes: int, repeat: int) -> float:
-    """GB/s (median of ``repeat`` after one warm-up) of a raw transfer-engine read of ``nbytes``."""
-    with TeReadProbe(nbytes) as probe:
-        probe.sample()
-        probe.samples.clear()
-        for _ in range(repeat):
-            probe.sample()
-        return probe.gbps()
-
-
-__all__ = ["TeReadProbe", "measure_te_ceiling"]
+__all__ = ["TeReadProbe"]

@@ -23,14 +23,13 @@ read of a segment, always had it).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import statistics
 import time
 from typing import Any
 
 import numpy as np
 
+from vllm_kvbridge.bench.source_probe import SourceProbe
 from vllm_kvbridge.connectors.nixl_agent import import_nixl, new_agent, prepare_ucx_env
 from vllm_kvbridge.wire import parallel_copy
 
@@ -57,42 +56,27 @@ def _source(nbytes: int, pipe: Any) -> None:
     pipe.send(notes)
 
 
-class NixlReadProbe:
+class NixlReadProbe(SourceProbe):
     """Times raw NIXL READs of ``nbytes`` from another process (see the module docstring)."""
 
-    def __init__(self, nbytes: int, *, timeout_s: float = 120.0) -> None:
-        self.nbytes = nbytes
-        self.timeout_s = timeout_s
-        self.ucx_env = prepare_ucx_env()
-        api = import_nixl()
-        ctx = mp.get_context("spawn")
-        self._pipe, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_source, args=(nbytes, child), daemon=True)
-        self._proc.start()
-        try:
-            if not self._pipe.poll(60):
-                raise RuntimeError("the NIXL bench source process did not start")
-            metadata, self._remote_addr = self._pipe.recv()
-            self._agent = new_agent(
-                api, f"kvbridge-bench-dst-{os.getpid()}", api.nixl_agent_config(backends=["UCX"])
-            )
-            self._dst = np.zeros(nbytes, dtype=np.uint8)
-            self._reg = self._agent.register_memory([(self._dst.ctypes.data, nbytes, 0, "")], "DRAM")
-            self._peer = self._agent.add_remote_agent(metadata)
-        except BaseException:
-            self._stop_source()
-            raise
-        self.samples: list[float] = []
-        self.read_samples: list[float] = []
+    what = "NIXL"
 
-    def sample(self) -> float:
-        """Seconds of one write of ``nbytes`` into the source's registered buffer plus one
-        READ of them (with a notification), appended to ``samples`` (the READ alone to
-        ``read_samples``)."""
-        self._pipe.send("write")
-        if not self._pipe.poll(self.timeout_s):
-            raise RuntimeError("the NIXL bench source did not write its buffer")
-        written = self._pipe.recv()
+    def __init__(self, nbytes: int, *, timeout_s: float = 120.0) -> None:
+        self.ucx_env = prepare_ucx_env()
+        self._agent: Any = None
+        super().__init__(nbytes, _source, (nbytes,), timeout_s)
+
+    def _connect(self, info: Any) -> None:
+        metadata, self._remote_addr = info
+        api = import_nixl()
+        config = api.nixl_agent_config(backends=["UCX"])
+        self._agent = new_agent(api, f"kvbridge-bench-dst-{os.getpid()}", config)
+        self._dst = np.zeros(self.nbytes, dtype=np.uint8)
+        self._reg = self._agent.register_memory([(self._dst.ctypes.data, self.nbytes, 0, "")], "DRAM")
+        self._peer = self._agent.add_remote_agent(metadata)
+
+    def _read(self) -> float:
+        """One READ with a notification to the source (descriptors made outside the time)."""
         agent = self._agent
         local = agent.get_xfer_descs([(self._dst.ctypes.data, self.nbytes, 0)], "DRAM")
         remote = agent.get_xfer_descs([(self._remote_addr, self.nbytes, 0)], "DRAM")
@@ -107,39 +91,16 @@ class NixlReadProbe:
         handle.release()
         if state != "DONE":
             raise RuntimeError(f"raw NIXL READ of {self.nbytes} bytes failed: {state}")
-        self.read_samples.append(elapsed)
-        self.samples.append(written + elapsed)
-        return written + elapsed
+        return elapsed
 
-    def gbps(self) -> float:
-        """Median GB/s of the samples so far."""
-        return self.nbytes / statistics.median(self.samples) / 1e9
-
-    def _stop_source(self) -> None:
-        try:
-            self._pipe.send(None)
-            if self._pipe.poll(30):
-                self._pipe.recv()
-        except (OSError, EOFError):
-            pass
-        self._proc.join(30)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join()
-
-    def close(self) -> None:
-        agent, self._agent = getattr(self, "_agent", None), None
+    def _release(self) -> None:
+        agent, self._agent = self._agent, None
         if agent is not None:
-            agent.remove_remote_agent(self._peer)
-            agent.deregister_memory(self._reg)
+            if getattr(self, "_peer", None) is not None:
+                agent.remove_remote_agent(self._peer)
+            if getattr(self, "_reg", None) is not None:
+                agent.deregister_memory(self._reg)
             del agent
-        self._stop_source()
-
-    def __enter__(self) -> NixlReadProbe:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 __all__ = ["NixlReadProbe"]
