@@ -322,3 +322,26 @@ def test_request_ids_the_pipeline_hands_out_are_not_guessable(tmp_path: Path) ->
     assert all(re.fullmatch(r"req-[0-9a-f]{16}", rid) for rid in ids[:2]) and ids[0] != ids[1]
     assert ids[2] == "mine" and {finished[rid].text for rid in ids} == {"echo: a", "echo: b", "echo: c"}
     assert os.environ.get(CREDENTIALS_ENV) is None  # the orchestrator's own environment is untouched
+
+
+def test_sending_to_a_stage_whose_connection_is_gone_raises_stage_unreachable(control: ControlPlane) -> None:
+    """Found by the soak: a stage killed while the orchestrator hands it a request (before it
+    noticed the loss) made the send raise zmq's EHOSTUNREACH out of the event loop, which took
+    the server down (500s, then 503s). The plane says StageUnreachable, which the orchestrator
+    turns into that one request's failure."""
+    from vllm_kvbridge.pipeline.control_auth import StageUnreachable
+
+    creds = control.issue(1)
+    ctx = zmq.Context()
+    try:
+        sock = _client(ctx, creds, control.address)
+        sock.send(m.encode(m.Heartbeat(1, 1)))
+        _next(control)  # connected and admitted: the route is known
+        sock.close(0)
+        give_up = time.monotonic() + 10
+        with pytest.raises(StageUnreachable, match="stage"):
+            while time.monotonic() < give_up:  # until the plane has seen the disconnect
+                control.send(creds.route.encode(), m.Submit("r1"))
+                time.sleep(0.01)
+    finally:
+        ctx.term()

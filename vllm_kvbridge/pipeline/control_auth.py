@@ -34,6 +34,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from vllm_kvbridge.errors import KVBridgeError
 from vllm_kvbridge.pipeline import messages as m
 from vllm_kvbridge.pipeline.results import PipelineError
 
@@ -63,6 +64,10 @@ def new_request_id(prefix: str = "req") -> str:
     """``<prefix>-<16 hex digits>``: 64 random bits, so an id seen nowhere cannot be guessed
     (ids name the request's KV and payload keys on the data plane, too)."""
     return f"{prefix}-{secrets.token_hex(8)}"
+
+
+class StageUnreachable(KVBridgeError):
+    """The stage process a message is for is not connected to the control plane."""
 
 
 class StageCredentials(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -200,8 +205,18 @@ class ControlPlane:
                 return got
 
     def send(self, route: bytes, msg: m.ToStage, *, block: bool = True) -> None:
-        """Send ``msg`` to the stage process whose routing id is ``route``."""
-        self.sock.send_multipart([route, m.encode(msg)], flags=0 if block else zmq.NOBLOCK)
+        """Send ``msg`` to the stage process whose routing id is ``route``.
+
+        :class:`StageUnreachable` when that process is not connected (it died, or its
+        connection dropped, before the orchestrator noticed): with ``ROUTER_MANDATORY`` the
+        socket says so (EHOSTUNREACH) rather than dropping the message unseen."""
+        try:
+            self.sock.send_multipart([route, m.encode(msg)], flags=0 if block else zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            name = route.decode(errors="replace")
+            raise StageUnreachable(f"the stage process {name!r} is not connected") from None
 
     def counters(self) -> dict[str, int]:
         """``refused_connections``: handshakes that failed (no key, or one not issued or

@@ -48,7 +48,13 @@ from vllm_kvbridge.config.resolve import ResolvedPipeline, ResolvedStage, resolv
 from vllm_kvbridge.pipeline import messages as m
 from vllm_kvbridge.pipeline.admission import check_new_id, check_sampling_params
 from vllm_kvbridge.pipeline.cfg import companions_for
-from vllm_kvbridge.pipeline.control_auth import ControlPlane, Received, given_to_sender, new_request_id
+from vllm_kvbridge.pipeline.control_auth import (
+    ControlPlane,
+    Received,
+    StageUnreachable,
+    given_to_sender,
+    new_request_id,
+)
 from vllm_kvbridge.pipeline.engines import ABORTED_KEEP_S, ExpiringIds
 from vllm_kvbridge.pipeline.placement import StageBackend, make_backend, place_stages, with_run_scope
 from vllm_kvbridge.pipeline.results import (  # re-exported: the pipeline's public types
@@ -279,7 +285,13 @@ class Pipeline:
     def _send_submit(self, stage_id: int, msg: m.Submit) -> None:
         self._where.setdefault(msg.request_id, set()).add(stage_id)
         assert self._control is not None
-        self._control.send(self._stages[stage_id].route, msg)
+        h = self._stages[stage_id]
+        try:
+            self._control.send(h.route, msg)
+        except StageUnreachable as exc:
+            # Lost before we noticed (the supervision check will): this request fails now,
+            # as the ones in it will, instead of the error leaving the event loop.
+            self._finish(msg.request_id, f"{h.label} is unreachable: {exc}", lost_stage=stage_id)
 
     def _finish(
         self, rid: str, error: str | None = None, lost_stage: int | None = None, *, aborted: bool = False
