@@ -261,7 +261,7 @@ def test_prefetch_twenty_requests_random_order_two_failing() -> None:
         assert "someone-else" in str(results[corrupt])
         # start one more prefetch that cannot complete, then shut down: nothing left in flight
         receiver.start_prefetch(["late"])
-    assert receiver.prefetch_in_flight() == 0
+    assert receiver.prefetcher.in_flight() == 0
     assert receiver.health()["metrics"]["recv"]["in_flight"] == 0
     assert sender.pending_sends() == 0
     assert not [
@@ -644,7 +644,7 @@ def test_state_stays_bounded_over_ten_thousand_requests() -> None:
                 else:
                     receiver.start_prefetch([rid])  # consumed by nobody
             deadline = time.monotonic() + 10
-            while receiver.prefetch_in_flight() and time.monotonic() < deadline:
+            while receiver.prefetcher.in_flight() and time.monotonic() < deadline:
                 time.sleep(0.001)
             health = {**receiver.health(), **sender.health()}
             for name in peak:

@@ -92,7 +92,7 @@ def test_read_kv_is_kept_and_unread_kv_of_a_dead_sender_is_given_up_at_once() ->
             assert mgr.pop_received("read") is not None
             assert mgr.start_prefetch([("prefetched", info["prefetched"])]) == ["prefetched"]
             deadline = time.monotonic() + 30
-            while mgr.prefetch_in_flight() and time.monotonic() < deadline:
+            while mgr.prefetcher.in_flight() and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert mgr.withdraw_receive("prefetched") is False  # a finished prefetch is a read
             assert mgr.consume_and_distribute_kv_cache("prefetched", sender_info=info["prefetched"])

@@ -509,8 +509,10 @@ class KVTransferManager:
 
         return self._prefetcher.start(jobs, receive)
 
-    def prefetch_in_flight(self) -> int:
-        return self._prefetcher.in_flight()
+    @property
+    def prefetcher(self) -> KVPrefetcher:
+        """Its prefetches (``in_flight``; ``ready``/``when_done``: :mod:`~vllm_kvbridge.runner.kv_ready`)."""
+        return self._prefetcher
 
     def consume_and_distribute_kv_cache(
         self,

@@ -323,7 +323,7 @@ class DiffusionRunner(KVBridgeModelRunnerMixin):
             from vllm_kvbridge.runner.kv_ready import KVReadiness
 
             window = max(self._kv.config.max_prefetch_inflight, self.max_batch_size)
-            self._ready = KVReadiness(self._start_prefetch, self._kv._prefetcher, window)
+            self._ready = KVReadiness(self._start_prefetch, self._kv.prefetcher, window)
 
     def kvbridge_kv_manager_kwargs(self) -> dict[str, Any]:
         # The module knows how many KV heads it consumes (the TP routing needs it).
