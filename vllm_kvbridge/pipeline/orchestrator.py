@@ -199,7 +199,7 @@ class Pipeline:
 
         def shutdown(h: StageHandle) -> None:
             if control is not None:
-                with contextlib.suppress(zmq.ZMQError):
+                with contextlib.suppress(zmq.ZMQError, StageUnreachable):
                     control.send(h.route, m.Shutdown(), block=False)
 
         stop_stages(list(self._stages.values()), shutdown, self.plan.shutdown_timeout)
@@ -317,7 +317,7 @@ class Pipeline:
         h = self._stages.get(sid)
         if h is None or h.lost or h.proc.poll() is not None or self._control is None or self._closed:
             return
-        with contextlib.suppress(zmq.ZMQError):
+        with contextlib.suppress(zmq.ZMQError, StageUnreachable):
             self._control.send(h.route, msg, block=False)
 
     def _expire(self) -> None:
