@@ -145,3 +145,8 @@ def test_a_connector_get_waiting_before_the_put_is_one_held_request(make) -> Non
         thread.join(10)
         assert same(out[0], make_payload(5))
         assert server.requests <= 2  # the held request, and NIXL's metadata / TE's DONE
+
+
+def test_a_peer_cannot_hold_a_slot_longer_than_the_long_poll(sender) -> None:
+    answer, waited = sender.claim(b"never", 10**12)  # asks for ~30 years
+    assert answer == [ctl.MISSING] and ctl.LONG_POLL_S <= waited < 5

@@ -161,7 +161,8 @@ class ControlServer:
         self.requests += 1
         hold_ms = 0
         if len(request) == _HOLD_FIELDS and len(request[4]) == 8:
-            hold_ms, request = U64.unpack(request[4])[0], request[:4]
+            # At most LONG_POLL_S, whatever a peer asks: a held request takes a MAX_HELD slot.
+            hold_ms, request = min(U64.unpack(request[4])[0], int(LONG_POLL_S * 1000)), request[:4]
         answer = self._handle(request)
         if answer == [MISSING] and hold_ms and self._held_count < MAX_HELD:
             held = _HeldRequest(identity, nonce, request, time.monotonic() + hold_ms / 1000)
