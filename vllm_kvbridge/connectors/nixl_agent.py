@@ -39,6 +39,8 @@ from typing import Any
 
 from vllm_kvbridge.errors import ConfigError, TransferError, TransferTimeout
 
+logger = logging.getLogger(__name__)
+
 #: The defaults of the connector's ``ucx_tls`` / ``ucx_modules`` options (see module docstring).
 DEFAULT_UCX_TLS = "cma,tcp"
 DEFAULT_UCX_MODULES = "^ib"
@@ -170,9 +172,13 @@ def new_agent(api: Any, name: str, config: Any, progress_delay_us: int = DEFAULT
     ``progress_delay_us=0`` gives NIXL's own behaviour (a spinning progress thread:
     lowest latency where cores are to spare, as vLLM's NixlConnector runs it).
     """
-    bind = api.nixlBind
-    base = bind.nixlAgentConfig
+    bind = getattr(api, "nixlBind", None)
+    base = getattr(bind, "nixlAgentConfig", None)
     if progress_delay_us <= 0:
+        return api.nixl_agent(name, config)
+    if not isinstance(getattr(base, "pthrDelay", None), property):
+        # Another NIXL than the one this was written against (1.5): run it as it comes.
+        logger.warning("this NIXL's agent config has no pthrDelay; its progress thread may spin")
         return api.nixl_agent(name, config)
 
     class _Config(base):  # type: ignore[misc, valid-type]
