@@ -17,6 +17,7 @@ import torch
 
 from vllm_kvbridge.errors import TransferError
 from vllm_kvbridge.kv.receive import ReceivedKV
+from vllm_kvbridge.wire.group_broadcast import broadcast_buffers
 from vllm_kvbridge.wire.host_staging import tensors_to_device
 from vllm_kvbridge.wire.kv_format import KVCacheTransferData
 
@@ -64,52 +65,39 @@ class KVDistributor:
             return "local"
         return "leader" if dist.get_rank(self.process_group) == 0 else "follower"
 
-    def _dist(self) -> tuple[Any, int, torch.device]:
+    def _device(self) -> torch.device:
+        """Where the group's collectives run: gloo on the host, NCCL on this rank's GPU."""
         import torch.distributed as dist
 
-        group = self.process_group
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        backend = dist.get_backend(group)
-        device = (
-            torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
-        )
-        return dist, src, device
+        if dist.get_backend(self.process_group) == "gloo":
+            return torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device())
 
     def broadcast_failure(self) -> None:
         """LEADER: tell the followers this request's receive failed (they raise)."""
-        dist, src, device = self._dist()
-        dist.broadcast(torch.tensor([-1], dtype=torch.int64, device=device), src, group=self.process_group)
+        device = self._device()
+        broadcast_buffers("its receive failed", self.process_group, device=device, what="the KV")
 
     def send(self, rec: ReceivedKV) -> None:
         """LEADER: broadcast the primary and companion caches of ``rec``."""
-        dist, src, device = self._dist()
-        group = self.process_group
-        items = [rec.data, *rec.companions.values()]
-        packed = [d.to_gpu_tensor(device) for d in items]
-        dist.broadcast(torch.tensor([len(packed)], dtype=torch.int64, device=device), src, group=group)
-        sizes = torch.tensor([p.numel() for p in packed], dtype=torch.int64, device=device)
-        dist.broadcast(sizes, src, group=group)
-        for p in packed:
-            dist.broadcast(p, src, group=group)
+        device = self._device()
+        packed = [d.to_gpu_tensor(device) for d in (rec.data, *rec.companions.values())]
+        broadcast_buffers(packed, self.process_group, device=device, what="the KV")
 
     def receive(self, rid: str, target_device: Any = None) -> ReceivedKV:
         """FOLLOWER: what the leader broadcasts for ``rid``; raises if the leader failed."""
-        dist, src, device = self._dist()
-        group = self.process_group
-        count = torch.zeros(1, dtype=torch.int64, device=device)
-        dist.broadcast(count, src, group=group)
-        n = int(count.item())
-        if n < 0:
-            raise TransferError(f"the leader rank failed to receive the KV of {rid}")
-        sizes = torch.zeros(n, dtype=torch.int64, device=device)
-        dist.broadcast(sizes, src, group=group)
+        device = self._device()
+        try:
+            bufs = broadcast_buffers(None, self.process_group, device=device, what=f"the KV of {rid}")
+        except TransferError as exc:
+            raise TransferError(f"the leader rank failed to receive the KV of {rid} ({exc})") from None
         items = []
-        for size in sizes.tolist():
-            buf = torch.empty(int(size), dtype=torch.uint8, device=device)
-            dist.broadcast(buf, src, group=group)
+        for buf in bufs:
             data = KVCacheTransferData.from_bytes_device(buf, expected_request_id=rid)
             if target_device is not None:
                 data = _to_device(data, target_device)
             items.append(data)
+        if not items:
+            raise TransferError(f"the leader rank sent no KV for {rid}")
         companions = {str(d.metadata.get("purpose")): d for d in items[1:]}
         return ReceivedKV(rid, items[0], companions, sum(d.nbytes for d in items))

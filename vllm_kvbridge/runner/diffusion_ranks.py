@@ -39,6 +39,7 @@ import torch
 from vllm_kvbridge.connectors.base import Connector, PutResult
 from vllm_kvbridge.errors import TransferError
 from vllm_kvbridge.models.guidance import CFG_NEGATIVE
+from vllm_kvbridge.wire.group_broadcast import broadcast_buffers
 
 logger = logging.getLogger(__name__)
 
@@ -80,25 +81,16 @@ class Control(msgspec.Struct, forbid_unknown_fields=True):
 
 def send_control(ctl: Control, group: Any = None) -> None:
     """Broadcast ``ctl`` from group rank 0."""
-    import torch.distributed as dist
-
     data = msgspec.json.encode(ctl)
-    dist.broadcast(torch.tensor([len(data)], dtype=torch.int64), 0, group=group)
-    dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=group)
+    broadcast_buffers([torch.frombuffer(bytearray(data), dtype=torch.uint8)], group, what="control message")
 
 
 def recv_control(group: Any = None) -> Control:
     """Receive the control message rank 0 broadcast (validated: size bound, schema)."""
-    import torch.distributed as dist
-
-    size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, 0, group=group)
-    n = int(size.item())
-    if not 0 < n <= MAX_CONTROL_BYTES:
-        raise TransferError(f"control message of {n} bytes from rank 0 (limit {MAX_CONTROL_BYTES})")
-    buf = torch.empty(n, dtype=torch.uint8)
-    dist.broadcast(buf, 0, group=group)
-    return msgspec.json.decode(buf.numpy().tobytes(), type=Control)
+    bufs = broadcast_buffers(None, group, max_bytes=MAX_CONTROL_BYTES, what="control message")
+    if len(bufs) != 1 or not bufs[0].numel():
+        raise TransferError(f"control message from rank 0: {len(bufs)} buffers, expected one non-empty")
+    return msgspec.json.decode(bufs[0].numpy().tobytes(), type=Control)
 
 
 class NoTransport(Connector):

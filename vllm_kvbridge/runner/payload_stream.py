@@ -444,7 +444,8 @@ class PayloadSender:
 def broadcast_payload(
     payload: Mapping[str, Any] | BaseException | None, group: Any, src: int = 0
 ) -> dict[str, Any]:
-    """Give every rank of ``group`` the payload rank ``src`` holds (torch.distributed, one packed buffer).
+    """Give every rank of ``group`` the payload rank ``src`` holds (one packed buffer,
+    :func:`~vllm_kvbridge.wire.group_broadcast.broadcast_buffers`).
 
     Every rank calls this, in the same order. On ``src`` pass the payload, or the exception
     its receive raised (the other ranks then raise a TransferError with its message).
@@ -452,36 +453,23 @@ def broadcast_payload(
     import torch.distributed as dist
 
     from vllm_kvbridge.wire import decode_packed, encode
+    from vllm_kvbridge.wire.group_broadcast import broadcast_buffers
 
-    rank = dist.get_rank(group)
-    if rank == src:
-        if isinstance(payload, BaseException) or payload is None:
-            message = str(payload) if payload is not None else "no payload"
-            body = message.encode()
-            header = torch.tensor([1, len(body)], dtype=torch.int64)
-        else:
-            enc = encode(dict(payload))
-            size = enc.packed_size()
-            header = torch.tensor([0, int(size)], dtype=torch.int64)
-    else:
-        header = torch.zeros(2, dtype=torch.int64)
-    global_src = dist.get_global_rank(group, src) if group is not None else src
-    dist.broadcast(header, global_src, group=group)
-    kind, size = int(header[0]), int(header[1])
-    buf = torch.empty(size, dtype=torch.uint8)
-    if rank == src:
-        if kind == 1:
-            buf.copy_(torch.frombuffer(bytearray(body), dtype=torch.uint8)) if size else None
-        else:
-            enc.pack_into(buf.numpy())
-    dist.broadcast(buf, global_src, group=group)
-    if kind == 1:
-        if rank == src and isinstance(payload, BaseException):
+    what = "payload fan-out"
+    if dist.get_rank(group) != src:
+        (buf,) = broadcast_buffers(None, group, src, what=what)
+        return decode_packed(buf.numpy(), copy=True)
+    if isinstance(payload, BaseException) or payload is None:
+        reason = str(payload) if payload is not None else "no payload"
+        broadcast_buffers(reason, group, src, what=what)
+        if isinstance(payload, BaseException):
             raise payload
-        raise TransferError(f"payload fan-out from rank {src} failed: {bytes(buf.numpy()).decode()}")
-    if rank == src:
-        return dict(payload)  # type: ignore[arg-type]
-    return decode_packed(buf.numpy(), copy=True)
+        raise TransferError(f"{what} from rank {src} failed: {reason}")
+    enc = encode(dict(payload))
+    buf = torch.empty(enc.packed_size(), dtype=torch.uint8)
+    enc.pack_into(buf.numpy())
+    broadcast_buffers([buf], group, src, what=what)
+    return dict(payload)
 
 
 def chunked(seq: Sequence[Any], size: int) -> list[Sequence[Any]]:
