@@ -26,7 +26,6 @@ PUBLIC_METHODS = (
     "role",
     "pop_received",
     "start_prefetch",
-    "prefetch_in_flight",
     "consume_and_distribute_kv_cache",
     "topology",
     "health",
@@ -52,7 +51,7 @@ def test_package_exports_the_manager_of_the_manager_module() -> None:
     assert KVTransferConfig is config.KVTransferConfig
     for name in PUBLIC_METHODS:
         assert callable(getattr(KVTransferManager, name)), name
-    for name in ("connector", "send_stages", "recv_stages"):
+    for name in ("connector", "send_stages", "recv_stages", "prefetcher"):
         assert isinstance(inspect.getattr_static(KVTransferManager, name), property), name
 
 

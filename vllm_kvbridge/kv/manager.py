@@ -38,7 +38,6 @@ Receiver side: :meth:`receive_kv_cache_for_request` waits on a monotonic deadlin
 :class:`TransferCorrupt`. :meth:`receive_multi_kv_cache` receives the primary KV plus the
 CFG companions whose purposes ``cfg_kv_collect_func(req)`` names, attached to ``req`` as
 ``kv_transfer_data`` / ``cfg_kv_transfer_data`` and kept until :meth:`pop_received`.
-Sender info (the receiver's ``get`` metadata): :mod:`~vllm_kvbridge.kv.sender_info`.
 
 TP: :mod:`vllm_kvbridge.kv.topology` decides which sender rank sends which heads to which
 receiver rank; keys carry both ranks. ``distribution="leader"`` (the edge's ``to_tp`` is
@@ -179,7 +178,6 @@ class KVTransferManager:
     def from_stage_config(cls, stage_config: Any, **kwargs: Any) -> KVTransferManager:
         """Build from a stage config: a mapping or object with ``kv_transfer`` (dict or Struct)
         and optionally ``stage_id`` (which fills ``kv_transfer.stage_id`` when absent)."""
-
         import msgspec
 
         mapping = isinstance(stage_config, Mapping)
