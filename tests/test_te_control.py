@@ -47,7 +47,10 @@ class _Sender:
 
 
 @pytest.fixture
-def sender():
+def sender(monkeypatch):
+    # Holds as long as the tests ask (the server clamps them to LONG_POLL_S): a put that a
+    # busy machine delays past one second must still find its claim held.
+    monkeypatch.setattr(ctl, "LONG_POLL_S", 30.0)
     s = _Sender()
     yield s
     s.close()
@@ -55,11 +58,15 @@ def sender():
 
 def _claim_in_thread(sender: _Sender, key: bytes, hold_ms: int) -> tuple[threading.Thread, list]:
     out: list = []
+    # Counted from the requests already answered: waiting for a fixed count let a test's
+    # next claim overtake this one when an earlier claim had already reached that count.
+    reached = sender.server.requests + 1
     thread = threading.Thread(target=lambda: out.append(sender.claim(key, hold_ms)))
     thread.start()
     give_up = time.monotonic() + 5
-    while sender.server.requests < 1 and time.monotonic() < give_up:
+    while sender.server.requests < reached and time.monotonic() < give_up:
         time.sleep(0.001)  # the claim reached the server (and is held)
+    assert sender.server.requests >= reached, "the claim never reached the server"
     return thread, out
 
 
@@ -92,17 +99,11 @@ def test_a_claim_without_a_hold_and_one_past_max_held_are_answered_at_once(sende
 
 def test_two_receivers_held_for_one_key_one_gets_it_the_other_keeps_waiting(sender) -> None:
     first, out1 = _claim_in_thread(sender, b"k", 10_000)
-    while sender.server.requests < 1:
-        time.sleep(0.001)
-    second = threading.Thread(target=lambda: out1.append(sender.claim(b"k", 300)))
-    second.start()
-    give_up = time.monotonic() + 5
-    while sender.server.requests < 2 and time.monotonic() < give_up:
-        time.sleep(0.001)
+    second, out2 = _claim_in_thread(sender, b"k", 300)
     sender.put(b"k", b"once")
     first.join(5)
     second.join(5)
-    answers = sorted(a for a, _ in out1)
+    answers = sorted(a for a, _ in out1 + out2)
     assert answers == [[ctl.MISSING], [ctl.OK, b"once"]]  # the other waited out its hold
 
 
@@ -147,6 +148,7 @@ def test_a_connector_get_waiting_before_the_put_is_one_held_request(make) -> Non
         assert server.requests <= 2  # the held request, and NIXL's metadata / TE's DONE
 
 
-def test_a_peer_cannot_hold_a_slot_longer_than_the_long_poll(sender) -> None:
+def test_a_peer_cannot_hold_a_slot_longer_than_the_long_poll(sender, monkeypatch) -> None:
+    monkeypatch.setattr(ctl, "LONG_POLL_S", 0.5)  # the server reads it per request
     answer, waited = sender.claim(b"never", 10**12)  # asks for ~30 years
     assert answer == [ctl.MISSING] and ctl.LONG_POLL_S <= waited < 5
