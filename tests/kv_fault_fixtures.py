@@ -64,7 +64,7 @@ class WrappedKVConnectorRunner(KVBridgeCPUModelRunner):
 
         # vLLM created the connector just before; it builds its sender when the caches
         # are registered, inside super().
-        get_kv_transfer_group().wrap_transport = self.wrap
+        get_kv_transfer_group().connector_worker.wrap_transport = self.wrap
         super().initialize_kv_cache(*args, **kwargs)
 
 

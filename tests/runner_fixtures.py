@@ -147,7 +147,7 @@ def stop_engine_and_reap(
     """
     import psutil
 
-    from vllm_kvbridge.runner.runtime import reap_stage_leftovers
+    from vllm_kvbridge.runner.stage_runtime import reap_stage_leftovers
 
     procs = list(llm.llm_engine.engine_core.resources.engine_manager.processes)
     cores: list[psutil.Process] = []
@@ -358,7 +358,7 @@ def fanout_worker(rank: int, world: int, port: int, ns: str, results: Any) -> No
             finally:
                 dist.barrier()
                 host.kvbridge_shutdown()
-            outcome["threads"] = host.kvbridge_threads_alive()
+            outcome["threads"] = host.kvbridge_payloads.threads_alive()
     except BaseException as exc:
         outcome["exception"] = repr(exc)
         raise
@@ -387,7 +387,7 @@ def exit_without_shutdown_child(ns: str, report: Any) -> None:
 
     host = KVBridgeModelRunnerMixin()
     host.kvbridge_init(payload_producer_settings(ns))
-    host.kvbridge_register_request("e", "unclaimed", capture=True)
+    host.kvbridge_runtime.register("e", "unclaimed", capture=True)
     host.kvbridge_add_step_output("e", {"h": torch.ones(4, 8)})
     host.kvbridge_mark_finished("e")
     end = time.monotonic() + 20

@@ -80,7 +80,7 @@ def _attempt(model_dir: Path, namespace: str) -> tuple[bool, float]:
 
 
 def test_a_worker_killed_at_shutdown_leaves_no_names(tiny_model_dir: Path, monkeypatch) -> None:
-    from vllm_kvbridge.runner.runtime import reap_stage_leftovers
+    from vllm_kvbridge.runner.stage_runtime import reap_stage_leftovers
 
     # Read by the engine core (spawned with this environment) when it stops its workers.
     monkeypatch.setenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "0")

@@ -161,7 +161,9 @@ def test_a_kv_whose_prefetch_timed_out_is_not_waited_for_again() -> None:
         late = DiffusionRequest("late", "never-sent", 0, {})
         t0 = time.monotonic()
         runner.prefetch(late)
-        wait(lambda: runner.kvbridge_kv_manager.prefetcher.in_flight() == 0, timeout=RECV_TIMEOUT + 30)
+        wait(
+            lambda: runner.transport.runtime.kv_manager.prefetcher.in_flight() == 0, timeout=RECV_TIMEOUT + 30
+        )
         assert time.monotonic() - t0 >= RECV_TIMEOUT * 0.9  # the prefetch waited its deadline out
         taken = time.monotonic()
         with pytest.raises(TransferTimeout, match="did not arrive within"):

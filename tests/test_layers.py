@@ -74,3 +74,41 @@ def test_connector_internals_stay_in_the_connector_layer() -> None:
         if target.startswith(PRIVATE) and _layer(rel) != "connectors"
     ]
     assert reach == []
+
+
+#: The kvbridge layers on vLLM's runner (issue 38): thin, each over one composed object.
+_MIXIN_LAYERS = ("runner/runtime.py", "runner/payload_transport.py", "runner/mixin.py")
+
+
+def test_the_runner_mixin_layers_meet_through_objects_not_super_chains() -> None:
+    """No ``super()`` in the three mixin layers: each delegates to its object, and the
+    objects meet through the Protocols declared where they are used."""
+    for rel in _MIXIN_LAYERS:
+        tree = ast.parse((PKG / rel).read_text(), rel)
+        calls = [
+            n.lineno
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "super"
+        ]
+        assert calls == [], f"{rel}: super() at lines {calls}"
+
+
+def test_vllms_runner_carries_at_most_25_kvbridge_names() -> None:
+    from vllm_kvbridge.runner.ar_runner import KVBridgeARModelRunner
+
+    names = {
+        name
+        for cls in KVBridgeARModelRunner.__mro__
+        if cls.__module__.startswith("vllm_kvbridge.")
+        for name, value in vars(cls).items()
+        if not (name.startswith("__") and name.endswith("__"))
+        and (callable(value) or isinstance(value, (property, staticmethod, classmethod)))
+    }
+    assert len(names) <= 25, sorted(names)
+
+
+def test_the_connector_never_calls_the_runner() -> None:
+    """vLLM's split: the runner calls the connector (``take_step_events``), never the reverse."""
+    for rel in ("runner/vllm_connector.py", "runner/connector_worker.py", "runner/connector_scheduler.py"):
+        text = (PKG / rel).read_text()
+        assert "attach_host" not in text and "kvbridge_connector_step(" not in text, rel

@@ -217,7 +217,7 @@ def test_facade_flows_between_two_runners(mode: str) -> None:
     try:
         steps = [{"h": torch.randn(n, 4), "meta": n} for n in (5, 1, 1, 1, 1)]
         consumer.kvbridge_expect_payload("req")
-        producer.kvbridge_register_request("eng-req", "req", capture=True)
+        producer.kvbridge_runtime.register("eng-req", "req", capture=True)
         for s in steps:
             producer.kvbridge_add_step_output("eng-req", s)
         producer.kvbridge_mark_finished("eng-req")
@@ -229,7 +229,7 @@ def test_facade_flows_between_two_runners(mode: str) -> None:
     finally:
         producer.kvbridge_shutdown()
         consumer.kvbridge_shutdown()
-    assert producer.kvbridge_threads_alive() == 0
+    assert producer.kvbridge_payloads.threads_alive() == 0
     assert shm_entries(ns) == []
 
 
@@ -240,7 +240,7 @@ def test_facade_abort_cleans_up_and_fails_the_consumer() -> None:
     consumer.kvbridge_init(_settings(ns, "async_chunk", "in"))
     try:
         consumer.kvbridge_expect_payload("req")
-        producer.kvbridge_register_request("e", "req", capture=True)
+        producer.kvbridge_runtime.register("e", "req", capture=True)
         for _ in range(3):
             producer.kvbridge_add_step_output("e", {"h": torch.ones(1, 2)})
         producer.kvbridge_mark_finished("e", aborted=True)
@@ -259,11 +259,11 @@ def test_facade_abort_cleans_up_and_fails_the_consumer() -> None:
 def test_facade_without_init_or_edges_gives_clear_errors() -> None:
     host = _Host()
     with pytest.raises(ConfigError, match="kvbridge_init"):
-        host.kvbridge_settings  # noqa: B018
+        host.kvbridge_runtime  # noqa: B018
     host.kvbridge_init({"stage_id": 3})
     with pytest.raises(ConfigError, match="no payload input edges"):
         host.kvbridge_expect_payload("x")
-    assert host.kvbridge_kv_manager is None  # no kv_transfer settings: nothing to receive
+    assert host.kvbridge_runtime.kv_manager is None  # no kv_transfer settings: nothing to receive
     host.kvbridge_shutdown()
 
 
@@ -275,9 +275,9 @@ def test_async_chunks_count_generated_tokens_not_engine_steps() -> None:
     producer.kvbridge_init(_settings(ns, "async_chunk", "out"))  # chunk_size 2
     consumer.kvbridge_init(_settings(ns, "async_chunk", "in"))
     try:
-        receiver = consumer.kvbridge_payload_receiver()
+        receiver = consumer.kvbridge_payloads.receiver()
         receiver.expect("req")
-        producer.kvbridge_register_request("e", "req", capture=True)
+        producer.kvbridge_runtime.register("e", "req", capture=True)
         # Two partial-prefill steps (no token), then one token per step, then a 3-token step.
         tokens = [0, 0, 1, 1, 1, 3, 1]
         for i, n in enumerate(tokens):
@@ -343,7 +343,7 @@ def test_a_connector_error_in_the_step_fails_the_requests_never_the_engine() -> 
     edge = {"to_stage": 1, "mode": "async_chunk", "connector": "CannotStart"}
     host.kvbridge_init({"stage_id": 0, "payload": {"outputs": [edge]}})
     try:
-        host.kvbridge_register_request("e1", "r1", capture=True)
+        host.kvbridge_runtime.register("e1", "r1", capture=True)
         host.kvbridge_add_step_output("e1", {"h": torch.ones(1, 2)})  # below chunk_size: no put
         host.kvbridge_connector_step({"e1": ("aborted", "r1")})  # must not raise
         status = host.kvbridge_transfer_status(["r1"])["r1"]
@@ -355,21 +355,21 @@ def test_a_connector_error_in_the_step_fails_the_requests_never_the_engine() -> 
 
 def test_connectors_are_created_at_start_not_on_the_model_thread() -> None:
     """Issue 11, case 9: a connector created on first use was set up on the model thread
-    in the middle of serving (and failed there); ``kvbridge_connect`` does it at start."""
+    in the middle of serving (and failed there); ``kvbridge_payloads.connect()`` does it at start."""
     register_connector("CannotStart", _connector_that_cannot_start, replace=True)
     host = _Host()
     host.kvbridge_init({"stage_id": 0, "payload": {"outputs": [{"to_stage": 1, "connector": "CannotStart"}]}})
     try:
         with pytest.raises(TransferError, match="store is unreachable"):
-            host.kvbridge_connect()
+            host.kvbridge_payloads.connect()
     finally:
         host.kvbridge_shutdown()
     ns = shm_namespace("fconn")
     host = _Host()
     host.kvbridge_init(_settings(ns, "full", "out"))
     try:
-        host.kvbridge_connect()
-        assert host.kvbridge_threads_alive() > 0  # the sender exists before any request
+        host.kvbridge_payloads.connect()
+        assert host.kvbridge_payloads.threads_alive() > 0  # the sender exists before any request
     finally:
         host.kvbridge_shutdown()
     assert shm_entries(ns) == []

@@ -24,8 +24,8 @@ from vllm_kvbridge.errors import TransferCorrupt
 from vllm_kvbridge.kv.config import KVTransferConfig
 from vllm_kvbridge.kv.manager import KVTransferManager
 from vllm_kvbridge.runner.kv_sender import WorkerKVSender
-from vllm_kvbridge.runner.runtime import reap_stage_leftovers
 from vllm_kvbridge.runner.settings import RunnerSettings
+from vllm_kvbridge.runner.stage_runtime import reap_stage_leftovers
 from vllm_kvbridge.runner.vllm_connector import KVSendSpec
 
 pytestmark = pytest.mark.forked

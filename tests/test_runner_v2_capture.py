@@ -110,7 +110,9 @@ def _execute(scheduler, out, runner, active, reached: dict[str, int], finalize: 
     from vllm.v1.worker.gpu.model_runner import ExecuteModelState, sort_batch_req_ids
 
     if out.total_num_scheduled_tokens == 0:
-        return active.no_forward(out)
+        output = active.no_forward(out)
+        runner._kvbridge_take_step()  # our execute_model override, after vLLM's
+        return output
     computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
     cached = out.scheduled_cached_reqs
     computed.update(zip(cached.req_ids, cached.num_computed_tokens))
@@ -145,6 +147,7 @@ def _execute(scheduler, out, runner, active, reached: dict[str, int], finalize: 
         req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
     )
     result.kv_connector_output = end_step(active, out.finished_req_ids, finalize)
+    runner._kvbridge_take_step()  # our sample_tokens override, after vLLM's
     return result
 
 
@@ -196,8 +199,9 @@ class _Harness:
         self.runner.vllm_config = config
         self.runner._kvbridge_setup_from_vllm()
         self.active = ActiveKVConnector(config, {LAYER: cache})
-        self.worker.attach_host(self.runner)
-        self.runner.kvbridge_connect()
+        self.runner._kvb_connector = self.worker.connector_worker  # initialize_kv_cache's
+        self.runner.kvbridge_runtime.use_kv_sender_of(self.worker.connector_worker)
+        self.runner.kvbridge_payloads.connect()
         self.preempted = 0
         self.reached: dict[str, int] = {}
 

@@ -167,7 +167,11 @@ def test_v2_wrapper_sends_the_cache_content_and_returns_the_blocks(
         add_request(scheduler, "none", list(range(500, 520)), 2, send_kv=False)
         sends, sent_at, released_at = {}, {}, {}
         for i in range(50):
-            if not scheduler.requests and not scheduler.finished_req_ids and not scheduler.connector._held:
+            if (
+                not scheduler.requests
+                and not scheduler.finished_req_ids
+                and not scheduler.connector.connector_scheduler.held
+            ):
                 break
             out, held, connector_output = _v2_step(scheduler, active, finalize)
             for send in out.kv_connector_metadata.sends:
@@ -183,7 +187,7 @@ def test_v2_wrapper_sends_the_cache_content_and_returns_the_blocks(
         step, forward = sent_at["fin"]
         assert forward
         assert released_at["fin"] == step + (finalize == "deferred")
-        assert not scheduler.requests and not scheduler.connector._held
+        assert not scheduler.requests and not scheduler.connector.connector_scheduler.held
         for rid, (send, blocks) in sends.items():
             assert send.block_ids == blocks[: math.ceil(send.num_tokens / BLOCK)]
             data, _ = receiver.receive_kv_cache_for_request(rid)
@@ -228,11 +232,11 @@ def test_a_send_the_connector_cannot_gather_fails_and_still_returns_the_blocks(
         add_request(scheduler, "big", list(range(100, 300)), 2)  # 7 blocks
         released = set()
         for _ in range(20):
-            if not scheduler.requests and not scheduler.connector._held:
+            if not scheduler.requests and not scheduler.connector.connector_scheduler.held:
                 break
             _out, _held, connector_output = _v2_step(scheduler, active, finalize)
             released |= set((connector_output.finished_sending if connector_output else None) or ())
-        assert released == {"big"} and not scheduler.connector._held
+        assert released == {"big"} and not scheduler.connector.connector_scheduler.held
         status = worker.kv_sender.status(["big"])["big"]["kv"]
         assert status.startswith("failed: gather failed"), status
     finally:

@@ -3,7 +3,14 @@ history for the KV sender and the payload runtime, and the merge of their two li
 
 from __future__ import annotations
 
-from vllm_kvbridge.runner.transfer_status import StatusHistory, merge_status
+from vllm_kvbridge.runner.transfer_status import (
+    StatusHistory,
+    TransferStatus,
+    failed,
+    is_failed,
+    merge_status,
+    parse_status,
+)
 
 
 def test_the_history_keeps_the_newest_lines_and_hands_out_copies() -> None:
@@ -33,3 +40,12 @@ def test_merge_reads_unknown_for_a_side_that_never_heard_of_the_request() -> Non
         "payload": "done",
         "aborted": "true",
     }
+
+
+def test_a_status_value_parses_into_the_enum_and_its_reason() -> None:
+    assert parse_status("done") == (TransferStatus.DONE, "")
+    assert parse_status(failed("put timed out: edge full")) == (TransferStatus.FAILED, "put timed out: edge full")
+    assert is_failed(failed("x")) and not is_failed("pending") and not is_failed(TransferStatus.ABORTED)
+    # A value no side writes is not taken for any status, failure included.
+    assert parse_status("failedish") == (TransferStatus.UNKNOWN, "failedish")
+    assert not is_failed("failedish")

@@ -189,7 +189,7 @@ def test_an_on_finish_send_stops_at_the_requests_last_token_under_speculative_de
     out = step([stop, 12, 13])  # both drafts accepted, plus the bonus token: trimmed at STOP
     assert out.scheduled_spec_decode_tokens == {"r": [stop, 12]}
     # Finished, its blocks held for the send in the next step's metadata.
-    assert scheduler.requests["r"].is_finished() and scheduler.connector._held == {"r"}
+    assert scheduler.requests["r"].is_finished() and scheduler.connector.connector_scheduler.held == {"r"}
     (send,) = scheduler.schedule().kv_connector_metadata.sends
     assert send.release and send.num_tokens == len(prompt) + 2 - 1  # outputs [11, STOP]
 

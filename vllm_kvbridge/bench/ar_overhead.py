@@ -124,7 +124,7 @@ class _Side:
 def _reap(settings: dict[str, Any]) -> None:
     """Remove what the kvbridge engine's (now dead) worker may have left in shared memory: vLLM
     SIGKILLs an engine core that does not stop within 5 s, before its connector released."""
-    from vllm_kvbridge.runner.runtime import reap_stage_leftovers
+    from vllm_kvbridge.runner.stage_runtime import reap_stage_leftovers
 
     try:
         reap_stage_leftovers(settings)

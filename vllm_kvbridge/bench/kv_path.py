@@ -334,7 +334,7 @@ def _measure(
 def _reap(settings: dict[str, Any]) -> None:
     """Remove what the engine's (now dead) worker may have left on the edge: vLLM SIGKILLs an
     engine core that does not stop within 5 s, before its connector released its segments."""
-    from vllm_kvbridge.runner.runtime import reap_stage_leftovers
+    from vllm_kvbridge.runner.stage_runtime import reap_stage_leftovers
 
     try:
         reap_stage_leftovers(settings)

@@ -300,7 +300,7 @@ class DiffusionStageEngine(StageEngine):
         return out
 
     def edge_counters(self) -> dict[str, float]:
-        return self.runner.kvbridge_edge_counters()
+        return self.runner.transport.runtime.edge_counters()
 
     def step(self) -> list[m.StageDone | m.RequestFailed]:
         if self._rank1 is not None and self._rank1.poll() is not None:

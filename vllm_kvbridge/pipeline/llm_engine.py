@@ -50,6 +50,7 @@ from vllm_kvbridge.runner.conditioning import CONDITION_OPTION
 from vllm_kvbridge.runner.conditioning_scheduler import ERROR_KEY
 from vllm_kvbridge.runner.doorbell import BELL_KEY, BellListener
 from vllm_kvbridge.runner.settings import RunnerSettings
+from vllm_kvbridge.runner.transfer_status import is_failed
 
 #: Seconds between two transfer-status RPCs while requests wait for their sends (a payload
 #: put of this stage landing ends the wait at once: its sender's doorbell).
@@ -450,10 +451,7 @@ class LLMStageEngine(StageEngine):
             for rid in ids:
                 states = [st.get(rid, {}) for st in per_rank]
                 failed = [
-                    v
-                    for st in states
-                    for k, v in st.items()
-                    if k in ("kv", "payload") and str(v).startswith("failed")
+                    v for st in states for k, v in st.items() if k in ("kv", "payload") and is_failed(v)
                 ]
                 if rid not in self._awaiting:
                     continue  # its CFG group failed while this loop ran

@@ -75,7 +75,7 @@ class VocoderStageEngine(StageEngine):
                 self.runner.forget(rid)
 
     def producer_lost(self, msg: m.ProducerLost) -> list[m.RequestFailed]:
-        receiver = self.runner.kvbridge_payload_receiver()
+        receiver = self.runner.transport.payloads.receiver()
         if getattr(receiver.connector, "data_outlives_sender", True):
             return []  # what it put is still readable: the stream completes or stalls
         out = []
@@ -89,7 +89,7 @@ class VocoderStageEngine(StageEngine):
         return out
 
     def edge_counters(self) -> dict[str, float]:
-        return self.runner.kvbridge_edge_counters()
+        return self.runner.transport.runtime.edge_counters()
 
     # -- the worker thread -----------------------------------------------------------------
     def _work(self) -> None:

@@ -5,9 +5,10 @@ What it adds to vLLM's runner:
 
 * **KV is the connector's.** vLLM registers the caches with the worker half of
   :class:`~vllm_kvbridge.runner.vllm_connector.KVBridgeConnector`, which gathers and sends
-  (see that module for the triggers and the block-lifetime guarantee); the runner attaches
-  itself there once its KV caches exist (:meth:`initialize_kv_cache`) to hear which
-  requests end and to answer KV status with its payload status.
+  (see that module for the triggers and the block-lifetime guarantee). Once its KV caches
+  exist (:meth:`initialize_kv_cache`) the runner answers KV status from that side's sender,
+  and after each of vLLM's step calls it takes what the step's metadata said ended
+  (``take_step_events``): the runner calls the connector, never the reverse.
 * **Hidden-state capture** for payloads (thinker -> talker), the same on every vLLM
   runner and both scheduling modes (:mod:`vllm_kvbridge.runner.capture` says why):
   rows come from the forward, token ids from the scheduler, paired by position. The
@@ -17,8 +18,9 @@ What it adds to vLLM's runner:
   order; V2 (:mod:`vllm_kvbridge.runner.ar_runner_v2`) in ``execute_model_state`` at the
   start of ``sample_tokens``. The rows of every captured request of a step leave the
   device in one non-blocking copy. The scheduler half of the KV connector announces each
-  capturing request and ships its generated tokens in the step metadata; the connector's
-  ``wait_for_save`` hands them to :meth:`kvbridge_connector_step`, which emits every row
+  capturing request and ships its generated tokens in the step metadata; the runner takes
+  them after the step and hands them to :meth:`kvbridge_connector_step`, whose step hook
+  (:class:`~vllm_kvbridge.runner.step_capture.StepCapture`) emits every row
   whose next token is known as ``{"hidden_states": [n, hidden], "token_ids": int64 [k]}``
   for the payload flows (a step or two after its forward), and the rest when the request
   ends. Over a request that is one row per prompt token and per generated token except
@@ -59,8 +61,6 @@ request's payload. KV needs nothing from a runner: the KV connector sends it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -68,42 +68,24 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_kvbridge.errors import ConfigError
-from vllm_kvbridge.runner.capture import CaptureUpdate, RequestCapture, RowBlock, StepRows
+from vllm_kvbridge.runner.connector_worker import KVBridgeConnectorWorker
 from vllm_kvbridge.runner.mixin import KVBridgeModelRunnerMixin, RunnerHost
 from vllm_kvbridge.runner.settings import RunnerSettings
+from vllm_kvbridge.runner.step_capture import BatchSpan, StepCapture
 from vllm_kvbridge.runner.vllm_connector import KVBridgeConnector, tp_position
 from vllm_kvbridge.wire.host_staging import to_device
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class CaptureState:
-    """The capture hooks' state on an AR runner: one object, set at construction."""
-
-    on: bool = False
-    #: the step's SchedulerOutput (``execute_model``), read by the forward hooks
-    scheduler_output: Any = None
-    #: per captured request (announced by the scheduler), its rows and tokens until emitted
-    requests: dict[str, RequestCapture] = field(default_factory=dict)
-    #: a fed stage (``feed: per_step``): the model's conditioning width (runner/conditioning.py)
-    feed_dim: int | None = None
-    #: engine steps this runner executed (with or without a forward), for tests and health
-    steps: int = 0
-    #: device-to-host copies of captured hidden rows (one per step that captured any)
-    row_copies: int = 0
-
-
-#: One request's rows in a step's hidden-state tensor: (id, first row, rows, first position).
-BatchSpan = tuple[str, int, int, int]
-
-
 class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
     """vLLM glue shared by every AR runner (V1 GPU, CPU, V2 GPU): set-up, the step's
-    scheduler output, and capture from a step's rows (the runner-specific hook says where
-    each request's rows are)."""
+    scheduler output and the connector's step events, and capture from a step's rows (the
+    runner-specific hook says where each request's rows are)."""
 
-    _kvb_capture: CaptureState
+    _kvb_capture: StepCapture
+    #: the KV connector's worker side, once vLLM created it (None: no KVBridgeConnector)
+    _kvb_connector: KVBridgeConnectorWorker | None = None
 
     def _kvbridge_setup_from_vllm(self) -> None:
         settings = RunnerSettings.from_vllm_config(self.vllm_config)
@@ -112,7 +94,8 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
         # Engine settings under which rows would not be the request's own (speculative
         # decoding, PP, context parallelism) are refused by KVBridgeConnector, which every
         # capture stage installs (config/engine_support.py).
-        self._kvb_capture = CaptureState(on=settings.payload.captures)
+        assert self._kvb_transport is not None
+        self._kvb_capture = self._kvb_step_hook = StepCapture(self._kvb_transport, self.kvbridge_step_extras)
         if not isinstance(self, RunnerHost):
             raise ConfigError(f"{type(self).__name__} lacks what the kvbridge hooks read (RunnerHost)")
 
@@ -123,16 +106,18 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
             # vLLM's GPU worker measures CUDA-graph memory on a throwaway minimal cache
             # (profile_cudagraph_memory) before initialize_from_config creates the KV
             # connector, and vLLM registers no cache with a connector for it: nothing of
-            # ours to attach to yet. The real cache comes later, with the connector.
+            # ours to use yet. The real cache comes later, with the connector.
             return
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
         connector = get_kv_transfer_group() if has_kv_transfer_group() else None
-        if isinstance(connector, KVBridgeConnector):
-            # vLLM registered the caches with it in super(): it built its KV sender there.
-            connector.attach_host(self)
-            self.kvbridge_connect()  # now, not on the model thread mid-serving
-        elif self._kvb.settings.sends_kv or self._kvb.settings.payload.outputs:
+        settings = self.kvbridge_runtime.settings
+        if isinstance(connector, KVBridgeConnector) and connector.connector_worker is not None:
+            # vLLM registered the caches with it in super(): its KV sender answers for KV.
+            self._kvb_connector = connector.connector_worker
+            self.kvbridge_runtime.use_kv_sender_of(connector.connector_worker)
+            self.kvbridge_payloads.connect()  # now, not on the model thread mid-serving
+        elif settings.sends_kv or settings.payload.outputs:
             raise ConfigError(
                 "this stage sends KV or payloads but vLLM's kv_transfer_config does not install "
                 "KVBridgeConnector; start the engine with vllm_kvbridge.runner.worker.engine_kwargs(...)"
@@ -142,15 +127,21 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
         self._kvb_capture.scheduler_output = scheduler_output
         if not kwargs.get("dummy_run"):  # V2's warm-up and profiling runs are not steps
             self._kvb_capture.steps += 1
-        return super().execute_model(scheduler_output, *args, **kwargs)
+        output = super().execute_model(scheduler_output, *args, **kwargs)
+        self._kvbridge_take_step()  # V1 and a step without a forward ran wait_for_save
+        return output
 
-    def kvbridge_debug_state(self) -> dict[str, Any]:
-        return {
-            **super().kvbridge_debug_state(),
-            "steps": self._kvb_capture.steps,
-            "capture_row_copies": self._kvb_capture.row_copies,
-            "capturing": sorted(self._kvb_capture.requests),
-        }
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().sample_tokens(*args, **kwargs)
+        self._kvbridge_take_step()  # V2 runs wait_for_save at the end of sample_tokens
+        return output
+
+    def _kvbridge_take_step(self) -> None:
+        """Finish what the connector saw end in the step vLLM just ran (the runner calls the
+        connector, never the reverse; vllm_connector.py)."""
+        if self._kvb_connector is not None:
+            for finished, capture in self._kvb_connector.take_step_events():
+                self.kvbridge_connector_step(finished, capture)
 
     def shutdown(self) -> None:
         self.kvbridge_shutdown()
@@ -158,107 +149,10 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
         if parent is not None:
             parent()
 
-    # -- capture: rows (model thread, after the forward) -------------------------------------
     def _kvbridge_capture_rows(self, hidden: torch.Tensor, batch: list[BatchSpan]) -> None:
-        """Record this step's rows of every captured request (``batch``: where each
-        scheduled request's rows are in ``hidden`` and the position of its first one)."""
-        if not self.kvbridge_is_payload_rank:
-            return
-        so = self._kvb_capture.scheduler_output
-        meta = getattr(so, "kv_connector_metadata", None)
-        announced = getattr(meta, "capture", None) or {}
-        step = StepRows()
-        spans: dict[str, tuple[int, int]] = {}
-        hidden_rows = self._kvb.settings.payload.capture_hidden_states
-        for req_id, start_row, n, first_pos in batch:
-            capture = self._kvbridge_capture_of(req_id, announced.get(req_id))
-            if capture is None or n <= 0:
-                continue
-            done = capture.captured
-            if first_pos > done:
-                # Rows [done, first_pos) were never computed by this engine: a prefix-cache
-                # hit. A payload without them would be silently short, so fail instead.
-                self._kvbridge_drop_capture(
-                    req_id,
-                    f"hidden-state capture would miss prompt positions {done}..{first_pos - 1}: "
-                    "they came from vLLM's prefix cache; send capturing requests with "
-                    "SamplingParams(skip_reading_prefix_cache=True) (the pipeline does) or start "
-                    "the stage with enable_prefix_caching=False",
-                )
-                continue
-            # Rows recomputed after a preemption were captured before: skip them.
-            skip = max(0, min(n, done - first_pos))
-            if skip == n:
-                continue
-            rows = hidden[start_row + skip : start_row + n]
-            try:
-                extras = dict(self.kvbridge_step_extras(req_id, rows.detach()))
-            except Exception as exc:  # a subclass's hook fails its request, never the engine
-                logger.exception("kvbridge: kvbridge_step_extras failed for %s", req_id)
-                self._kvbridge_drop_capture(req_id, f"kvbridge_step_extras: {type(exc).__name__}: {exc}")
-                continue
-            if hidden_rows:
-                spans[req_id] = (start_row + skip, start_row + n)
-            capture.blocks.append(
-                RowBlock(req_id, first_pos + skip, n - skip, extras, step if hidden_rows else None)
-            )
-            capture.captured = first_pos + n
-        if spans:
-            # One non-blocking copy of every request's rows (no sync per request); each
-            # request takes its rows when its tokens are known (a step later, or two).
-            step.stage(hidden.detach(), spans)
-            self._kvb_capture.row_copies += 1
-
-    def _kvbridge_capture_of(self, req_id: str, update: CaptureUpdate | None) -> RequestCapture | None:
-        """The request's capture record; created when the scheduler announces the request."""
-        capture = self._kvb_capture.requests.get(req_id)
-        if capture is not None or update is None:
-            return capture
-        state = self.kvbridge_register_request(req_id, update.transfer_id, capture=True)
-        if not state.capture or state.finished:
-            return None
-        capture = RequestCapture(update.transfer_id, update.num_prompt_tokens)
-        self._kvb_capture.requests[req_id] = capture
-        return capture
-
-    def _kvbridge_drop_capture(self, req_id: str, reason: str) -> None:
-        self._kvb_capture.requests.pop(req_id, None)
-        self.kvbridge_fail_capture(req_id, reason)
-
-    # -- capture: tokens (the connector, after the forward) ----------------------------------
-    def kvbridge_connector_step(
-        self, finished: Mapping[str, tuple[str, str]], capture: Mapping[str, Any] | None = None
-    ) -> None:
-        """Pair the scheduler's tokens with the recorded rows and emit what is complete (the
-        whole rest for requests that ended), then finish requests (flush or cancel)."""
-        payload = self._kvb.settings.payload
-        # Only the payload rank captures (the others record no rows either).
-        updates = (capture or {}) if self.kvbridge_is_payload_rank else {}
-        for req_id, update in updates.items():
-            record = self._kvbridge_capture_of(req_id, update)
-            ended = finished.get(req_id)
-            try:
-                if record is not None:
-                    record.add_tokens(update)
-                    final = ended is not None and ended[0] == "finished"
-                    for step, num_tokens in record.take_ready(
-                        final=final, hidden=payload.capture_hidden_states, token_ids=payload.capture_token_ids
-                    ):
-                        self.kvbridge_add_step_output(req_id, step, num_tokens=num_tokens)
-            except Exception as exc:  # never the engine: this request's payload fails
-                logger.exception("kvbridge: capture of %s failed", req_id)
-                self._kvbridge_drop_capture(req_id, f"{type(exc).__name__}: {exc}")
-        for req_id, (kind, _tid) in finished.items():
-            if (
-                self._kvb_capture.requests.pop(req_id, None) is not None
-                and kind == "finished"
-                and req_id not in updates
-            ):
-                # Its last tokens come with its end; without them the payload would be short.
-                self.kvbridge_fail_capture(
-                    req_id, "the scheduler's final tokens of this request never arrived"
-                )
-        super().kvbridge_connector_step(finished, capture)
+        """Record this step's rows of every captured request (model thread, after the
+        forward; ``batch``: where each scheduled request's rows are in ``hidden``)."""
+        self._kvb_capture.capture_rows(hidden, batch)
 
     # -- the subclassing hook ----------------------------------------------------------------
     def kvbridge_step_extras(self, req_id: str, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -276,12 +170,13 @@ class _V1RunnerHooks(_VLLMRunnerHooks):
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
-        if self._kvb.settings.payload.per_step_inputs:
+        settings = self.kvbridge_runtime.settings
+        if settings.payload.per_step_inputs:
             model = self.get_model()
             dim = getattr(model, "kvbridge_conditioning_dim", None)
             if not callable(getattr(model, "kvbridge_set_conditioning", None)) or not dim:
                 raise ConfigError(
-                    f"stage {self._kvb.settings.stage_id} feeds its payload per step "
+                    f"stage {settings.stage_id} feeds its payload per step "
                     f"(payload.feed: per_step), but its model {type(model).__name__} lacks the hook "
                     "(kvbridge_conditioning_dim and kvbridge_set_conditioning; see "
                     "vllm_kvbridge.runner.conditioning)"

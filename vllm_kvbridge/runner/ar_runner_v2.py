@@ -27,7 +27,8 @@ import torch
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
 
 from vllm_kvbridge.errors import ConfigError
-from vllm_kvbridge.runner.ar_runner import BatchSpan, _VLLMRunnerHooks
+from vllm_kvbridge.runner.ar_runner import _VLLMRunnerHooks
+from vllm_kvbridge.runner.step_capture import BatchSpan
 
 
 class KVBridgeV2ARModelRunner(_VLLMRunnerHooks, GPUModelRunnerV2):
@@ -36,9 +37,10 @@ class KVBridgeV2ARModelRunner(_VLLMRunnerHooks, GPUModelRunnerV2):
     def __init__(self, vllm_config: Any, device: torch.device) -> None:
         super().__init__(vllm_config, device)
         self._kvbridge_setup_from_vllm()
-        if self._kvb.settings.payload.per_step_inputs:
+        settings = self.kvbridge_runtime.settings
+        if settings.payload.per_step_inputs:
             raise ConfigError(
-                f"stage {self._kvb.settings.stage_id} feeds its payload per step "
+                f"stage {settings.stage_id} feeds its payload per step "
                 "(payload.feed: per_step), which needs vLLM's V1 model runner: start it with "
                 "VLLM_USE_V2_MODEL_RUNNER=0 (the pipeline's config resolver does)"
             )

@@ -60,7 +60,7 @@ from torch import nn
 
 from vllm_kvbridge.errors import ConfigError, RequestCancelled, TransferError
 from vllm_kvbridge.models.guidance import CFG_NEGATIVE, cfg_combine, guidance_active
-from vllm_kvbridge.runner.mixin import KVBridgeModelRunnerMixin
+from vllm_kvbridge.runner.payload_flows import StageTransport
 from vllm_kvbridge.runner.settings import load_dotted
 from vllm_kvbridge.wire.host_staging import pairs_to_device
 
@@ -274,13 +274,13 @@ def check_cfg_request(guidance_scale: float, purposes: Sequence[str]) -> None:
         raise ConfigError(f"companion KV {list(purposes)} sent for a request without guidance")
 
 
-class DiffusionRunner(KVBridgeModelRunnerMixin):
+class DiffusionRunner:
     """Build the module, receive KV per request (prefetching the next), denoise.
 
-    Composes the same facade as the AR runner (:class:`KVBridgeModelRunnerMixin`): the
-    stage's connectors, its :class:`~vllm_kvbridge.kv.manager.KVTransferManager`, payload
-    receivers and their shutdown all come from the runtime layer. Only the receive side
-    is used, so none of the host hooks (paged caches) are needed.
+    Holds the same composed object as the AR runners' facade (:attr:`transport`, a
+    :class:`~vllm_kvbridge.runner.payload_flows.StageTransport`): the stage's connectors,
+    its :class:`~vllm_kvbridge.kv.manager.KVTransferManager` and their shutdown. Only the
+    receive side is used, so none of the facade's host hooks (paged caches) are needed.
     """
 
     def __init__(self, stage: Any, *, cfg_group: Any = None) -> None:
@@ -313,25 +313,23 @@ class DiffusionRunner(KVBridgeModelRunnerMixin):
                 if getattr(self.module, attr, None) is not None:
                     expect.setdefault(field_name, int(getattr(self.module, attr)))
             settings["kv_transfer"]["expect_kv"] = expect or None
-        self.kvbridge_init(settings)
-        self.need_kv = self.kvbridge_settings.receives_kv
+        # The module knows how many KV heads it consumes (the TP routing needs it).
+        heads = getattr(self.module, "kv_heads", None)
+        kv_options: dict[str, Any] = {"num_kv_heads": int(heads) if heads else None}
+        if self.cfg_group is not None:
+            kv_options["process_group"] = self.cfg_group  # LEADER of distribution: leader
+        #: the stage's connectors and KV manager (runner/payload_flows.py)
+        self.transport = StageTransport.create(settings, kv_manager_options=kv_options)
+        self.need_kv = self.transport.runtime.settings.receives_kv
         self.prefetch_enabled = bool(stage.kv_transfer.get("prefetch", True))
         # Created now, not on first request: a bad connector config fails the stage at start.
-        self._kv = self.kvbridge_kv_manager if self.need_kv else None
+        self._kv = self.transport.runtime.kv_manager if self.need_kv else None
         self._ready: Any = None  # KVReadiness of the queue, when its KV is prefetched
         if self._kv is not None and self.prefetch_enabled:
             from vllm_kvbridge.runner.kv_ready import KVReadiness
 
             window = max(self._kv.config.max_prefetch_inflight, self.max_batch_size)
             self._ready = KVReadiness(self._start_prefetch, self._kv.prefetcher, window)
-
-    def kvbridge_kv_manager_kwargs(self) -> dict[str, Any]:
-        # The module knows how many KV heads it consumes (the TP routing needs it).
-        heads = getattr(self.module, "kv_heads", None)
-        kwargs = {**super().kvbridge_kv_manager_kwargs(), "num_kv_heads": int(heads) if heads else None}
-        if self.cfg_group is not None:
-            kwargs["process_group"] = self.cfg_group  # LEADER of distribution: leader
-        return kwargs
 
     # -- KV ------------------------------------------------------------------------------
     def kv_job(self, req: DiffusionRequest) -> KVJob:
@@ -576,4 +574,4 @@ class DiffusionRunner(KVBridgeModelRunnerMixin):
     def close(self) -> None:
         """Stop prefetches and close every connector (idempotent)."""
         self._kv = None
-        self.kvbridge_shutdown()
+        self.transport.shutdown()

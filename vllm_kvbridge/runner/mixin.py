@@ -8,31 +8,34 @@ Compose it *before* the runner class, the way vLLM composes its own mixins into
             super().__init__(...)
             self.kvbridge_init(settings, tp_rank=..., tp_size=..., tp_group=...)
 
-The layers: :class:`~vllm_kvbridge.runner.runtime._ConnectorRuntimeMixin` (connectors,
-rank routing, per-request state, KV manager) <-
-:class:`~vllm_kvbridge.runner.payload_transport._PayloadTransportMixin` (payload flows)
-<- this facade. Nothing here imports vLLM: a non-vLLM runner (the diffusion runner) uses
-the receive side (``kvbridge_kv_manager``, ``kvbridge_expect_payload`` /
-``kvbridge_get_payload``) with no host hooks at all.
+The layers, each thin over one composed object that owns its state and threads:
+:class:`~vllm_kvbridge.runner.runtime._ConnectorRuntimeMixin` over
+:class:`~vllm_kvbridge.runner.stage_runtime.StageRuntime` (connectors, rank routing,
+per-request state, KV manager) <-
+:class:`~vllm_kvbridge.runner.payload_transport._PayloadTransportMixin` over
+:class:`~vllm_kvbridge.runner.payload_flows.PayloadFlows` (payload flows) <- this facade,
+which builds both (:class:`~vllm_kvbridge.runner.payload_flows.StageTransport`) and takes
+the connector's step. The objects meet through typed contracts declared where they are
+used (:class:`~vllm_kvbridge.runner.stage_runtime.RequestFlows`, :class:`StepHook`), never
+through ``super()`` chains. Nothing here imports vLLM; the diffusion and vocoder runners
+hold a ``StageTransport`` directly instead of this facade.
 
 Host contract
 -------------
 KV is not the runner's business: vLLM hands its paged caches to the KV connector
-(``register_kv_caches``), whose worker half gathers and sends
+(``register_kv_caches``), whose worker side gathers and sends
 (:mod:`vllm_kvbridge.runner.kv_sender`), with or without this mixin. What the host runner
 does, and on which thread:
 
 * ``kvbridge_init(settings, tp_rank=, tp_size=, tp_group=)`` once, before anything else;
-* ``kvbridge_attach_kv_sender(sender)`` once the connector built its sender (a runner that
-  sends KV; status and sender info then answer for both);
-* ``kvbridge_register_request(id, transfer_id, capture=)`` when a request starts (optional:
-  the other calls register on first use);
+* ``kvbridge_runtime.use_kv_sender_of(connector_worker)`` when the stage sends KV (status and
+  sender info then answer for both);
 * ``kvbridge_add_step_output(id, outputs)`` after every step of a captured request, on the
-  model thread;
+  model thread (it registers the request on first use);
 * ``kvbridge_mark_finished(id, aborted=)`` when it ends (flushes or cancels payloads; the
   state is dropped once nothing is in flight); vLLM runners get it through
-  :meth:`KVBridgeModelRunnerMixin.kvbridge_connector_step`, from the connector's
-  ``wait_for_save``;
+  :meth:`KVBridgeModelRunnerMixin.kvbridge_connector_step`, which they call after each
+  ``execute_model`` with what the connector's worker side saw end in that step;
 * ``kvbridge_shutdown()`` at the end.
 
 :class:`RunnerHost` is the part of vLLM's runner the shared AR hooks read
@@ -48,7 +51,9 @@ import threading
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
+from vllm_kvbridge.runner.payload_flows import StageTransport
 from vllm_kvbridge.runner.payload_transport import _PayloadTransportMixin
+from vllm_kvbridge.runner.settings import RunnerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +71,35 @@ class RunnerHost(Protocol):
     def get_model(self) -> Any: ...
 
 
+class StepHook(Protocol):
+    """What the facade calls each step before finishing requests: the AR runners' capture
+    (:class:`~vllm_kvbridge.runner.step_capture.StepCapture`) pairs the scheduler's tokens
+    with its rows here."""
+
+    def on_step(self, finished: Mapping[str, tuple[str, str]], updates: Mapping[str, Any]) -> None: ...
+
+    def debug_state(self) -> dict[str, Any]: ...
+
+
 class KVBridgeModelRunnerMixin(_PayloadTransportMixin):
-    """The facade: everything of the runtime and payload layers plus the vLLM connector hook."""
+    """The facade: builds both layers' objects and takes the vLLM connector's step."""
+
+    #: The AR runners' capture, called each step (None on runners that capture nothing).
+    _kvb_step_hook: StepHook | None = None
+
+    def kvbridge_init(
+        self,
+        settings: RunnerSettings | Mapping[str, Any] | None,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_group: Any = None,
+    ) -> None:
+        """Build the stage's runtime and payload flows; nothing is connected until first
+        used (or ``kvbridge_payloads.connect()``)."""
+        self._kvb_transport = StageTransport.create(
+            settings, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group
+        )
 
     def kvbridge_connector_step(
         self, finished: Mapping[str, tuple[str, str]], capture: Mapping[str, Any] | None = None
@@ -75,36 +107,38 @@ class KVBridgeModelRunnerMixin(_PayloadTransportMixin):
         """Requests that ended since the last step, from the vLLM KV connector (after the
         forward): internal id -> (``"finished"``/``"aborted"``, transfer id). ``capture``:
         the scheduler's updates of capturing requests (:class:`~vllm_kvbridge.runner.capture.
-        CaptureUpdate`), which the AR runners pair with their rows before this runs.
+        CaptureUpdate`), which the step hook pairs with its rows before requests finish.
 
-        Runs inside vLLM's ``wait_for_save``: an error here would take the engine down, so it
-        fails the payload of the request it concerns (its status says why) and never propagates.
+        Runs inside vLLM's step: an error here would take the engine down, so it fails the
+        payload of the request it concerns (its status says why) and never propagates.
         """
+        if self._kvb_step_hook is not None:
+            self._kvb_step_hook.on_step(finished, capture or {})
+        runtime = self.kvbridge_runtime
         for req_id, (kind, _transfer_id) in finished.items():
             aborted = kind == "aborted"
             try:
-                self.kvbridge_mark_finished(req_id, aborted=aborted)
+                runtime.mark_finished(req_id, aborted=aborted)
             except Exception as exc:
                 logger.exception("kvbridge: finishing request %s failed", req_id)
                 why = f"{type(exc).__name__}: {exc}"
-                self.kvbridge_fail_request(req_id, "payload", why, finished=True, aborted=aborted)
+                runtime.fail(req_id, why, finished=True, aborted=aborted)
 
     def kvbridge_debug_state(self) -> dict[str, Any]:
         """Live per-request state, in-flight puts and background threads (tests, health)."""
-        self.kvbridge_reap()
-        with self._kvb.lock:
-            senders = dict(self._kvb_payload.senders)
-            receivers = dict(self._kvb_payload.receivers)
+        runtime = self.kvbridge_runtime
+        runtime.reap()
+        sender = runtime.kv_sender
+        with runtime.lock:
+            requests = list(runtime.requests)
         return {
             "pid": os.getpid(),
-            "requests": self.kvbridge_active_requests(),
-            "accumulators": list(self._kvb_payload.acc),
-            "payload_in_flight": {peer: s.in_flight() for peer, s in senders.items()},
-            "payload_tracked": {peer: sorted(s.tracked()) for peer, s in senders.items()},
-            "receiving": {peer: sorted(r.pending()) for peer, r in receivers.items()},
-            "kv_pending": self.kvbridge_kv_sender.pending() if self.kvbridge_kv_sender is not None else 0,
+            "requests": requests,
+            **self.kvbridge_payloads.debug_state(),
+            "kv_pending": sender.pending() if sender is not None else 0,
             "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("kvbridge-")),
+            **(self._kvb_step_hook.debug_state() if self._kvb_step_hook is not None else {}),
         }
 
 
-__all__ = ["KVBridgeModelRunnerMixin", "RunnerHost"]
+__all__ = ["KVBridgeModelRunnerMixin", "RunnerHost", "StepHook"]

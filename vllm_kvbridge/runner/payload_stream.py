@@ -62,6 +62,7 @@ from vllm_kvbridge.errors import (
     TransferError,
 )
 from vllm_kvbridge.runner.doorbell import BELL_KEY, Bell
+from vllm_kvbridge.runner.transfer_status import is_failed
 
 logger = logging.getLogger(__name__)
 
@@ -404,7 +405,7 @@ class PayloadSender:
                 abort_after = kind != ABORT
             elif kind == ABORT:
                 self._status[job.request_id] = f"failed: {job.envelope[ENVELOPE_KEY]['error']}"
-            elif final and not self._status[job.request_id].startswith("failed"):
+            elif final and not is_failed(self._status[job.request_id]):
                 self._status[job.request_id] = "done"
         if error is None and self._bell is not None:
             # After the status: whoever the ring wakes (a receiver, or this stage asking

@@ -14,10 +14,50 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
+from enum import StrEnum
 
 #: Terminal statuses kept for status queries after a request ended.
 STATUS_HISTORY = 4096
-PENDING, DONE, FAILED, NONE, UNKNOWN = "pending", "done", "failed", "none", "unknown"
+
+
+class TransferStatus(StrEnum):
+    """Where one transfer (a request's KV or its payloads) stands. A failure carries its
+    reason on the wire as ``"failed: <reason>"`` (:func:`failed`, :func:`parse_status`)."""
+
+    NONE = "none"  # nothing to move for this request
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+    ABORTED = "aborted"
+    UNKNOWN = "unknown"  # this side never heard of the request (or forgot it)
+
+
+PENDING, DONE, FAILED, NONE, UNKNOWN = (
+    TransferStatus.PENDING,
+    TransferStatus.DONE,
+    TransferStatus.FAILED,
+    TransferStatus.NONE,
+    TransferStatus.UNKNOWN,
+)
+
+
+def failed(reason: object) -> str:
+    """The status value of a failure: ``"failed: <reason>"``."""
+    return f"{TransferStatus.FAILED}: {reason}"
+
+
+def parse_status(value: object) -> tuple[TransferStatus, str]:
+    """``(status, reason)`` of a status value (the reason is empty but for failures); a
+    value no side writes reads UNKNOWN with the value as its reason."""
+    head, _, reason = str(value).partition(":")
+    try:
+        return TransferStatus(head.strip()), reason.strip()
+    except ValueError:
+        return TransferStatus.UNKNOWN, str(value)
+
+
+def is_failed(value: object) -> bool:
+    return parse_status(value)[0] is TransferStatus.FAILED
 
 
 class StatusHistory:
@@ -75,5 +115,9 @@ __all__ = [
     "STATUS_HISTORY",
     "UNKNOWN",
     "StatusHistory",
+    "TransferStatus",
+    "failed",
+    "is_failed",
     "merge_status",
+    "parse_status",
 ]

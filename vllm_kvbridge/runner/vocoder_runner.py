@@ -31,7 +31,7 @@ import torch
 
 from vllm_kvbridge.errors import TransferCorrupt
 from vllm_kvbridge.runner.diffusion_runner import build_module
-from vllm_kvbridge.runner.mixin import KVBridgeModelRunnerMixin
+from vllm_kvbridge.runner.payload_flows import StageTransport
 from vllm_kvbridge.runner.payload_receiver import ReceiveTiming
 
 #: What the stage needs of its module (see models/tiny_vocoder.py).
@@ -74,7 +74,7 @@ def _payload_bytes(data: Mapping[str, Any]) -> int:
     return sum(v.numel() * v.element_size() for v in data.values() if isinstance(v, torch.Tensor))
 
 
-class VocoderRunner(KVBridgeModelRunnerMixin):
+class VocoderRunner:
     """Build the module, receive each request's stream, vocode chunk by chunk."""
 
     def __init__(self, stage: Any) -> None:
@@ -93,13 +93,14 @@ class VocoderRunner(KVBridgeModelRunnerMixin):
             required=MODULE_CONTRACT,
         )
         self.sample_rate = int(self.module.sample_rate)
-        self.kvbridge_init(runner_settings(stage))
+        #: the stage's connectors and payload receiver (runner/payload_flows.py)
+        self.transport = StageTransport.create(runner_settings(stage))
         self._lock = threading.Lock()
         self._streams: dict[str, VocoderStream] = {}
         #: set when a chunk lands, so the worker vocodes it at once
         self.arrived = threading.Event()
         # Created now, not on the first request: a bad connector config fails the stage at start.
-        self._receiver = self.kvbridge_payload_receiver()
+        self._receiver = self.transport.payloads.receiver()
 
     def expect(self, request_id: str, from_stage: int, metadata: Mapping[str, Any] | None) -> None:
         """Start receiving ``request_id``'s stream (its transfer id is the request id)."""
@@ -199,4 +200,4 @@ class VocoderRunner(KVBridgeModelRunnerMixin):
     def close(self) -> None:
         with self._lock:
             self._streams.clear()
-        self.kvbridge_shutdown()
+        self.transport.shutdown()

@@ -121,7 +121,7 @@ class KVBridgeWorkerExtension:
     def kvbridge_sender_info(self, request_ids: Iterable[str] | None = None) -> dict[str, Any]:
         sender, runner = self._kvbridge_parts()
         if runner is not None:
-            return runner.kvbridge_sender_info(request_ids)
+            return runner.kvbridge_runtime.sender_info(request_ids)
         from vllm.distributed.parallel_state import get_tp_group
 
         group = get_tp_group()
@@ -157,7 +157,7 @@ class KVBridgeWorkerExtension:
         """Expired leases and full answers of this rank's connectors (the pipeline's metrics)."""
         sender, runner = self._kvbridge_parts()
         if runner is not None:
-            return runner.kvbridge_edge_counters()
+            return runner.kvbridge_runtime.edge_counters()
         return edge_counters([sender.manager.health()["connector"]] if sender is not None else [])
 
     def kvbridge_discard_kv(self, request_ids: Iterable[str]) -> dict[str, int]:
