@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_kvbridge.pipeline.llm_engine import _merge_kv_info
+from vllm_kvbridge.pipeline.sender_info import merge_kv_info
 
 
 def test_ranks_are_merged_and_head_count_is_forwarded() -> None:
@@ -11,7 +11,7 @@ def test_ranks_are_merged_and_head_count_is_forwarded() -> None:
         {"kv": {"r1": {"keys": {"1": "k1"}, "ranks": {"1": {"ns": "a"}}, "num_kv_heads": 8}}},
         {"kv": {"other": {"keys": {"0": "x"}}}},
     ]
-    assert _merge_kv_info(per_rank, "r1") == {
+    assert merge_kv_info(per_rank, "r1") == {
         "keys": {"0": "k0", "1": "k1"},
         "ranks": {"0": {"ns": "a"}, "1": {"ns": "a"}},
         "num_kv_heads": 8,
@@ -19,4 +19,4 @@ def test_ranks_are_merged_and_head_count_is_forwarded() -> None:
 
 
 def test_unknown_request_gives_empty_info() -> None:
-    assert _merge_kv_info([{"kv": {}}, {}], "missing") == {}
+    assert merge_kv_info([{"kv": {}}, {}], "missing") == {}

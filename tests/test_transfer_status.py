@@ -44,7 +44,10 @@ def test_merge_reads_unknown_for_a_side_that_never_heard_of_the_request() -> Non
 
 def test_a_status_value_parses_into_the_enum_and_its_reason() -> None:
     assert parse_status("done") == (TransferStatus.DONE, "")
-    assert parse_status(failed("put timed out: edge full")) == (TransferStatus.FAILED, "put timed out: edge full")
+    assert parse_status(failed("put timed out: edge full")) == (
+        TransferStatus.FAILED,
+        "put timed out: edge full",
+    )
     assert is_failed(failed("x")) and not is_failed("pending") and not is_failed(TransferStatus.ABORTED)
     # A value no side writes is not taken for any status, failure included.
     assert parse_status("failedish") == (TransferStatus.UNKNOWN, "failedish")

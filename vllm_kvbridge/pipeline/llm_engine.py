@@ -46,6 +46,7 @@ from vllm_kvbridge.models.builtin import builtin_model
 from vllm_kvbridge.pipeline import messages as m
 from vllm_kvbridge.pipeline.cfg import CompanionGroups
 from vllm_kvbridge.pipeline.engines import ExpiringIds, StageEngine, Waker, producer_lost_failure
+from vllm_kvbridge.pipeline.sender_info import kv_send_owed, merge_kv_info, payload_meta
 from vllm_kvbridge.runner.conditioning import CONDITION_OPTION
 from vllm_kvbridge.runner.conditioning_scheduler import ERROR_KEY
 from vllm_kvbridge.runner.doorbell import BELL_KEY, BellListener
@@ -58,41 +59,6 @@ STATUS_POLL_S = 0.005
 #: How long a finished request whose KV send vLLM reported owed may wait for a worker to
 #: start it (it starts in the next engine step) before the request fails.
 SEND_START_TIMEOUT_S = 60.0
-
-
-def _kv_send_owed(output: Any) -> bool:
-    """Whether our connector told vLLM, when ``output``'s request finished, that it sends its KV."""
-    params = getattr(output, "kv_transfer_params", None) or {}
-    return params.get("kvbridge_kv") == "submitted"
-
-
-def _merge_kv_info(per_rank: list[dict[str, Any]], rid: str) -> dict[str, Any]:
-    """Sender info of one request over all ranks, in the KV manager's ``keys``/``ranks`` form."""
-    keys: dict[str, Any] = {}
-    ranks: dict[str, Any] = {}
-    heads: int | None = None
-    for info in per_rank:
-        got = (info.get("kv") or {}).get(rid) or {}
-        keys.update(got.get("keys") or {})
-        ranks.update(got.get("ranks") or {})
-        heads = got.get("num_kv_heads", heads)
-    out: dict[str, Any] = {}
-    if keys:
-        out["keys"] = keys
-    if ranks:
-        out["ranks"] = ranks
-    if heads is not None:
-        # Lets a receiver with TP > 1 on both ends route heads without configuring them.
-        out["num_kv_heads"] = heads
-    return out
-
-
-def _payload_meta(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """Peer stage -> what its receiver needs from this stage's payload sender (rank 0's)."""
-    out: dict[str, Any] = {}
-    for info in per_rank:
-        out.update({str(k): v for k, v in (info.get("payload") or {}).items()})
-    return out
 
 
 def with_platform_kv_cache(
@@ -179,7 +145,7 @@ class LLMStageEngine(StageEngine):
         if any(e.payload_mode != "none" for e in stage.outputs):
             bells = [
                 v.get(BELL_KEY)
-                for v in _payload_meta(self.llm.collective_rpc("kvbridge_sender_info")).values()
+                for v in payload_meta(self.llm.collective_rpc("kvbridge_sender_info")).values()
             ]
             if any(isinstance(b, str) for b in bells):
                 self._sent_bells = BellListener()
@@ -192,7 +158,7 @@ class LLMStageEngine(StageEngine):
         if any(e.payload_mode == "async_chunk" for e in self.stage.outputs):
             # Async-chunk consumers start before any chunk is put: they reach the payload
             # senders with what those can say up front (e.g. a ZMQ endpoint).
-            payload = _payload_meta(self.llm.collective_rpc("kvbridge_sender_info"))
+            payload = payload_meta(self.llm.collective_rpc("kvbridge_sender_info"))
             info["sender_info"] = {"payload": payload} if payload else {}
         return info
 
@@ -458,7 +424,7 @@ class LLMStageEngine(StageEngine):
                 o, finished_at = self._awaiting[rid]
                 if (
                     not failed
-                    and _kv_send_owed(o)
+                    and kv_send_owed(o)
                     and any(st.get("kv") in ("none", "unknown") for st in states)
                 ):
                     # vLLM says a KV send is owed, but a worker has not started it yet (on_finish
@@ -500,16 +466,16 @@ class LLMStageEngine(StageEngine):
             o, finished_at = self._awaiting.pop(rid)
             if self._cfg.owner(rid) is not None:  # a CFG companion: its primary reports it
                 primary = self._cfg.owner(rid)[0]
-                self._cfg.companion_done(rid, _merge_kv_info(infos, rid) if infos else {})
+                self._cfg.companion_done(rid, merge_kv_info(infos, rid) if infos else {})
                 self._emit_group(primary, out)
                 continue
             comp = o.outputs[0]
             sender_info: dict[str, Any] = {}
             if infos:
-                sender_info = _merge_kv_info(infos, rid)
-                payload_meta = _payload_meta(infos)
-                if payload_meta:
-                    sender_info["payload"] = payload_meta
+                sender_info = merge_kv_info(infos, rid)
+                payload = payload_meta(infos)
+                if payload:
+                    sender_info["payload"] = payload
             transfers = []
             stats = self._recv_stats.pop(rid, None)
             if stats is not None:

@@ -54,6 +54,7 @@ from typing import Any, Protocol, runtime_checkable
 from vllm_kvbridge.runner.payload_flows import StageTransport
 from vllm_kvbridge.runner.payload_transport import _PayloadTransportMixin
 from vllm_kvbridge.runner.settings import RunnerSettings
+from vllm_kvbridge.runner.stage_runtime import TPPosition
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +98,7 @@ class KVBridgeModelRunnerMixin(_PayloadTransportMixin):
     ) -> None:
         """Build the stage's runtime and payload flows; nothing is connected until first
         used (or ``kvbridge_payloads.connect()``)."""
-        self._kvb_transport = StageTransport.create(
-            settings, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group
-        )
+        self._kvb_transport = StageTransport.create(settings, TPPosition(tp_rank, tp_size, tp_group))
 
     def kvbridge_connector_step(
         self, finished: Mapping[str, tuple[str, str]], capture: Mapping[str, Any] | None = None

@@ -43,7 +43,7 @@ from vllm_kvbridge.errors import ConfigError, KVBridgeError
 from vllm_kvbridge.runner.payload_receiver import PayloadReceiver
 from vllm_kvbridge.runner.payload_stream import PayloadAccumulator, PayloadSender, broadcast_payload
 from vllm_kvbridge.runner.settings import PayloadEdgeSettings, RunnerSettings
-from vllm_kvbridge.runner.stage_runtime import RequestState, StageRuntime
+from vllm_kvbridge.runner.stage_runtime import SINGLE_RANK, RequestState, StageRuntime, TPPosition
 from vllm_kvbridge.runner.transfer_status import DONE, PENDING, TransferStatus, failed, is_failed
 
 logger = logging.getLogger(__name__)
@@ -337,19 +337,10 @@ class StageTransport:
     def create(
         cls,
         settings: RunnerSettings | Mapping[str, Any] | None,
-        *,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        tp_group: Any = None,
+        tp: TPPosition = SINGLE_RANK,
         kv_manager_options: Mapping[str, Any] | None = None,
     ) -> StageTransport:
-        runtime = StageRuntime(
-            settings,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            tp_group=tp_group,
-            kv_manager_options=kv_manager_options,
-        )
+        runtime = StageRuntime(settings, tp, kv_manager_options)
         try:
             return cls(runtime, PayloadFlows(runtime))
         except BaseException:

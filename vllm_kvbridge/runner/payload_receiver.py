@@ -22,10 +22,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_kvbridge.connectors.base import Connector
-from vllm_kvbridge.connectors.keys import payload_key
 from vllm_kvbridge.errors import ConfigError, KVBridgeError, TransferCorrupt, TransferError, TransferTimeout
 from vllm_kvbridge.runner.doorbell import BELL_KEY, BellListener
-from vllm_kvbridge.runner.payload_stream import ABORT, CHUNK, PayloadAborted, merge_payloads, open_envelope
+from vllm_kvbridge.runner.payload_stream import (
+    ABORT,
+    CHUNK,
+    EdgeKeys,
+    PayloadAborted,
+    merge_payloads,
+    open_envelope,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +70,7 @@ class ReceiveTiming:
         return max(0.0, self.done - self.expected) if self.done else 0.0
 
 
-class PayloadReceiver:
+class PayloadReceiver(EdgeKeys):
     """Receives the payloads of one edge on a background thread.
 
     ``mode`` is ``"full"`` or ``"async_chunk"``. :meth:`expect` starts receiving a request:
@@ -119,16 +125,6 @@ class PayloadReceiver:
         """Connector metadata (e.g. the sender's ZMQ endpoint) used when :meth:`expect` gets none."""
         with self._lock:
             self._sender_info = dict(metadata) if metadata else None
-
-    def key(self, request_id: str, chunk: int | None) -> str:
-        return payload_key(
-            request_id,
-            self.from_stage,
-            self.to_stage,
-            chunk=chunk,
-            from_rank=self.from_rank,
-            to_rank=self.to_rank,
-        )
 
     def expect(
         self,

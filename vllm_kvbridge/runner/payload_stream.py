@@ -213,7 +213,26 @@ class _Lane:
         return self._free_since  # the next job, after the tasks already due
 
 
-class PayloadSender:
+class EdgeKeys:
+    """The keys of one payload edge: its sender and its receiver build them alike."""
+
+    from_stage: int | str
+    to_stage: int | str
+    from_rank: int
+    to_rank: int
+
+    def key(self, request_id: str, chunk: int | None) -> str:
+        return payload_key(
+            request_id,
+            self.from_stage,
+            self.to_stage,
+            chunk=chunk,
+            from_rank=self.from_rank,
+            to_rank=self.to_rank,
+        )
+
+
+class PayloadSender(EdgeKeys):
     """Puts payload envelopes of one edge on ``workers`` background threads (see the ordering
     contract: in order within a request, independent across requests).
 
@@ -261,16 +280,6 @@ class PayloadSender:
         self._bell = Bell() if bell else None
         # Started now: the edge's threads exist before its first request.
         self._scheduler = PutScheduler(f"kvbridge-payload-send-{to_stage}", workers, start=True)
-
-    def key(self, request_id: str, chunk: int | None) -> str:
-        return payload_key(
-            request_id,
-            self.from_stage,
-            self.to_stage,
-            chunk=chunk,
-            from_rank=self.from_rank,
-            to_rank=self.to_rank,
-        )
 
     def receiver_info(self) -> dict[str, Any]:
         """What a receiver needs from this sender: the connector's metadata (of the last put,

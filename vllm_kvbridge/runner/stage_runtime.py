@@ -51,7 +51,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from vllm_kvbridge.connectors.base import Connector, edge_counters
 from vllm_kvbridge.connectors.registry import create_connector
@@ -108,6 +108,18 @@ def as_settings(settings: RunnerSettings | Mapping[str, Any] | None) -> RunnerSe
     return settings
 
 
+class TPPosition(NamedTuple):
+    """A rank's place in its stage's TP group (the group: a CPU process group, or None)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+
+#: A stage of one rank (no TP group).
+SINGLE_RANK = TPPosition()
+
+
 @dataclass
 class RequestState:
     """What the runner holds for one live request."""
@@ -159,20 +171,17 @@ class StageRuntime:
     def __init__(
         self,
         settings: RunnerSettings | Mapping[str, Any] | None,
-        *,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        tp_group: Any = None,
+        tp: TPPosition = SINGLE_RANK,
         kv_manager_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.settings = as_settings(settings)
-        if not 0 <= tp_rank < tp_size:
-            raise ConfigError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
-        self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
+        if not 0 <= tp.rank < tp.size:
+            raise ConfigError(f"tp_rank {tp.rank} out of range for tp_size {tp.size}")
+        self.tp_rank, self.tp_size, self.tp_group = tp
         #: extra ``KVTransferManager`` arguments (the diffusion module's KV heads, its group)
         self.kv_manager_options = {
-            "tp_rank": tp_rank,
-            "process_group": tp_group,
+            "tp_rank": tp.rank,
+            "process_group": tp.group,
             **(kv_manager_options or {}),
         }
         self.lock = threading.Lock()
@@ -411,10 +420,12 @@ class StageRuntime:
 
 __all__ = [
     "SHUTDOWN_TIMEOUT_S",
+    "SINGLE_RANK",
     "KVSenderSource",
     "RequestFlows",
     "RequestState",
     "StageRuntime",
+    "TPPosition",
     "as_settings",
     "reap_stage_leftovers",
 ]
