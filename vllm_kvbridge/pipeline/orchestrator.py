@@ -11,8 +11,9 @@ reported is forwarded with the request to the next stage; the last stage's outpu
 the request's result (what is known of each request is kept in a
 :class:`~vllm_kvbridge.pipeline.request_book.RequestBook`). Any number of requests are in
 flight at once. A request submitted with ``on_progress`` streams: its last stage is asked
-to report partial output (``Submit.stream``) and every :class:`~vllm_kvbridge.pipeline.messages.StageProgress` it
-sends is handed to the callback, in order, before the request finishes.
+to report partial output (``Submit.stream``) and every
+:class:`~vllm_kvbridge.pipeline.messages.StageProgress` it sends is handed to the
+callback, in order, before the request finishes.
 
 Failure and shutdown contract:
 
