@@ -7,6 +7,8 @@ Sub-commands: ``connectors``, ``ar-overhead``, ``kv-path``, ``handoff``, ``soak`
 from __future__ import annotations
 
 import argparse
+import importlib
+from collections.abc import Callable
 from typing import Any
 
 
@@ -40,74 +42,66 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     c.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
     c.set_defaults(func=_run_connectors)
-    a = bench_sub.add_parser(
-        "ar-overhead",
-        help="AR decode throughput with kvbridge KV sending on vs off",
-        description="Alternate timed batches between a plain vLLM engine and a kvbridge stage sending every "
-        "request's KV on finish (KV-heavy model); print min/median tokens/s of both, the per-pair ratio "
-        "and the noise floor of plain-vs-plain repeats.",
+    # The other benches: (name, help, description, runner); each one's arguments come from
+    # the module of that name (``-`` as ``_``) under vllm_kvbridge.bench, imported here as
+    # the parser is built.
+    benches: tuple[tuple[str, str, str, Callable[[argparse.Namespace], int]], ...] = (
+        (
+            "ar-overhead",
+            "AR decode throughput with kvbridge KV sending on vs off",
+            "Alternate timed batches between a plain vLLM engine and a kvbridge stage sending every "
+            "request's KV on finish (KV-heavy model); print min/median tokens/s of both, the per-pair ratio "
+            "and the noise floor of plain-vs-plain repeats.",
+            _run_ar_overhead,
+        ),
+        (
+            "kv-path",
+            "a finished request's KV: vLLM engine to the receiver's tensors, per connector",
+            "Time from a vLLM engine's output for a request to a receiver holding its KV "
+            "(KV-heavy model, prompts of --tokens tokens), per connector; print latency, GB/s and the ratio "
+            "to a memcpy of the same bytes measured in the same run.",
+            _run_kv_path,
+        ),
+        (
+            "handoff",
+            "latency from a put to a usable object on the receiver, per connector and size",
+            "Hand stage payloads (1KB/64KB/1MB by default) from a sender process to a receiver "
+            "process that is already waiting, through each connector (Connector.get with a deadline, and the "
+            "stages' PayloadSender -> PayloadReceiver); print p50/p99 ms and the ratio to the bare "
+            "transport's one-way latency measured in the same run. --pipeline CONFIG adds a real pipeline's "
+            "handoff.",
+            _run_handoff,
+        ),
+        (
+            "soak",
+            "load, client aborts and stage kills against a real server",
+            "Drive `vllm-kvbridge serve` with many concurrent requests, abandon some, kill stages; "
+            "print ok / failed / aborted, latency vs the unloaded latency, recovery seconds and leftovers.",
+            _run_soak,
+        ),
+        (
+            "gpu-path",
+            "the KV send path on a GPU (staged and direct) vs pinned D2H and D2D copies",
+            "Gather a request's KV out of CUDA paged caches on the staged path (pinned pool, side "
+            "stream, fence) and the direct path (a shared-memory segment); print caller and completion ms, "
+            "GB/s and the ratio to a pinned device-to-host copy of the same bytes (and a device-to-device "
+            "copy) measured in the same run. Plain torch, no vLLM.",
+            _run_gpu_path,
+        ),
+        (
+            "all",
+            "every bench, one table of ratios to same-run ceilings",
+            "Run the connectors, handoff, kv-path and serve benches in one go and print one row "
+            "per figure: its value (a ratio to a ceiling measured in the same run, or ms), spread over the "
+            "repeats, goal, whether it is met and the ceiling. A figure whose engine cannot run here is "
+            "'not run' with its reason; the exit code is 1 only when every figure failed.",
+            _run_all,
+        ),
     )
-    from vllm_kvbridge.bench.ar_overhead import add_arguments
-
-    add_arguments(a)
-    a.set_defaults(func=_run_ar_overhead)
-    k = bench_sub.add_parser(
-        "kv-path",
-        help="a finished request's KV: vLLM engine to the receiver's tensors, per connector",
-        description="Time from a vLLM engine's output for a request to a receiver holding its KV "
-        "(KV-heavy model, prompts of --tokens tokens), per connector; print latency, GB/s and the ratio "
-        "to a memcpy of the same bytes measured in the same run.",
-    )
-    from vllm_kvbridge.bench.kv_path import add_arguments as add_kv_path_arguments
-
-    add_kv_path_arguments(k)
-    k.set_defaults(func=_run_kv_path)
-    h = bench_sub.add_parser(
-        "handoff",
-        help="latency from a put to a usable object on the receiver, per connector and size",
-        description="Hand stage payloads (1KB/64KB/1MB by default) from a sender process to a receiver "
-        "process that is already waiting, through each connector (Connector.get with a deadline, and the "
-        "stages' PayloadSender -> PayloadReceiver); print p50/p99 ms and the ratio to the bare transport's "
-        "one-way latency measured in the same run. --pipeline CONFIG adds a real pipeline's handoff.",
-    )
-    from vllm_kvbridge.bench.handoff import add_arguments as add_handoff_arguments
-
-    add_handoff_arguments(h)
-    h.set_defaults(func=_run_handoff)
-    s = bench_sub.add_parser(
-        "soak",
-        help="load, client aborts and stage kills against a real server",
-        description="Drive `vllm-kvbridge serve` with many concurrent requests, abandon some, kill stages; "
-        "print ok / failed / aborted, latency vs the unloaded latency, recovery seconds and leftovers.",
-    )
-    from vllm_kvbridge.bench.soak import add_arguments as add_soak_arguments
-
-    add_soak_arguments(s)
-    s.set_defaults(func=_run_soak)
-    g = bench_sub.add_parser(
-        "gpu-path",
-        help="the KV send path on a GPU (staged and direct) vs pinned D2H and D2D copies",
-        description="Gather a request's KV out of CUDA paged caches on the staged path (pinned pool, side "
-        "stream, fence) and the direct path (a shared-memory segment); print caller and completion ms, "
-        "GB/s and the ratio to a pinned device-to-host copy of the same bytes (and a device-to-device "
-        "copy) measured in the same run. Plain torch, no vLLM.",
-    )
-    from vllm_kvbridge.bench.gpu_path import add_arguments as add_gpu_path_arguments
-
-    add_gpu_path_arguments(g)
-    g.set_defaults(func=_run_gpu_path)
-    al = bench_sub.add_parser(
-        "all",
-        help="every bench, one table of ratios to same-run ceilings",
-        description="Run the connectors, handoff, kv-path and serve benches in one go and print one row "
-        "per figure: its value (a ratio to a ceiling measured in the same run, or ms), spread over the "
-        "repeats, goal, whether it is met and the ceiling. A figure whose engine cannot run here is "
-        "'not run' with its reason; the exit code is 1 only when every figure failed.",
-    )
-    from vllm_kvbridge.bench.all import add_arguments as add_all_arguments
-
-    add_all_arguments(al)
-    al.set_defaults(func=_run_all)
+    for name, help_, description, runner in benches:
+        sub = bench_sub.add_parser(name, help=help_, description=description)
+        importlib.import_module(f"vllm_kvbridge.bench.{name.replace('-', '_')}").add_arguments(sub)
+        sub.set_defaults(func=runner)
 
 
 def _run_connectors(args: argparse.Namespace) -> int:

@@ -168,15 +168,19 @@ def _serve(args: argparse.Namespace) -> int:
     # Until uvicorn installs its own handlers, SIGTERM stops the stages being started.
     old = signal.signal(signal.SIGTERM, stop)
     model = args.model
+
+    def open_pipeline(model: str | None) -> Pipeline:
+        return Pipeline.from_config(
+            args.stage_config,
+            model=model,
+            progress=lambda s: print(s, flush=True),
+            ray_address=args.ray_address,
+            log_dir=args.log_dir,
+        )
+
     try:
         try:
-            pipe = Pipeline.from_config(
-                args.stage_config,
-                model=model,
-                progress=lambda s: print(s, flush=True),
-                ray_address=args.ray_address,
-                log_dir=args.log_dir,
-            )
+            pipe = open_pipeline(model)
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -185,13 +189,7 @@ def _serve(args: argparse.Namespace) -> int:
                 from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
 
                 model = str(ensure_tiny_model())
-                pipe = Pipeline.from_config(
-                    args.stage_config,
-                    model=model,
-                    progress=lambda s: print(s, flush=True),
-                    ray_address=args.ray_address,
-                    log_dir=args.log_dir,
-                )
+                pipe = open_pipeline(model)
             else:
                 raise
         if args.max_in_flight is not None and args.max_in_flight < 1:

@@ -217,6 +217,19 @@ def _edges(spec: PipelineSpec) -> list[tuple[int, int, str | None, str]]:
     ]
 
 
+def _check_connector_keys(path: str, s: StageSpec, peers: list[int], *, incoming: bool) -> None:
+    """Each key of stage ``s``'s ``input_connectors`` (``incoming``: ``from_stage_<id>``) or
+    ``output_connectors`` (``to_stage_<id>``) must name the peer of one of its edges (``peers``)."""
+    side, field = ("from", "input_connectors") if incoming else ("to", "output_connectors")
+    for key in s.input_connectors if incoming else s.output_connectors:
+        m = _EDGE_KEY.fullmatch(key)
+        if not m or m.group(1) != side:
+            raise ConfigError(f"{path}.{field}.{key}: keys are '{side}_stage_<id>'")
+        if int(m.group(2)) not in peers:
+            edge = f"{m.group(2)} -> {s.stage_id}" if incoming else f"{s.stage_id} -> {m.group(2)}"
+            raise ConfigError(f"{path}.{field}.{key}: no edge {edge}")
+
+
 def resolve_spec(
     spec: PipelineSpec, source: str | None = None, platform: str | None = None
 ) -> ResolvedPipeline:
@@ -337,18 +350,8 @@ def resolve_spec(
 
     for i, s in enumerate(spec.stages):
         p = f"stages[{i}]"
-        for key in s.input_connectors:
-            m = _EDGE_KEY.fullmatch(key)
-            if not m or m.group(1) != "from":
-                raise ConfigError(f"{p}.input_connectors.{key}: keys are 'from_stage_<id>'")
-            if int(m.group(2)) not in [e.from_stage for e in inputs[s.stage_id]]:
-                raise ConfigError(f"{p}.input_connectors.{key}: no edge {m.group(2)} -> {s.stage_id}")
-        for key in s.output_connectors:
-            m = _EDGE_KEY.fullmatch(key)
-            if not m or m.group(1) != "to":
-                raise ConfigError(f"{p}.output_connectors.{key}: keys are 'to_stage_<id>'")
-            if int(m.group(2)) not in [e.to_stage for e in outputs[s.stage_id]]:
-                raise ConfigError(f"{p}.output_connectors.{key}: no edge {s.stage_id} -> {m.group(2)}")
+        _check_connector_keys(p, s, [e.from_stage for e in inputs[s.stage_id]], incoming=True)
+        _check_connector_keys(p, s, [e.to_stage for e in outputs[s.stage_id]], incoming=False)
         if s.url is not None and inputs[s.stage_id]:
             raise ConfigError(
                 f"{p}.url: an external stage takes the text prompt; it cannot receive KV or payloads "

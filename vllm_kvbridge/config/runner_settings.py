@@ -56,6 +56,12 @@ def kv_transfer_config_dict(stage: ResolvedStage) -> dict[str, Any]:
     return out
 
 
+def _payload_edge(e: ResolvedEdge) -> dict[str, Any]:
+    # What the sending and the receiving end of a payload edge are both told about it.
+    connector = e.connector
+    return {"mode": e.payload_mode, "connector": connector.name, "connector_config": dict(connector.config)}
+
+
 def runner_settings(stage: ResolvedStage) -> dict[str, Any]:
     """The kvbridge settings of an LLM stage (``RunnerSettings.from_dict``; see the module doc)."""
     kv = stage.kv_transfer
@@ -64,9 +70,7 @@ def runner_settings(stage: ResolvedStage) -> dict[str, Any]:
     outputs = [
         {
             "to_stage": e.to_stage,
-            "mode": e.payload_mode,
-            "connector": e.connector.name,
-            "connector_config": dict(e.connector.config),
+            **_payload_edge(e),
             "chunk_size": int(payload.get("chunk_size", 16)),
             "send_timeout_s": float(payload.get("send_timeout", 60.0)),
         }
@@ -76,9 +80,7 @@ def runner_settings(stage: ResolvedStage) -> dict[str, Any]:
     inputs = [
         {
             "from_stage": e.from_stage,
-            "mode": e.payload_mode,
-            "connector": e.connector.name,
-            "connector_config": dict(e.connector.config),
+            **_payload_edge(e),
             "recv_timeout_s": float(payload.get("recv_timeout", 30.0)),
             "stall_timeout_s": float(payload.get("stall_timeout", 30.0)),
             "feed": payload.get("feed", "prompt_embeds"),

@@ -11,6 +11,7 @@ A rank is ``local`` when distribution is ``local`` or the group has one rank.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -31,18 +32,9 @@ def _to_device(data: KVCacheTransferData, device: Any) -> KVCacheTransferData:
     flat = [t for name in names for t in data.layer_blocks[name]]
     moved = iter(tensors_to_device(flat, device, copy=True))
     blocks = {name: [next(moved) for _ in data.layer_blocks[name]] for name in names}
-    return KVCacheTransferData(
-        request_id=data.request_id,
-        layer_blocks=blocks,
-        block_ids=list(data.block_ids),
-        metadata=dict(data.metadata),
-        seq_len=data.seq_len,
-        block_size=data.block_size,
-        tp_rank=data.tp_rank,
-        tp_size=data.tp_size,
-        head_start=data.head_start,
-        head_end=data.head_end,
-        num_kv_heads_total=data.num_kv_heads_total,
+    # replace() builds through __init__, so the copy is validated as the original was.
+    return dataclasses.replace(
+        data, layer_blocks=blocks, block_ids=list(data.block_ids), metadata=dict(data.metadata)
     )
 
 

@@ -8,10 +8,12 @@ talks to it over one ZMQ ROUTER socket (msgspec messages, see :mod:`vllm_kvbridg
 admitting only the processes it started (:mod:`vllm_kvbridge.pipeline.control_auth`).
 A request enters the first stage; when a stage reports it done, the sender info it
 reported is forwarded with the request to the next stage; the last stage's output is
-the request's result. Any number of requests are in flight at once. A request submitted
-with ``on_progress`` streams: its last stage is asked to report partial output
-(``Submit.stream``) and every :class:`~vllm_kvbridge.pipeline.messages.StageProgress` it
-sends is handed to the callback, in order, before the request finishes.
+the request's result (what is known of each request is kept in a
+:class:`~vllm_kvbridge.pipeline.request_book.RequestBook`). Any number of requests are in
+flight at once. A request submitted with ``on_progress`` streams: its last stage is asked
+to report partial output (``Submit.stream``) and every
+:class:`~vllm_kvbridge.pipeline.messages.StageProgress` it sends is handed to the
+callback, in order, before the request finishes.
 
 Failure and shutdown contract:
 
@@ -46,8 +48,7 @@ import zmq
 
 from vllm_kvbridge.config.resolve import ResolvedPipeline, ResolvedStage, resolve
 from vllm_kvbridge.pipeline import messages as m
-from vllm_kvbridge.pipeline.admission import check_new_id, check_sampling_params
-from vllm_kvbridge.pipeline.cfg import companions_for
+from vllm_kvbridge.pipeline.admission import check_sampling_params
 from vllm_kvbridge.pipeline.control_auth import (
     ControlPlane,
     Received,
@@ -55,8 +56,8 @@ from vllm_kvbridge.pipeline.control_auth import (
     given_to_sender,
     new_request_id,
 )
-from vllm_kvbridge.pipeline.engines import ABORTED_KEEP_S, ExpiringIds
 from vllm_kvbridge.pipeline.placement import StageBackend, make_backend, place_stages, with_run_scope
+from vllm_kvbridge.pipeline.request_book import RequestBook
 from vllm_kvbridge.pipeline.results import (  # re-exported: the pipeline's public types
     PipelineError,
     RequestError,
@@ -113,19 +114,7 @@ class Pipeline:
         self._control: ControlPlane | None = None
         self._stages: dict[int, StageHandle] = {}
         self._order = [s.stage_id for s in self.plan.stages]
-        self._results: dict[str, RequestResult] = {}
-        self._deadlines: dict[str, float] = {}
-        self._where: dict[str, set[int]] = {}  # request id -> stages working on it
-        # Ids of requests that ended in error: the stages drop their late output and
-        # withdraw their late KV for a while, so such an id is not reused meanwhile.
-        self._ended_in_error = ExpiringIds(keep_s=ABORTED_KEEP_S)
-        self._request_failed = False  # a request failed (not aborted by its caller): keep the logs
-        self._counter = 0
-        self._stage_params: dict[str, dict[int, dict[str, Any]]] = {}
-        self._companions: dict[str, dict[str, str]] = {}  # CFG companions (pipeline/cfg.py)
-        self._polled: set[str] = set()  # ids started with submit(), returned by poll()
-        self._on_progress: dict[str, Callable[[m.StageProgress], None]] = {}  # streaming requests
-        self._finished_polled: list[RequestResult] = []
+        self._requests = RequestBook()
         self._started = False
         self._serving = False  # every stage was ready once: losses are supervised from now
         self._closed = False
@@ -212,7 +201,7 @@ class Pipeline:
         if self._shm is not None:
             self._shm.close()
         lost = any(h.failure for h in self._stages.values())
-        failed = self.failure or lost or self._request_failed
+        failed = self.failure or lost or self._requests.failed
         clean = (self._serving or not self._started) and not failed
         if self._logs.close(clean=clean):
             self._progress(f"stage logs kept in {self.log_dir}")
@@ -245,27 +234,25 @@ class Pipeline:
         self.start()
         if self.failure is not None:
             raise self.failure
-        ids = list(request_ids) if request_ids is not None else []
-        if not ids:  # a batch's own numbering (its logs, dumps, result.json): see submit()
-            for _ in prompts:
-                self._counter += 1
-                ids.append(f"req-{self._counter}")
+        book = self._requests
+        ids = list(request_ids) if request_ids else book.batch_ids(len(prompts))  # see submit()
         if len(ids) != len(prompts) or len(set(ids)) != len(ids):
             raise ValueError("request_ids must be unique and one per prompt")
         for rid in ids:
-            check_new_id(rid, self._results, self._ended_in_error)
+            book.check_new(rid)
         try:
             while self.recovering():  # a stage lost in an earlier call: wait for it first
                 self._pump(POLL_S)
             for rid, prompt in zip(ids, prompts):
-                self._begin(rid, prompt, sampling_params, None, None)
-            while not all(self._results[r].finished for r in ids):
+                msg = book.begin(self.plan, rid, prompt, sampling_params, None, None, polled=False)
+                self._submit_chain(self.plan.entry_stage.stage_id, msg)
+            while not all(book.results[r].finished for r in ids):
                 self._pump(POLL_S)
                 self._expire()
         except BaseException:
             self.close()
             raise
-        results = [self._results.pop(r) for r in ids]
+        results = [book.pop(r) for r in ids]
         if raise_on_error and any(r.error for r in results):
             raise RequestError(results)
         return results
@@ -273,8 +260,8 @@ class Pipeline:
     def _submit(self, stage_id: int, msg: m.Submit) -> None:
         h = self._stages[stage_id]
         record = StageRecord(stage_id, h.stage.kind, time.time(), node_id=h.proc.node.node_id)
-        self._results[msg.request_id].stages.append(record)
-        if stage_id == self._order[-1] and msg.request_id in self._on_progress:
+        self._requests.entered(msg.request_id, record)
+        if stage_id == self._order[-1] and msg.request_id in self._requests.on_progress:
             msg = msgspec.structs.replace(msg, stream=True)
         sup = self._supervision[stage_id]
         if sup.recovering:  # it waits for the stage (not in it: a further loss spares it)
@@ -283,7 +270,7 @@ class Pipeline:
         self._send_submit(stage_id, msg)
 
     def _send_submit(self, stage_id: int, msg: m.Submit) -> None:
-        self._where.setdefault(msg.request_id, set()).add(stage_id)
+        self._requests.sent(msg.request_id, stage_id)
         assert self._control is not None
         h = self._stages[stage_id]
         try:
@@ -296,21 +283,8 @@ class Pipeline:
     def _finish(
         self, rid: str, error: str | None = None, lost_stage: int | None = None, *, aborted: bool = False
     ) -> None:
-        r = self._results.get(rid)
-        if r is None or r.finished:
-            return
-        r.error, r.finished, r.lost_stage = error, True, lost_stage
-        if error is not None:
-            self._ended_in_error.add(rid)
-            self._request_failed |= not aborted
-        self._deadlines.pop(rid, None)
-        self._stage_params.pop(rid, None)
-        self._companions.pop(rid, None)
-        self._on_progress.pop(rid, None)
-        stages = self._where.pop(rid, set())
-        if error is not None:
-            for sid in stages:  # stages still working on it (e.g. a consumer waiting for chunks) drop it
-                self._tell(sid, m.Abort([rid]))
+        for sid in self._requests.finish(rid, error, lost_stage, aborted=aborted):
+            self._tell(sid, m.Abort([rid]))  # a failed request: the stages still working on it drop it
 
     def _tell(self, sid: int, msg: m.Abort | m.ProducerLost) -> None:
         """Send ``msg`` to stage ``sid`` unless its process is gone (then it has nothing to drop)."""
@@ -321,12 +295,8 @@ class Pipeline:
             self._control.send(h.route, msg, block=False)
 
     def _expire(self) -> None:
-        now = time.monotonic()
-        for rid, deadline in list(self._deadlines.items()):
-            if now > deadline:
-                r = self._results[rid]
-                pending = [x.stage_id for x in r.stages if not x.done]
-                self._finish(rid, f"timed out after {self.plan.request_timeout:.0f} s in stage(s) {pending}")
+        for rid, pending in self._requests.expired(time.monotonic()).items():
+            self._finish(rid, f"timed out after {self.plan.request_timeout:.0f} s in stage(s) {pending}")
 
     # -- the event loop -----------------------------------------------------------------
     def _pump(self, timeout_s: float) -> None:
@@ -377,14 +347,14 @@ class Pipeline:
         RunShm.reap()  # the queues and semaphores its engine recorded (its lock dropped)
         self._progress(f"[{h.label}] LOST: {error.error}; {sup.plan_line(delay)}")
         # What it handed on may have died with it: its consumers fail what they had not read.
-        notices = producer_lost_notices(h.stage, self._results, self._where, self._supervision)
+        book = self._requests
+        notices = producer_lost_notices(h.stage, book.results, book.where, self._supervision)
         for consumer, notice in notices.items():
             self._tell(consumer, notice)
-        for rid in [rid for rid, stages in self._where.items() if sid in stages]:
+        for rid in book.in_stage(sid):
             # What earlier stages handed to the lost one has no consumer any more: the
             # Abort that _finish sends them too makes them withdraw it (no TTL to wait).
-            done = {x.stage_id for x in self._results[rid].stages if x.done}
-            self._where[rid] |= done - {sid}
+            book.where[rid] |= book.done_stages(rid) - {sid}
             self._finish(rid, str(error), lost_stage=sid)
 
     def _fail(self, error: StageError) -> None:
@@ -393,7 +363,7 @@ class Pipeline:
             h.failure = error
         self.failure = self.failure or error
         self._progress(f"[stage {error.stage_id} ({error.kind})] FAILED: {error.error}")
-        for rid in list(self._deadlines):
+        for rid in list(self._requests.deadlines):
             self._finish(rid, str(error))
         self.close()
         raise error
@@ -402,7 +372,7 @@ class Pipeline:
         msg, h = got.msg, self._stages.get(got.stage_id)
         if h is None or h.lost or got.key != h.control_key:
             return  # from a process given up (killed, or already replaced by its successor)
-        if getattr(msg, "pid", 0) not in (0, h.proc.pid) or not given_to_sender(msg, self._results):
+        if getattr(msg, "pid", 0) not in (0, h.proc.pid) or not given_to_sender(msg, self._requests.results):
             assert self._control is not None
             self._control.drop(f"{h.label} spoke for another process or of a request not given to it")
             return
@@ -422,7 +392,7 @@ class Pipeline:
             if sup.recovering:
                 self._progress(f"[{h.label}] back after {h.ready_at - sup.lost_at:.1f} s")
                 for waiting in sup.recovered():
-                    r = self._results.get(waiting.request_id)
+                    r = self._requests.results.get(waiting.request_id)
                     if r is not None and not r.finished:
                         self._send_submit(h.stage.stage_id, waiting)
                 for notice in sup.notices:  # producers lost while those waited (after them)
@@ -437,7 +407,7 @@ class Pipeline:
             error = f"stage {msg.stage_id} ({h.stage.kind}): {msg.error}"
             self._finish(msg.request_id, error, lost_stage=msg.lost_stage)
         elif isinstance(msg, m.StageProgress):
-            callback = self._on_progress.get(msg.request_id)
+            callback = self._requests.on_progress.get(msg.request_id)
             # None: a request that finished already (aborted, timed out) or does not stream.
             if callback is not None:
                 callback(msg)
@@ -445,43 +415,16 @@ class Pipeline:
             self._on_done(h, msg)
 
     def _on_done(self, h: StageHandle, msg: m.StageDone) -> None:
-        r = self._results.get(msg.request_id)
-        if r is None or r.finished:
+        rid, idx, book = msg.request_id, self._order.index(msg.stage_id), self._requests
+        rec = book.stage_done(msg, last=idx + 1 == len(self._order))
+        if rec is None:
             return  # late answer for a request that already failed or timed out
-        rec = next(x for x in r.stages if x.stage_id == msg.stage_id)
-        rec.done, rec.started, rec.finished, rec.output = time.time(), msg.started, msg.finished, msg.output
-        rec.first_token_at, rec.last_token_at = msg.first_token_at, msg.last_token_at
-        r.transfers.extend(msg.transfers)
-        # The stage is done with it: what it sent is the next stage's to consume (or, on an
-        # abort, to drop), so a later Abort goes there only. A producer still holding the
-        # request (its StageDone not read yet) gets the Abort and withdraws what it sent.
-        self._where.get(msg.request_id, set()).discard(msg.stage_id)
-        self._progress(f"[{h.label}] {msg.request_id} done in {rec.wall_s:.2f} s")
-        idx = self._order.index(msg.stage_id)
-        if idx + 1 < len(self._order):
-            nxt = self._order[idx + 1]
-            if not any(x.stage_id == nxt for x in r.stages):
-                up = m.Upstream(
-                    msg.stage_id, msg.transfer_request_id or msg.request_id, msg.sender_info, msg.output
-                )
-                self._submit(nxt, self._downstream_submit(nxt, msg.request_id, [up]))
-        else:
-            if msg.image is not None:
-                r.image = m.tensor_from_msg(msg.image)
-            if msg.audio is not None:
-                r.audio, r.sample_rate = m.tensor_from_msg(msg.audio), msg.output.get("sample_rate")
-            r.text = msg.output.get("text")
-            r.token_ids = msg.output.get("token_ids")
-        if len(r.stages) == len(self._order) and all(x.done for x in r.stages):
-            self._finish(msg.request_id)
-
-    def _downstream_submit(self, stage_id: int, rid: str, upstream: list[m.Upstream]) -> m.Submit:
-        params = self._stages[stage_id].stage.default_sampling_params
-        extra = self._stage_params.get(rid, {}).get(stage_id, {})
-        companions = self._companions.get(rid, {})
-        return m.Submit(
-            rid, prompt=None, sampling_params={**params, **extra}, upstream=upstream, companions=companions
-        )
+        self._progress(f"[{h.label}] {rid} done in {rec.wall_s:.2f} s")
+        if idx + 1 < len(self._order) and not book.entered_stage(rid, nxt := self._order[idx + 1]):
+            up = m.Upstream(msg.stage_id, msg.transfer_request_id or rid, msg.sender_info, msg.output)
+            self._submit(nxt, book.downstream_submit(self._stages[nxt].stage, rid, [up]))
+        if book.all_done(rid, len(self._order)):
+            self._finish(rid)
 
     def _submit_chain(self, stage_id: int, msg: m.Submit) -> None:
         """Submit to ``stage_id``, and at once to the stages behind async-chunk edges: they
@@ -492,7 +435,8 @@ class Pipeline:
         for e in stage.outputs:
             if e.payload_mode == "async_chunk":
                 up = m.Upstream(stage_id, msg.request_id, up_front, {})
-                self._submit_chain(e.to_stage, self._downstream_submit(e.to_stage, msg.request_id, [up]))
+                nxt = self._requests.downstream_submit(self._stages[e.to_stage].stage, msg.request_id, [up])
+                self._submit_chain(e.to_stage, nxt)
 
     # -- concurrent submission (driven by one thread; see pipeline/service.py) -----------
     def submit(
@@ -535,35 +479,13 @@ class Pipeline:
             raise StageRecovering(lost[0])
         if request_id is None:  # served requests: an id nobody can guess (control_auth)
             request_id = new_request_id()
-        check_new_id(request_id, self._results, self._ended_in_error)
-        self._polled.add(request_id)
-        self._begin(request_id, prompt, sampling_params, stage_params, on_progress)
+        book = self._requests
+        book.check_new(request_id)
+        msg = book.begin(
+            self.plan, request_id, prompt, sampling_params, stage_params, on_progress, polled=True
+        )
+        self._submit_chain(self.plan.entry_stage.stage_id, msg)
         return request_id
-
-    def _begin(
-        self,
-        rid: str,
-        prompt: str,
-        sampling_params: Mapping[str, Any] | None,
-        stage_params: Mapping[int, Mapping[str, Any]] | None,
-        on_progress: Callable[[m.StageProgress], None] | None,
-    ) -> None:
-        """Enter a checked, new request into the first stage (and its async-chunk chain)."""
-        first = self.plan.entry_stage
-        self._results[rid] = RequestResult(rid, prompt)
-        self._deadlines[rid] = time.monotonic() + self.plan.request_timeout
-        if on_progress is not None:
-            self._on_progress[rid] = on_progress
-        if stage_params:
-            self._stage_params[rid] = {int(k): dict(v) for k, v in stage_params.items()}
-        params = {
-            **first.default_sampling_params,
-            **self._stage_params.get(rid, {}).get(first.stage_id, {}),
-            **(sampling_params or {}),
-        }
-        companions = self._companions[rid] = companions_for(self.plan, stage_params)
-        msg = m.Submit(rid, prompt=prompt, sampling_params=params, companions=companions)
-        self._submit_chain(first.stage_id, msg)
 
     def poll(self, timeout_s: float = POLL_S) -> list[RequestResult]:
         """Make progress for up to ``timeout_s``; return (and forget) the requests started
@@ -576,21 +498,18 @@ class Pipeline:
                 self._pump(timeout_s)
                 self._expire()
         finally:
-            done = [rid for rid in self._polled if self._results[rid].finished]
-            self._finished_polled.extend(self._results.pop(rid) for rid in done)
-            self._polled.difference_update(done)
+            self._requests.collect_polled()
         return self.take_finished()
 
     def take_finished(self) -> list[RequestResult]:
         """Results :meth:`poll` collected before it raised (a stage died mid-poll)."""
-        out, self._finished_polled = self._finished_polled, []
-        return out
+        return self._requests.take_finished()
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Finish ``request_id`` with error ``reason`` and tell every stage working on it
         to drop it (its KV, payload keys and blocks are released there). False when the
         request is unknown or already finished."""
-        r = self._results.get(request_id)
+        r = self._requests.results.get(request_id)
         if r is None or r.finished:
             return False
         self._finish(request_id, reason, aborted=True)
@@ -598,16 +517,12 @@ class Pipeline:
 
     def in_flight(self) -> list[str]:
         """Ids of requests not finished yet."""
-        return [rid for rid, r in self._results.items() if not r.finished]
+        return self._requests.in_flight()
 
     def request_stages(self) -> dict[str, list[int]]:
         """Request id -> the stages working on it now. Safe from another thread (for
         ``/debug/state``): a round that meets the pump thread's changes is retried."""
-        while True:
-            try:
-                return {rid: sorted(sids) for rid, sids in list(self._where.items())}
-            except RuntimeError:  # a set changed size while it was read
-                continue
+        return self._requests.request_stages()
 
     def recovering(self) -> list[StageError]:
         """Why each stage being restarted now was lost (empty while every stage is up)."""

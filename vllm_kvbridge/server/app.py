@@ -205,9 +205,23 @@ def build_app(
         )
         return "length" if len(r.token_ids or []) >= limit else "stop"
 
+    def _envelope(cid: str, obj: str, choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        # What every completion answer and stream chunk is wrapped in (OpenAI's shape).
+        return {
+            "id": cid,
+            "object": obj,
+            "created": int(time.time()),
+            "model": state.served_model_name,
+            "choices": [choice],
+            **extra,
+        }
+
     def _stream(
         request: Request, prompt: str, params: dict[str, Any], chat: bool, cid: str
     ) -> StreamingResponse:
+        # A failed pipeline is answered 503 here, before the 200 a stream starts with.
+        if state.service.failure is not None:
+            raise ApiError(503, f"pipeline unavailable: {state.service.failure}", "service_unavailable")
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(delta: str | None, finish: str | None, role: bool = False) -> str:
@@ -218,14 +232,7 @@ def build_app(
                 choice: dict[str, Any] = {"index": 0, "delta": d, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
-            body = {
-                "id": cid,
-                "object": obj,
-                "created": int(time.time()),
-                "model": state.served_model_name,
-                "choices": [choice],
-            }
-            return f"data: {json.dumps(body)}\n\n"
+            return f"data: {json.dumps(_envelope(cid, obj, choice))}\n\n"
 
         async def events() -> AsyncIterator[str]:
             t0 = time.perf_counter()
@@ -276,26 +283,16 @@ def build_app(
         await state.check_length(body.text, params.get("max_tokens"))
         cid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
-            if state.service.failure is not None:
-                raise ApiError(503, f"pipeline unavailable: {state.service.failure}", "service_unavailable")
             return _stream(request, body.text, params, False, cid)
         r = await state.run(request, body.text, params, prefix="cmpl")
         m.latency.labels("/v1/completions").observe(time.perf_counter() - t0)
-        return {
-            "id": cid,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": state.served_model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": r.text or "",
-                    "logprobs": None,
-                    "finish_reason": _finish_reason(r, params),
-                }
-            ],
-            "usage": _usage(r),
+        choice = {
+            "index": 0,
+            "text": r.text or "",
+            "logprobs": None,
+            "finish_reason": _finish_reason(r, params),
         }
+        return _envelope(cid, "text_completion", choice, usage=_usage(r))
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
@@ -306,25 +303,12 @@ def build_app(
         await state.check_length(prompt, params.get("max_tokens"))
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            if state.service.failure is not None:
-                raise ApiError(503, f"pipeline unavailable: {state.service.failure}", "service_unavailable")
             return _stream(request, prompt, params, True, cid)
         r = await state.run(request, prompt, params, prefix="chat")
         m.latency.labels("/v1/chat/completions").observe(time.perf_counter() - t0)
-        return {
-            "id": cid,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": state.served_model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": r.text or ""},
-                    "finish_reason": _finish_reason(r, params),
-                }
-            ],
-            "usage": _usage(r),
-        }
+        message = {"role": "assistant", "content": r.text or ""}
+        choice = {"index": 0, "message": message, "finish_reason": _finish_reason(r, params)}
+        return _envelope(cid, "chat.completion", choice, usage=_usage(r))
 
     add_speech_routes(app, state)
     return app
