@@ -126,16 +126,16 @@ def run_follower(stage: Any, group: Any = None) -> int:
     from vllm_kvbridge.config.runner_settings import kv_transfer_config_dict
     from vllm_kvbridge.kv.config import KVTransferConfig
     from vllm_kvbridge.kv.manager import KVTransferManager
-    from vllm_kvbridge.runner.diffusion_runner import KVJob, build_module, cfg_kv_collect, denoise, kv_layers
+    from vllm_kvbridge.runner.diffusion_runner import (
+        KVJob,
+        build_section_module,
+        cfg_kv_collect,
+        denoise,
+        kv_layers,
+    )
 
     d = stage.diffusion or {}
-    module = build_module(
-        d.get("class_path", "vllm_kvbridge.models.tiny_dit.TinyKVDiT"),
-        d.get("kwargs"),
-        d.get("weights"),
-        d.get("dtype", "float32"),
-        d.get("device", "cpu"),
-    )
+    module = build_section_module(d)
     heads = getattr(module, "kv_heads", None)
     config = KVTransferConfig.from_dict(kv_transfer_config_dict(stage))
     served = 0

@@ -67,6 +67,27 @@ from vllm_kvbridge.wire.host_staging import pairs_to_device
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+#: The diffusion stage's default module (the tiny DiT that ships for demos and tests).
+DEFAULT_DIT = "vllm_kvbridge.models.tiny_dit.TinyKVDiT"
+
+
+def build_section_module(
+    config: Mapping[str, Any] | None, default_class: str = DEFAULT_DIT, **contract: Any
+) -> nn.Module:
+    """:func:`build_module` from a stage config's section (``diffusion`` / ``vocoder``:
+    ``class_path``, ``kwargs``, ``weights``, ``dtype``, ``device``); ``contract``: its
+    ``section`` and ``required`` arguments."""
+    c = config or {}
+    return build_module(
+        c.get("class_path", default_class),
+        c.get("kwargs"),
+        c.get("weights"),
+        c.get("dtype", "float32"),
+        c.get("device", "cpu"),
+        **contract,
+    )
+
+
 def build_module(
     class_path: str,
     kwargs: Mapping[str, Any] | None = None,
@@ -296,13 +317,7 @@ class DiffusionRunner:
         self.num_ranks = int(d.get("num_ranks", 1))
         self.max_batch_size = int(d.get("max_batch_size", 1))
         self.cfg_group: Any = cfg_group
-        self.module = build_module(
-            d.get("class_path", "vllm_kvbridge.models.tiny_dit.TinyKVDiT"),
-            d.get("kwargs"),
-            d.get("weights"),
-            d.get("dtype", "float32"),
-            d.get("device", "cpu"),
-        )
+        self.module = build_section_module(d)
         self.dump_dir = Path(stage.debug_dump_dir) if stage.debug_dump_dir else None
         settings = runner_settings(stage)
         if settings.get("kv_transfer", {}).get("need_recv_cache"):

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from vllm_kvbridge.errors import TransferCorrupt
-from vllm_kvbridge.runner.diffusion_runner import build_module
+from vllm_kvbridge.runner.diffusion_runner import build_section_module
 from vllm_kvbridge.runner.payload_flows import StageTransport
 from vllm_kvbridge.runner.payload_receiver import ReceiveTiming
 
@@ -83,14 +83,8 @@ class VocoderRunner:
         self.stage = stage
         v = stage.vocoder or {}
         self.input_key = str(v.get("input_key", "token_ids"))
-        self.module = build_module(
-            v.get("class_path", "vllm_kvbridge.models.tiny_vocoder.TinyVocoder"),
-            v.get("kwargs"),
-            v.get("weights"),
-            v.get("dtype", "float32"),
-            v.get("device", "cpu"),
-            section="vocoder",
-            required=MODULE_CONTRACT,
+        self.module = build_section_module(
+            v, "vllm_kvbridge.models.tiny_vocoder.TinyVocoder", section="vocoder", required=MODULE_CONTRACT
         )
         self.sample_rate = int(self.module.sample_rate)
         #: the stage's connectors and payload receiver (runner/payload_flows.py)
