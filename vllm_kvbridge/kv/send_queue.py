@@ -71,12 +71,23 @@ class KVSendQueue:
         self._done: list[str] = []
         self._failed: dict[str, str] = {}
         self._reasons: OrderedDict[str, str] = OrderedDict()  # bounded by _MAX_REASONS
+        #: called (no lock held, on the thread that settled it) once a send is done or
+        #: failed, so its owner reports it without waiting for anyone to ask
+        self.on_settled: Callable[[], None] | None = None
 
     def fail(self, engine_id: str, reason: str) -> None:
         """Report ``engine_id`` failed without sending (e.g. its gather failed)."""
         self._metrics.failure("send")
         with self._lock:
             self._failed[engine_id] = reason
+        self._tell_settled()
+
+    def _tell_settled(self) -> None:
+        if self.on_settled is not None:
+            try:
+                self.on_settled()
+            except Exception:  # the report is the owner's; never the I/O thread's death
+                logger.exception("kvbridge: reporting a settled KV send failed")
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """``(done, failed)`` engine ids since the last call; each id is reported once.
@@ -163,6 +174,7 @@ class KVSendQueue:
             logger.error("KV send of request %s failed: %s", job.engine_id, error)
             self._metrics.failure("send")
         self._metrics.transfer_ended("send")
+        self._tell_settled()
 
     def shutdown(self, timeout: float) -> None:
         """End every send (``stop`` must be set: waits end at once, jobs not started fail

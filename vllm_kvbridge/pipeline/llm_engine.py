@@ -3,10 +3,11 @@
 The stage's runner settings travel to the worker as ``additional_config["kvbridge"]``
 (:func:`vllm_kvbridge.runner.worker.engine_kwargs`). Requests are added to vLLM's engine
 and stepped by the serve loop, so new requests join a running batch. A finished request
-is reported only once its KV/payload sends completed (``kvbridge_transfer_status`` on
-every rank), together with the sender info of every rank (``kvbridge_sender_info``),
-which the orchestrator forwards to the next stage. The transfer id of every request is
-the orchestrator's request id (``extra_args["kvbridge"]["request_id"]``).
+is reported only once its KV/payload sends settled, together with the sender info of
+every rank, which the orchestrator forwards to the next stage: the workers push each
+transfer's outcome to the stage (:mod:`vllm_kvbridge.runner.outcomes`), and
+:class:`~vllm_kvbridge.pipeline.awaited_sends.AwaitedSends` judges each request. The
+transfer id of every request is the orchestrator's request id (``extra_args["kvbridge"]["request_id"]``).
 
 A stage with an incoming payload edge (a talker) takes the producer's payload one of two
 ways (the edge's ``feed``):
@@ -31,6 +32,7 @@ the delta is what was not sent yet); other requests cost nothing extra.
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -44,21 +46,18 @@ from vllm_kvbridge.config.runner_settings import runner_settings
 from vllm_kvbridge.errors import RequestRejected
 from vllm_kvbridge.models.builtin import builtin_model
 from vllm_kvbridge.pipeline import messages as m
+from vllm_kvbridge.pipeline.awaited_sends import AwaitedSends
 from vllm_kvbridge.pipeline.cfg import CompanionGroups
 from vllm_kvbridge.pipeline.engines import ExpiringIds, StageEngine, Waker, producer_lost_failure
-from vllm_kvbridge.pipeline.sender_info import kv_send_owed, merge_kv_info, payload_meta
+from vllm_kvbridge.pipeline.sender_info import kv_send_owed, payload_meta
 from vllm_kvbridge.runner.conditioning import CONDITION_OPTION
 from vllm_kvbridge.runner.conditioning_scheduler import ERROR_KEY
-from vllm_kvbridge.runner.doorbell import BELL_KEY, BellListener
+from vllm_kvbridge.runner.outcomes import OUTCOMES_ENV, OutcomeInbox
 from vllm_kvbridge.runner.settings import RunnerSettings
-from vllm_kvbridge.runner.transfer_status import is_failed
 
-#: Seconds between two transfer-status RPCs while requests wait for their sends (a payload
-#: put of this stage landing ends the wait at once: its sender's doorbell).
-STATUS_POLL_S = 0.005
-#: How long a finished request whose KV send vLLM reported owed may wait for a worker to
-#: start it (it starts in the next engine step) before the request fails.
-SEND_START_TIMEOUT_S = 60.0
+#: Longest a step waits for a worker's outcome when nothing else is to be done (the serve
+#: loop then takes new requests; an outcome's arrival ends the wait at once).
+SETTLE_WAIT_S = 0.005
 
 
 def with_platform_kv_cache(
@@ -92,8 +91,25 @@ class LLMStageEngine(StageEngine):
             )
         model = builtin_model(stage.model)
         kwargs = with_platform_kv_cache(model, kwargs, stage.tensor_parallel_size)
-        self.llm = LLM(model=model, tensor_parallel_size=stage.tensor_parallel_size, **kwargs)
+        #: the workers' outcomes of this stage's sends (a stage that sends anything)
+        self._sends: AwaitedSends | None = None
+        inbox = OutcomeInbox() if self.moves_data and stage.outputs else None
+        try:
+            if inbox is not None:
+                os.environ[OUTCOMES_ENV] = inbox.address  # vLLM's processes inherit it
+            self.llm = LLM(model=model, tensor_parallel_size=stage.tensor_parallel_size, **kwargs)
+        except BaseException:
+            if inbox is not None:
+                inbox.close()
+            raise
+        finally:
+            os.environ.pop(OUTCOMES_ENV, None)
         self.engine = self.llm.llm_engine
+        if inbox is not None:
+            self._sends = AwaitedSends(inbox, self.engine.vllm_config.parallel_config.world_size)
+        #: whether this stage's payload edges capture every request (unless it opts out)
+        self._captures = RunnerSettings.from_dict(self.settings).payload.captures
+        self._no_capture: set[str] = set()
         self.dump_dir = Path(stage.debug_dump_dir) if stage.debug_dump_dir else None
         self._receivers: dict[int, Any] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -136,22 +152,6 @@ class LLMStageEngine(StageEngine):
         #: whether this stage sends KV (aborted and failed requests' KV is withdrawn)
         kv_transfer = self.settings.get("kv_transfer") or {}
         self._sends_kv = bool(self.moves_data and self.stage.outputs and kv_transfer.get("need_send_cache"))
-        #: the doorbells of this stage's own payload senders: a finished request's last put
-        #: rings one, so its StageDone (for a full payload, the consumer's start) waits for
-        #: no status poll interval
-        self._sent_bells: BellListener | None = None
-        #: when the sends of finished requests may be asked about again while the engine steps
-        self._next_status = 0.0
-        if any(e.payload_mode != "none" for e in stage.outputs):
-            bells = [
-                v.get(BELL_KEY)
-                for v in payload_meta(self.llm.collective_rpc("kvbridge_sender_info")).values()
-            ]
-            if any(isinstance(b, str) for b in bells):
-                self._sent_bells = BellListener()
-                for bell in bells:
-                    if isinstance(bell, str):
-                        self._sent_bells.subscribe(bell)
 
     def info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"kind": self.stage.kind, "model": self.stage.model, "pid_engine": None}
@@ -170,6 +170,8 @@ class LLMStageEngine(StageEngine):
         params.pop("num_steps", None)
         extra = dict(params.pop("extra_args", None) or {})
         extra["kvbridge"] = {**(extra.get("kvbridge") or {}), "request_id": msg.request_id}
+        if extra["kvbridge"].get("capture") is False:
+            self._no_capture.add(msg.request_id)  # no payload owed (runner/step_capture.py)
         if any(e.payload_mode != "none" for e in self.stage.outputs):
             # Captured hidden states must cover the whole prompt: rows from the prefix cache
             # are never computed (the runner fails such a request rather than send it short).
@@ -390,6 +392,9 @@ class LLMStageEngine(StageEngine):
     def _forget(self, rid: str) -> None:
         for table in (self._started, self._streamed, self._first_token, self._recv_stats):
             table.pop(rid, None)
+        self._no_capture.discard(rid)
+        if self._sends is not None:
+            self._sends.forget(rid)
 
     def _progress(self, o: Any, out: list[m.StageDone | m.StageProgress | m.RequestFailed]) -> None:
         """Append a StageProgress with what ``o`` (a cumulative output) adds to what was sent."""
@@ -406,76 +411,44 @@ class LLMStageEngine(StageEngine):
             )
 
     def _report_finished(self, out: list[m.StageDone | m.StageProgress | m.RequestFailed]) -> None:
-        ids = list(self._awaiting)
-        if self.moves_data and self.stage.outputs:
-            stepping = self.engine.has_unfinished_requests()
-            if stepping and time.monotonic() < self._next_status:
-                return  # the engine's next step comes first; its status is asked soon enough
-            self._next_status = time.monotonic() + STATUS_POLL_S
-            per_rank = self.llm.collective_rpc("kvbridge_transfer_status", args=(ids,))
-            ready = []
-            for rid in ids:
-                states = [st.get(rid, {}) for st in per_rank]
-                failed = [
-                    v for st in states for k, v in st.items() if k in ("kv", "payload") and is_failed(v)
-                ]
+        ready: dict[str, dict[str, Any]] = {rid: {} for rid in self._awaiting}
+        sends = self._sends
+        if sends is not None:
+            sends.take()
+            ready = {}
+            for rid, (o, finished_at) in list(self._awaiting.items()):
                 if rid not in self._awaiting:
                     continue  # its CFG group failed while this loop ran
-                o, finished_at = self._awaiting[rid]
-                if (
-                    not failed
-                    and kv_send_owed(o)
-                    and any(st.get("kv") in ("none", "unknown") for st in states)
-                ):
-                    # vLLM says a KV send is owed, but a worker has not started it yet (on_finish
-                    # sends in the step after the finish): not done, whatever "unknown" says.
-                    if time.time() - finished_at < SEND_START_TIMEOUT_S:
-                        continue
-                    failed = [f"its KV send was owed but never started within {SEND_START_TIMEOUT_S:g} s"]
-                owner = self._cfg.owner(rid)
-                if (
-                    owner is not None
-                    and not failed
-                    and all(st.get("kv") in ("none", "unknown") for st in states)
-                ):
-                    failed = [f"its KV was not sent (status {states[0].get('kv') if states else 'unknown'})"]
-                if failed:
+                verdict = sends.verdict(
+                    rid,
+                    kv_owed=kv_send_owed(o),
+                    payload_owed=self._captures and rid not in self._no_capture,
+                    must_send_kv=self._cfg.owner(rid) is not None,
+                    finished_at=finished_at,
+                )
+                if verdict.state == "failed":
                     self._awaiting.pop(rid, None)
-                    self._fail_group(rid, f"transfer failed: {failed[0]}", out)
-                elif all(
-                    st.get("kv") in ("none", "done", "unknown")
-                    and st.get("payload") in ("none", "done", "unknown")
-                    for st in states
-                ):
-                    ready.append(rid)
-            if not ready:
-                # Waiting for sends must not hold up the other requests' steps (under load
-                # some request always waits: a sleep here made every step 5 ms longer).
-                if not stepping:
-                    if self._sent_bells is not None:
-                        self._sent_bells.wait(STATUS_POLL_S)
-                    else:
-                        time.sleep(STATUS_POLL_S)
+                    self._fail_group(rid, f"transfer failed: {verdict.error}", out)
+                elif verdict.state == "ready":
+                    ready[rid] = verdict.sender_info
+            if not ready and not self.engine.has_unfinished_requests():
+                # Nothing else to do: sleep until a worker's outcome arrives (bounded, so the
+                # serve loop still takes new requests).
+                sends.take(SETTLE_WAIT_S)
                 return
-            infos = self.llm.collective_rpc("kvbridge_sender_info", args=(ready,))
-        else:
-            ready, infos = ids, []
-        for rid in ready:
+        for rid, sender_info in ready.items():
             if rid not in self._awaiting:
                 continue  # its group failed while its status was read
             o, finished_at = self._awaiting.pop(rid)
+            self._no_capture.discard(rid)
+            if sends is not None:
+                sends.forget(rid)
             if self._cfg.owner(rid) is not None:  # a CFG companion: its primary reports it
                 primary = self._cfg.owner(rid)[0]
-                self._cfg.companion_done(rid, merge_kv_info(infos, rid) if infos else {})
+                self._cfg.companion_done(rid, sender_info)
                 self._emit_group(primary, out)
                 continue
             comp = o.outputs[0]
-            sender_info: dict[str, Any] = {}
-            if infos:
-                sender_info = merge_kv_info(infos, rid)
-                payload = payload_meta(infos)
-                if payload:
-                    sender_info["payload"] = payload
             transfers = []
             stats = self._recv_stats.pop(rid, None)
             if stats is not None:
@@ -562,8 +535,8 @@ class LLMStageEngine(StageEngine):
             self._pool.shutdown(wait=False, cancel_futures=True)
         if self._waker is not None:
             self._waker.close()
-        if self._sent_bells is not None:
-            self._sent_bells.close()
+        if self._sends is not None:
+            self._sends.inbox.close()
         try:
             self.engine.engine_core.shutdown()
         except Exception:

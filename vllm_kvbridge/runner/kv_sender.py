@@ -56,8 +56,17 @@ import torch
 from vllm_kvbridge.kv.compat import KV_SPEC_KEY, kv_spec
 from vllm_kvbridge.kv.layout import KVCacheLayout
 from vllm_kvbridge.runner.exit_hook import ExitHook
+from vllm_kvbridge.runner.outcomes import TransferOutcome, pusher
 from vllm_kvbridge.runner.settings import RunnerSettings
-from vllm_kvbridge.runner.transfer_status import DONE, FAILED, PENDING, UNKNOWN, StatusHistory
+from vllm_kvbridge.runner.transfer_status import (
+    DONE,
+    FAILED,
+    PENDING,
+    UNKNOWN,
+    StatusHistory,
+    TransferStatus,
+    parse_status,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +160,12 @@ class WorkerKVSender:
         self._released: set[str] = set()  # engine ids whose blocks may go back
         self._copying: set[str] = set()  # gathered on the copy stream, blocks still read
         self._closed = False
+        #: (transfer id, status, aborted) settled since the last report (runner/outcomes.py)
+        self._settled: list[tuple[str, str, bool]] = []
+        self._outcomes = pusher()
+        # Sends settle on the KV manager's I/O threads, often after the engine went idle:
+        # each reports itself from there, so nobody polls for it.
+        self.manager.sends.on_settled = self.poll
         self._exit_hook = ExitHook(self.shutdown)
 
     # -- model thread ------------------------------------------------------------------------
@@ -167,6 +182,8 @@ class WorkerKVSender:
                     self._held.append(_Held(spec, now))
                 else:
                     at_once.append(spec)
+        for spec in specs:  # started: the stage now waits for it however long it takes
+            self._outcomes.push(TransferOutcome(spec.transfer_id, self.tp_rank, "kv", PENDING))
         self._gather(at_once, now)
         self._drain_held(now)
         self.poll()
@@ -300,15 +317,16 @@ class WorkerKVSender:
                     self._history.mark(transfer_id, "aborted", "true")
 
     def poll(self) -> None:
-        """Move sends that completed or failed since the last call into the history."""
+        """Move sends that completed or failed since the last call into the history, and
+        report what settled to the stage (:mod:`vllm_kvbridge.runner.outcomes`)."""
         done, failed = self.manager.get_finished()
-        if not (done or failed):
-            return
-        with self._lock:
-            for rid in done:
-                self._settle(rid, DONE)
-            for rid in failed:
-                self._settle(rid, f"{FAILED}: {self.manager.send_failure_reason(rid) or 'unknown'}")
+        if done or failed:
+            with self._lock:
+                for rid in done:
+                    self._settle(rid, DONE)
+                for rid in failed:
+                    self._settle(rid, f"{FAILED}: {self.manager.send_failure_reason(rid) or 'unknown'}")
+        self._report_settled()
 
     def _settle(self, engine_id: str, kv: str) -> None:
         # Called with the lock held.
@@ -317,6 +335,19 @@ class WorkerKVSender:
             logger.warning("KV send result for unknown request %s: %s", engine_id, kv)
             return
         self._history.record(state.transfer_id, {"kv": kv, "aborted": str(state.aborted).lower()})
+        self._settled.append((state.transfer_id, kv, state.aborted))
+
+    def _report_settled(self) -> None:
+        """Push the outcome of every send settled since the last call (no lock held: a done
+        send's outcome carries its sender info, which the KV manager answers)."""
+        with self._lock:
+            settled, self._settled = self._settled, []
+        for transfer_id, kv, aborted in settled:
+            status, reason = parse_status(kv)
+            info = (self.manager.get_sender_info(transfer_id) or {}) if status is TransferStatus.DONE else {}
+            self._outcomes.push(
+                TransferOutcome(transfer_id, self.tp_rank, "kv", status, reason, aborted, info)
+            )
 
     # -- RPC thread --------------------------------------------------------------------------
     def status(self, request_ids: Iterable[str] | None = None) -> dict[str, dict[str, str]]:
@@ -359,6 +390,7 @@ class WorkerKVSender:
                 else:
                     kept.append(held)
             self._held = kept
+        self._report_settled()
         return {rid: self.manager.discard_sent(rid) for rid in ids}
 
     def pending(self) -> int:
@@ -383,6 +415,7 @@ class WorkerKVSender:
             for held in self._held:
                 self._drop_held_locked(held.spec, "shut down before its KV was gathered")
             self._held.clear()
+        self._report_settled()
         try:
             self.manager.shutdown(timeout=timeout)
         except Exception:

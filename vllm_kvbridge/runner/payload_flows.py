@@ -39,6 +39,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_kvbridge.connectors.base import Connector
 from vllm_kvbridge.errors import ConfigError, KVBridgeError
 from vllm_kvbridge.runner.payload_receiver import PayloadReceiver
 from vllm_kvbridge.runner.payload_stream import PayloadAccumulator, PayloadSender, broadcast_payload
@@ -89,14 +90,23 @@ class PayloadFlows:
             self.senders,
             "out",
             edge,
-            lambda conn: PayloadSender(
+            self._new_sender_for(edge),
+        )
+
+    def _new_sender_for(self, edge: PayloadEdgeSettings) -> Callable[[Connector], PayloadSender]:
+        def make(conn: Connector) -> PayloadSender:
+            sender = PayloadSender(
                 conn,
                 self.runtime.settings.stage_id,
                 edge.peer_stage,
                 retries=edge.send_retries,
                 send_timeout_s=edge.send_timeout_s,
-            ),
-        )
+            )
+            # A request whose last put settled is reaped (and reported) from the I/O thread.
+            sender.on_settled = lambda _request_id: self.runtime.reap()
+            return sender
+
+        return make
 
     def connect(self) -> None:
         """Create the output edges' senders now, at start-up: the model thread then never

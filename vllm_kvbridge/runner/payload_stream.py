@@ -47,7 +47,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -277,6 +277,9 @@ class PayloadSender(EdgeKeys):
         self._next_chunk: dict[str, int] = {}
         self._closed = False
         self.last_metadata: dict[str, Any] = {}
+        #: called (no lock held, on an I/O thread) when a request's last queued put ended
+        #: and its status is done or failed: its owner reports it without being asked
+        self.on_settled: Callable[[str], None] | None = None
         self._bell = Bell() if bell else None
         # Started now: the edge's threads exist before its first request.
         self._scheduler = PutScheduler(f"kvbridge-payload-send-{to_stage}", workers, start=True)
@@ -405,6 +408,7 @@ class PayloadSender(EdgeKeys):
         abort_after = False
         with self._lock:
             self._queued[job.request_id] -= 1
+            settled = self._queued[job.request_id] == 0 and self._status[job.request_id] != "pending"
             if error is not None:
                 logger.error("payload send of request %s failed: %s", job.request_id, error)
                 self._status[job.request_id] = f"failed: {error}"
@@ -428,6 +432,11 @@ class PayloadSender(EdgeKeys):
                 self.connector.put(self.from_stage, self.to_stage, job.key, env)
             except Exception:
                 pass
+        if settled and self.on_settled is not None:
+            try:
+                self.on_settled(job.request_id)
+            except Exception:  # the owner's report; never this I/O thread's death
+                logger.exception("kvbridge: reporting settled payload of %s failed", job.request_id)
 
     def threads_alive(self) -> int:
         return self._scheduler.threads_alive()

@@ -57,8 +57,17 @@ from vllm_kvbridge.connectors.base import Connector, edge_counters
 from vllm_kvbridge.connectors.registry import create_connector
 from vllm_kvbridge.errors import ConfigError
 from vllm_kvbridge.runner.exit_hook import ExitHook
+from vllm_kvbridge.runner.outcomes import TransferOutcome, pusher
 from vllm_kvbridge.runner.settings import RunnerSettings
-from vllm_kvbridge.runner.transfer_status import NONE, StatusHistory, failed, is_failed, merge_status
+from vllm_kvbridge.runner.transfer_status import (
+    NONE,
+    PENDING,
+    StatusHistory,
+    failed,
+    is_failed,
+    merge_status,
+    parse_status,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +194,7 @@ class StageRuntime:
             **(kv_manager_options or {}),
         }
         self.lock = threading.Lock()
+        self._reap_lock = threading.Lock()
         #: host request id -> state, until finished and nothing is in flight
         self.requests: dict[str, RequestState] = {}
         #: transfer id -> terminal payload status, the newest STATUS_HISTORY
@@ -192,6 +202,7 @@ class StageRuntime:
         #: "in:<peer>" / "out:<peer>" -> connector
         self.connectors: dict[str, Connector] = {}
         self._flows: list[RequestFlows] = []
+        self._outcomes = pusher()
         self._kv_manager: Any = None  # the receiving KVTransferManager, created on first use
         self._kv_source: KVSenderSource | None = None
         self.closed = False
@@ -242,10 +253,14 @@ class StageRuntime:
             return self.requests.get(request_id)
 
     def set_payload_status(self, state: RequestState, status: str) -> None:
-        """Set a request's payload status; a failure is final (never overwritten)."""
+        """Set a request's payload status; a failure is final (never overwritten). The first
+        put of a request tells the stage its payload started (runner/outcomes.py)."""
         with self.lock:
+            started = state.payload == NONE and status == PENDING
             if not is_failed(state.payload):
                 state.payload = status
+        if started:
+            self._outcomes.push(TransferOutcome(state.transfer_id, self.tp_rank, "payload", PENDING))
 
     def fail(self, request_id: str, reason: str, *, finished: bool = False, aborted: bool = False) -> None:
         """Fail ``request_id``'s payload (a KV send fails in its ``WorkerKVSender``): its
@@ -276,19 +291,45 @@ class StageRuntime:
 
     def reap(self) -> list[str]:
         """Forget finished requests with nothing in flight; returns their ids."""
+        # One reap at a time (the model thread, the RPC thread and the senders' I/O threads
+        # all reap): the in-flight check settles a request's status and release forgets it
+        # at its sender, so a concurrent reap could read a half-released request.
+        with self._reap_lock:
+            return self._reap_once()
+
+    def _reap_once(self) -> list[str]:
         with self.lock:
             candidates = [s for s in self.requests.values() if s.finished]
         # Outside the lock: the in-flight checks ask the senders, which have their own locks.
         ready = [s for s in candidates if not any(f.in_flight(s) for f in self._flows)]
+        reaped = []
         for state in ready:
             for flows in self._flows:
                 flows.release(state)
             with self.lock:
-                self.requests.pop(state.request_id, None)
+                if self.requests.pop(state.request_id, None) is None:
+                    continue
                 self.history.record(
                     state.transfer_id, {"payload": state.payload, "aborted": str(state.aborted).lower()}
                 )
-        return [s.request_id for s in ready]
+            reaped.append(state)
+        if reaped:
+            info = self.sender_info()
+            payload_info = {"payload": info["payload"]} if "payload" in info else {}
+            for state in reaped:
+                status, reason = parse_status(state.payload)
+                self._outcomes.push(
+                    TransferOutcome(
+                        state.transfer_id,
+                        self.tp_rank,
+                        "payload",
+                        status,
+                        reason,
+                        state.aborted,
+                        payload_info,
+                    )
+                )
+        return [s.request_id for s in reaped]
 
     def transfer_status(self, request_ids: Iterable[str] | None = None) -> dict[str, dict[str, str]]:
         """Per transfer id (or host id): ``{"kv": none|pending|done|failed: why|unknown,
