@@ -52,6 +52,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_kvbridge.connectors.held_table import Refusal
 from vllm_kvbridge.errors import ConfigError, ConnectorClosed
 
 
@@ -426,6 +427,11 @@ class Connector(ABC):
         failures, since the caller waits and puts again."""
         self.stats.add(put_full=1)
         return PutResult(ok=False, error=error, full=True)
+
+    def _put_refused(self, refusal: Refusal) -> PutResult:
+        """A put the held table refused (:mod:`~vllm_kvbridge.connectors.held_table`): full
+        when room may come back, failed otherwise."""
+        return self._put_full(refusal.why) if refusal.full else self._put_failed(refusal.why)
 
     def _refuse_oversize(self, nbytes: int) -> PutResult | None:
         """The refusal of a payload over this connector's ``max_payload_bytes``, else None."""

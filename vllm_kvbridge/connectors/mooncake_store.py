@@ -87,6 +87,7 @@ from vllm_kvbridge.connectors.base import (
     number_option,
     parse_size,
 )
+from vllm_kvbridge.connectors.held_table import HeldTable
 from vllm_kvbridge.connectors.mooncake_setup import (
     MASTER_UNREACHABLE,
     NO_AVAILABLE_HANDLE,
@@ -141,11 +142,12 @@ class MooncakeStoreConnector(Connector):
         self._store: Any = None
         self._pool: RegisteredBufferPool | None = None
         self._lock = threading.Lock()
-        self._published: dict[str, float] = {}  # store key -> monotonic expiry (sender side)
+        # Sender side: the store keys it put (and puts under way), until read, cleaned up or
+        # expired; no byte budget (a full store answers full). Limits set below.
+        self._table: HeldTable[None] = HeldTable(0.0, 0.0)
         self._pending_removals: set[str] = set()  # read but not yet removed (receiver side)
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
-        self._inflight_puts: dict[str, int] = {}
         self._ctx: zmq.Context | None = None  # control channel: server (sender), client (receiver)
         self._server: ctl.ControlServer | None = None
         self._client: ctl.ControlClient | None = None
@@ -173,6 +175,7 @@ class MooncakeStoreConnector(Connector):
             raise ConfigError(f"connector option 'pin' must be 'none', 'soft' or 'hard', got {self.pin!r}")
         self.ttl_s = number_option(cfg, "ttl_s", 300.0)
         self.lease_s = number_option(cfg, "lease_s", DEFAULT_LEASE_S)
+        self._table.set_limits(self.ttl_s, self.lease_s, None)
         self.soft_pin_ttl_ms = number_option(cfg, "soft_pin_ttl_ms", max(1000, int(self.ttl_s * 1000)), int)
         self.prefer_local_segment = bool(cfg.get("prefer_local_segment", True))
         self.max_payload_bytes = parse_size(cfg.get("max_payload_bytes", 64 << 30), "max_payload_bytes")
@@ -276,16 +279,13 @@ class MooncakeStoreConnector(Connector):
             control = self._ensure_server()
         except TransferError as exc:  # cannot bind: nobody could renew the key
             return self._put_failed(str(exc))
-        with self._lock:
-            self._check_open()
-            if store_key in self._published or store_key in self._inflight_puts:
-                return self._put_failed(f"key {key!r} is already stored by this connector")
-            self._inflight_puts[store_key] = nbytes
+        self._check_open()
+        if (refused := self._table.reserve(store_key, nbytes)) is not None:
+            return self._put_refused(refused)
         try:
             slab, pooled = self._pool.acquire(nbytes) if self._pool is not None else (None, False)
         except TransferError as exc:  # registering a new slab needs the master
-            with self._lock:
-                self._inflight_puts.pop(store_key, None)
+            self._table.unreserve(store_key)
             if self._master_down():
                 master = self.master_server_address
                 return self._put_failed(
@@ -320,13 +320,10 @@ class MooncakeStoreConnector(Connector):
         # reservation is not released again; keeping it leaked a registered slab per put).
         if lent.slab is not None and self._pool is not None:
             self._pool.release(lent.slab)
-        with self._lock:
-            closed = self._closed
-            self._inflight_puts.pop(store_key, None)
-            if not closed:
-                self._published[store_key] = time.monotonic() + self.ttl_s
+        if self._table.publish(store_key, None):
+            with self._lock:
                 self._start_reaper_locked()
-        if closed:  # close() ran meanwhile: do not leave the key behind
+        else:  # close() ran meanwhile: do not leave the key behind
             self._remove(store_key)
             return self._put_failed(f"{self.name} closed during put")
         self.stats.add(puts=1, put_bytes=need, put_seconds=time.perf_counter() - start)
@@ -347,8 +344,7 @@ class MooncakeStoreConnector(Connector):
         """A reservation ends unpublished: its buffer goes back (a published one's went back
         in :meth:`_publish_lent`)."""
         lent: _Lent = r.lent
-        with self._lock:
-            self._inflight_puts.pop(lent.store_key, None)
+        self._table.unreserve(lent.store_key)
         if lent.slab is not None and self._pool is not None:
             self._pool.release(lent.slab, lent.pooled)
 
@@ -373,14 +369,10 @@ class MooncakeStoreConnector(Connector):
         if request[0] != ctl.RENEW or len(request) != 2:
             return [ctl.BAD]
         store_key = request[1].decode("ascii")
-        with self._lock:
-            tracked = store_key in self._published
+        tracked = self._table.get(store_key) is not None
         # A key read by its receiver stays tracked until a sweep notices: ask the store.
-        if tracked and self._store.is_exist(store_key) != 0:  # 1, or unknown: keep it
-            with self._lock:
-                if store_key in self._published:
-                    self._published[store_key] = time.monotonic() + self.lease_s
-                    return [ctl.OK]
+        if tracked and self._store.is_exist(store_key) != 0 and self._table.renew(store_key):
+            return [ctl.OK]  # is_exist 1, or unknown: keep it
         return [ctl.MISSING]
 
     def _put_placed(self, store_key: str, put: Callable[[Any], int]) -> int:
@@ -524,8 +516,7 @@ class MooncakeStoreConnector(Connector):
     def _consumed(self, store_key: str) -> bool:
         """Remove what a get read; False when it was gone (a read is not atomic with its
         removal: of two receivers that read one object, the removal decides who has it)."""
-        with self._lock:
-            self._published.pop(store_key, None)
+        self._table.drop(store_key)
         code = self._store.remove(store_key, True)
         if code == OBJECT_NOT_FOUND:
             self.stats.add(read_lost_to_another=1)
@@ -540,8 +531,8 @@ class MooncakeStoreConnector(Connector):
         with self._lock:
             if self._store is None or self._closed:
                 return
-            self._published.pop(store_key, None)
             self._pending_removals.discard(store_key)
+        self._table.drop(store_key)
         if not self._remove(store_key):
             self._remove_later(store_key)
         self.stats.add(cleanups=1)
@@ -568,32 +559,29 @@ class MooncakeStoreConnector(Connector):
 
     def sweep(self) -> None:
         """Remove expired unclaimed keys, forget consumed ones, retry failed removals."""
-        now = time.monotonic()
         with self._lock:
             if self._closed or self._store is None:
                 return
-            tracked = list(self._published.items())
             retry = list(self._pending_removals)
-        expired = [k for k, expiry in tracked if expiry <= now]
-        live = [k for k, expiry in tracked if expiry > now]
-        gone: list[str] = []
-        if live:
+        expired = [held.key for held in self._table.sweep()]
+        if live := self._table.keys():
             # Keys the receiver consumed need no removal at close: stop tracking them.
-            exists = self._store.batch_is_exist(live)
-            gone = [k for k, e in zip(live, exists) if e == 0]
+            for k, e in zip(live, self._store.batch_is_exist(live)):
+                if e == 0:
+                    self._table.drop(k)
         codes = [self._store.remove(k, True) for k in expired]
         self.stats.add(expired=codes.count(OK))  # OBJECT_NOT_FOUND: read meanwhile
-        removed = [k for k, c in zip(expired, codes) if c in (OK, OBJECT_NOT_FOUND)]
-        removed += [k for k in retry if self._remove(k)]
+        removed = [k for k in retry if self._remove(k)]
+        failed = [k for k, c in zip(expired, codes) if c not in (OK, OBJECT_NOT_FOUND)]
         with self._lock:
-            for k in (*gone, *removed):
-                self._published.pop(k, None)
-                self._pending_removals.discard(k)
+            self._pending_removals.difference_update(removed)
+            self._pending_removals.update(failed)  # retried with the failed removals
 
     # -- status / close -----------------------------------------------------------------
     def health(self) -> dict[str, Any]:
+        published = self._table.counts()["held"]
         with self._lock:
-            published, pending = len(self._published), len(self._pending_removals)
+            pending = len(self._pending_removals)
         status = {
             **super().health(),
             "master": self.master_server_address,
@@ -632,9 +620,9 @@ class MooncakeStoreConnector(Connector):
             if ctx is not None:
                 ctx.term()
             return
+        tracked = {held.key for held in self._table.clear()}
         with self._lock:
-            keys = set(self._published) | self._pending_removals
-            self._published.clear()
+            keys = tracked | self._pending_removals
             self._pending_removals.clear()
         if keys and not self._master_down():
             codes = store.batch_remove(sorted(keys), True)

@@ -58,7 +58,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -73,6 +72,7 @@ from vllm_kvbridge.connectors.base import (
     number_option,
     offset_port,
 )
+from vllm_kvbridge.connectors.held_table import Held, HeldTable
 from vllm_kvbridge.connectors.registered_pool import RegisteredBufferPool
 from vllm_kvbridge.errors import (
     ConfigError,
@@ -98,17 +98,6 @@ def _has_rdma_devices(engine: Any, device_name: str) -> bool:
     return any(nic for tiers in topology.values() for tier in tiers for nic in tier)
 
 
-@dataclass
-class _Held:
-    """A payload the sender holds in a registered slab until the receiver is done with it."""
-
-    slab: np.ndarray
-    nbytes: int
-    expires: float
-    lease: int = 0  # 0: not claimed
-    claimer: bytes = b""
-
-
 class MooncakeTransferEngineConnector(Connector):
     """One-sided reads over Mooncake's transfer engine; see the module docstring."""
 
@@ -124,14 +113,16 @@ class MooncakeTransferEngineConnector(Connector):
         self._client: ctl.ControlClient | None = None
         self._ctx: zmq.Context | None = None
         self._lock = threading.Lock()
-        self._held: dict[str, _Held] = {}
-        self._held_bytes = 0
-        self._next_lease = 0
+        # Registered slabs held until their reader is done (claim ids: the u64 lease of the
+        # protocol); a reader claiming again renews its lease. Limits set below.
+        self._table: HeldTable[np.ndarray] = HeldTable(
+            0.0, 0.0, 0, reclaim_renews=True, on_expired=self._expired
+        )
         self._reads = 0  # reads in progress (close waits for them)
         self._reads_done = threading.Condition(self._lock)
         self._queued = 0  # pieces queued in the engine by this connector
         self._queue_room = threading.Condition(threading.Lock())
-        self._counters = {"read_batches": 0, "expired": 0, "lease_expired": 0, "lease_renewals": 0}
+        self._counters = {"read_batches": 0, "lease_renewals": 0}
         self.endpoint: str | None = None
 
         cfg = self.config
@@ -153,6 +144,7 @@ class MooncakeTransferEngineConnector(Connector):
         self.max_held_bytes = number_option(cfg, "max_held_bytes", 8 << 30, int)
         self.buffer_pool_bytes = number_option(cfg, "buffer_pool_bytes", 1 << 30, int)
         self.request_timeout_s = number_option(cfg, "request_timeout_s", 5.0)
+        self._table.set_limits(self.ttl_s, self.lease_s, self.max_held_bytes)
         self._limits = cfg.get("limits")
         self._receiver_id = os.urandom(8)
 
@@ -214,36 +206,23 @@ class MooncakeTransferEngineConnector(Connector):
         if (refused := self._refuse_oversize(nbytes)) is not None:
             return refused
         endpoint = self._ensure_server()
-        with self._lock:
-            self._check_open()
-            if key in self._held:
-                return self._put_failed(f"key {key!r} is already held for sending")
-            if nbytes > self.max_held_bytes:  # would never fit: waiting cannot help
-                return self._put_failed(
-                    f"payload of {nbytes} bytes exceeds max_held_bytes={self.max_held_bytes}"
-                )
-            if self._held_bytes + nbytes > self.max_held_bytes:
-                return self._put_full(
-                    f"{self._held_bytes} bytes held + {nbytes} exceeds max_held_bytes={self.max_held_bytes}"
-                )
-            self._held_bytes += nbytes  # reserved before the copy, so concurrent puts respect the bound
+        # Reserved before the copy, so concurrent puts respect max_held_bytes.
+        if (refused := self._table.reserve(key, nbytes)) is not None:
+            return self._put_refused(refused)
         try:
             slab, _ = self._pool.acquire(nbytes)
         except TransferError as exc:
-            with self._lock:
-                self._held_bytes -= nbytes
+            self._table.unreserve(key)
             return self._put_failed(str(exc))
         return LentReservation(self, key, nbytes, memoryview(slab)[:nbytes], (slab, endpoint))
 
     def _publish_lent(self, r: LentReservation, start: float) -> PutResult:
         """Hold the written slab of ``r`` under its key for receivers (see :meth:`reserve`)."""
         slab, endpoint = r.lent
+        if not self._table.publish(r.key, slab):
+            why = f"{self.name} closed during put" if self._closed else f"key {r.key!r} is already held"
+            return self._put_failed(why)
         with self._lock:
-            if self._closed:
-                return self._put_failed(f"{self.name} closed during put")
-            if r.key in self._held:
-                return self._put_failed(f"key {r.key!r} is already held for sending")
-            self._held[r.key] = _Held(slab, r.nbytes, time.monotonic() + self.ttl_s)
             server = self._server
         if server is not None:
             server.key_put(r.key)  # receivers waiting for it get it now
@@ -262,8 +241,7 @@ class MooncakeTransferEngineConnector(Connector):
     def _release_lent(self, r: LentReservation) -> None:
         """An unpublished reservation ends: its slab and its held bytes go back."""
         self._pool.release(r.lent[0])
-        with self._lock:
-            self._held_bytes -= r.nbytes
+        self._table.unreserve(r.key)
 
     def _ensure_server(self) -> str:
         with self._lock:
@@ -285,52 +263,32 @@ class MooncakeTransferEngineConnector(Connector):
                 request[2],
                 ctl.U64.unpack(request[3])[0],
             )
-            with self._lock:
-                held = self._held.get(key)
-                if held is None or (held.lease and held.claimer != claimer):
-                    return [ctl.MISSING]
-                if held.nbytes > limit:
-                    return [ctl.TOOBIG, ctl.U64.pack(held.nbytes)]
-                if not held.lease:
-                    self._next_lease += 1
-                    held.lease, held.claimer = self._next_lease, claimer
-                # Claiming again renews the lease: a long read keeps its slab alive.
-                held.expires = time.monotonic() + self.lease_s
-                addr = held.slab.ctypes.data
-                fields = (addr, held.nbytes, held.lease, int(self.lease_s * 1000))
-                return [ctl.OK, *(ctl.U64.pack(v) for v in fields)]
+            # Claiming again renews the lease: a long read keeps its slab alive.
+            held = self._table.claim(key, claimer, limit)
+            if held is None:
+                return [ctl.MISSING]
+            if held.nbytes > limit:
+                return [ctl.TOOBIG, ctl.U64.pack(held.nbytes)]
+            fields = (held.value.ctypes.data, held.nbytes, held.claim, int(self.lease_s * 1000))
+            return [ctl.OK, *(ctl.U64.pack(v) for v in fields)]
         if op == ctl.DONE and len(request) == 3 and len(request[2]) == 8:
             key, lease = request[1].decode("ascii", "replace"), ctl.U64.unpack(request[2])[0]
-            with self._lock:
-                held = self._held.get(key)
-                if held is None or not held.lease or held.lease != lease:
-                    return [ctl.EXPIRED]
-                del self._held[key]
-                self._held_bytes -= held.nbytes
-            self._pool.release(held.slab)
+            if (held := self._table.release_claim(lease, key)) is None:
+                return [ctl.EXPIRED]
+            self._pool.release(held.value)
             return [ctl.DONE]
-        if op == ctl.RENEW and len(request) == 2:
-            with self._lock:
-                held = self._held.get(request[1].decode("ascii", "replace"))
-                if held is not None and not held.lease:  # a claim's own lease governs a claimed key
-                    held.expires = time.monotonic() + self.lease_s
-            return [ctl.OK if held is not None else ctl.MISSING]
+        if op == ctl.RENEW and len(request) == 2:  # a claim's own lease governs a claimed key
+            return [ctl.OK if self._table.renew(request[1].decode("ascii", "replace")) else ctl.MISSING]
         return [ctl.BAD]
 
     def sweep(self) -> None:
         """Drop unclaimed payloads past ``ttl_s`` (or their renewal's lease) and claims past ``lease_s``."""
-        now = time.monotonic()
-        with self._lock:
-            gone = [(k, h) for k, h in self._held.items() if h.expires <= now]
-            for k, h in gone:
-                del self._held[k]
-                self._held_bytes -= h.nbytes
-                self._counters["lease_expired" if h.lease else "expired"] += 1
-        for _, h in gone:
-            if h.lease:  # a reader may still hold the address: never hand this slab out again
-                self._pool.discard(h.slab)
-            else:
-                self._pool.release(h.slab)
+        self._table.sweep()
+
+    def _expired(self, held: Held[np.ndarray]) -> None:
+        """What :meth:`sweep` took goes back to the pool; a claimed slab is discarded: a
+        reader may still hold its address, so it is never handed out again."""
+        (self._pool.discard if held.claimed else self._pool.release)(held.value)
 
     # -- receiver -----------------------------------------------------------------------
     def get(
@@ -526,25 +484,25 @@ class MooncakeTransferEngineConnector(Connector):
     def cleanup(self, key: str) -> None:
         """Drop what this side holds for ``key`` (a claimed slab is not reused). Idempotent."""
         self._check_key(key)
-        with self._lock:
-            held = self._held.pop(key, None)
-            if held is not None:
-                self._held_bytes -= held.nbytes
+        held = self._table.drop(key, claimed_too=True)
         if held is not None and self._pool is not None:
-            (self._pool.discard if held.lease else self._pool.release)(held.slab)
+            (self._pool.discard if held.claimed else self._pool.release)(held.value)
             self.stats.add(cleanups=1)
 
     def health(self) -> dict[str, Any]:
-        pool = self._pool
+        pool, held = self._pool, self._table.counts()
         with self._lock:
             extra = {
                 "endpoint": self.endpoint,
                 "segment": getattr(self, "segment", None),
                 "protocol": self.protocol,
-                "held_payloads": len(self._held),
-                "held_bytes": self._held_bytes,
-                "claimed": sum(1 for h in self._held.values() if h.lease),
-                **self._counters,
+                "held_payloads": held["held"] + held["claimed"],
+                "held_bytes": held["held_bytes"],
+                "claimed": held["claimed"],
+                "read_batches": self._counters["read_batches"],
+                "expired": held["expired"],
+                "lease_expired": held["lease_expired"],
+                "lease_renewals": self._counters["lease_renewals"],
             }
         extra["registered_bytes"] = pool.registered_bytes if pool is not None else 0
         extra["lent_buffers"] = pool.lent if pool is not None else 0
@@ -557,9 +515,7 @@ class MooncakeTransferEngineConnector(Connector):
         with self._lock:
             # Reads in progress write into our slabs: let them finish before unregistering.
             self._reads_done.wait_for(lambda: self._reads == 0, timeout=10)
-            held = list(self._held.values())
-            self._held.clear()
-            self._held_bytes = 0
+        held = self._table.clear()
         if self._client is not None:
             self._client.close()
         if self._pool is not None:

@@ -222,11 +222,9 @@ class ZmqConnector(Connector):
             return refused
         endpoint = self._ensure_server()
         self._check_open()
-        refusal, why, awaited = self._store.add(key, frames, sizes)
-        if refusal == "full":
-            return self._put_full(why)
-        if refusal is not None:
-            return self._put_failed(why)
+        refused, awaited = self._store.add(key, frames, sizes)
+        if refused is not None:
+            return self._put_refused(refused)
         if awaited:
             self._server.key_put()  # the server answers the GETs it holds for this key
         self.stats.add(puts=1, put_bytes=total, put_seconds=time.perf_counter() - start)
