@@ -14,7 +14,8 @@ local write and the receiver pulls one hop. ``PutResult.metadata`` carries the s
 ``namespace``, the object's ``key`` and ``nbytes`` and the ``master`` address.
 
 Receiver (:meth:`MooncakeStoreConnector.get`): ``get_size`` (cheap master RPC; also the
-"not there yet" poll) then ``get_into`` a registered slab of the same pool, then
+"not there yet" poll, in the one claim loop :mod:`~vllm_kvbridge.connectors.claim_loop`)
+then ``get_into`` a registered slab of the same pool, then
 :func:`vllm_kvbridge.wire.decode_packed` over it without a copy. The returned tensors are
 views of the slab; it goes back to the pool when the last of them is freed (until then
 it is lent; beyond ``buffer_pool_bytes`` of slabs, one is unregistered and freed instead).
@@ -25,8 +26,9 @@ whose removal found it returns it).
 
 Lifetime of store keys (nothing is left in the store after a run):
   * a key is removed by the receiver once read; ``cleanup(key)`` removes it from either side;
-  * the sender tracks what it put: keys not consumed within ``ttl_s`` are removed by a
-    reaper thread (counted as ``expired``), and ``close()`` removes every key it still tracks;
+  * the sender tracks what it put (the one held table, :mod:`~vllm_kvbridge.connectors.held_table`):
+    keys not consumed within ``ttl_s`` are removed by a reaper thread (counted as
+    ``expired``), and ``close()`` removes every key it still tracks;
     a receiver's :meth:`~MooncakeStoreConnector.renew` (``RENEW`` to the sender's control
     server, :mod:`~vllm_kvbridge.connectors.te_control`, at ``metadata["control"]``) moves
     a tracked key's expiry to ``lease_s`` from then;
@@ -87,6 +89,8 @@ from vllm_kvbridge.connectors.base import (
     number_option,
     parse_size,
 )
+from vllm_kvbridge.connectors.claim_loop import MISSING as NOT_YET
+from vllm_kvbridge.connectors.claim_loop import Retry, claim_until_deadline
 from vllm_kvbridge.connectors.held_table import HeldTable
 from vllm_kvbridge.connectors.mooncake_setup import (
     MASTER_UNREACHABLE,
@@ -422,9 +426,10 @@ class MooncakeStoreConnector(Connector):
 
     def _fetch(self, store_key: str, deadline: float | None) -> Any | None:
         """The object's bytes (removed from the store), or ``None`` when absent and no deadline."""
-        delay = 0.001
         unreachable_since: float | None = None
-        while True:
+
+        def attempt(_hold: float, _wait_until: float) -> Any:
+            nonlocal unreachable_since
             self._check_open()
             code = self._store.get_size(store_key)
             if code > 0:
@@ -441,40 +446,37 @@ class MooncakeStoreConnector(Connector):
             elif code == 0:  # the codec never writes an empty object
                 self._remove(store_key)
                 raise TransferCorrupt(f"{store_key!r} is an empty object")
-            now = time.monotonic()
             if code == OBJECT_NOT_FOUND:
                 unreachable_since = None
-                if deadline is None:
-                    return None
-                if now >= deadline:
-                    raise TransferTimeout(
-                        f"{store_key!r} did not appear in the Mooncake store "
-                        f"(master {self.master_server_address}) before the deadline"
-                    )
-            elif code in TRANSIENT:
-                if unreachable_since is None:
-                    unreachable_since = now
-                waited = now - unreachable_since
-                if waited < self.master_retry_s and deadline is not None and now >= deadline:
-                    # e.g. REPLICA_IS_NOT_READY: a put of it is under way. Within
-                    # master_retry_s that is "not there yet", which a caller polling in
-                    # short slices (the KV manager) asks again for.
-                    raise TransferTimeout(
-                        f"{store_key!r} was not readable before the deadline ({error_name(code)}); "
-                        f"master {self.master_server_address}"
-                    )
-                if waited >= self.master_retry_s or (deadline is not None and now >= deadline):
-                    why = "the master is unreachable" if self._master_down() else "transient errors"
-                    raise TransferError(
-                        f"Mooncake get of {store_key!r} failed ({error_name(code)}): {why} "
-                        f"for {waited:.1f} s; master {self.master_server_address}"
-                    )
-                delay = max(delay, self.retry_backoff_s)
-            else:
+                return NOT_YET
+            if code not in TRANSIENT:
                 raise TransferError(f"Mooncake get of {store_key!r} failed: {error_name(code)}")
-            left = (deadline - now) if deadline is not None else delay
-            time.sleep(max(0.0, min(delay, left)))
-            delay = min(delay * 2, 0.02 if unreachable_since is None else 0.5)
+            now = time.monotonic()
+            unreachable_since = now if unreachable_since is None else unreachable_since
+            waited, late = now - unreachable_since, deadline is not None and now >= deadline
+            if waited < self.master_retry_s and late:
+                # e.g. REPLICA_IS_NOT_READY: a put of it is under way. Within master_retry_s
+                # that is "not there yet", which a caller polling in short slices (the KV
+                # manager) asks again for.
+                raise TransferTimeout(
+                    f"{store_key!r} was not readable before the deadline ({error_name(code)}); "
+                    f"master {self.master_server_address}"
+                )
+            if waited >= self.master_retry_s or late:
+                why = "the master is unreachable" if self._master_down() else "transient errors"
+                raise TransferError(
+                    f"Mooncake get of {store_key!r} failed ({error_name(code)}): {why} "
+                    f"for {waited:.1f} s; master {self.master_server_address}"
+                )
+            return Retry(floor=self.retry_backoff_s, cap=0.5, always=True)  # retried, deadline or not
+
+        return claim_until_deadline(
+            attempt,
+            deadline,
+            not_there=f"{store_key!r} did not appear in the Mooncake store "
+            f"(master {self.master_server_address}) before the deadline",
+            check_open=self._check_open,
+        )
 
     def renew(
         self, from_stage: int | str, to_stage: int | str, key: str, metadata: Mapping[str, Any] | None = None

@@ -16,7 +16,9 @@ path does (the decode side READs). On RDMA the read is one-sided: the sender's C
 involved in moving the bytes.
 
 **Control** (:mod:`~vllm_kvbridge.connectors.te_control`, a ZeroMQ ROUTER the sender owns,
-its address ``endpoint`` in the put metadata beside the engine's ``segment``): the receiver
+its address ``endpoint`` in the put metadata beside the engine's ``segment``; the sender's
+side is the one held table, :mod:`~vllm_kvbridge.connectors.held_table`, the receiver's the
+one claim loop, :meth:`~vllm_kvbridge.connectors.te_control.ControlClient.claim`): the receiver
 CLAIMs a key and gets ``(address, nbytes, lease)``; it reads; it sends DONE, and the sender
 returns the slab to its pool. A claimed key is invisible to other receivers (destructive
 read). The sender releases a slab when the receiver confirms, when an unclaimed key's
@@ -79,7 +81,6 @@ from vllm_kvbridge.errors import (
     PayloadError,
     TransferCorrupt,
     TransferError,
-    TransferRefused,
     TransferTimeout,
 )
 
@@ -344,33 +345,23 @@ class MooncakeTransferEngineConnector(Connector):
 
     def _claim(self, endpoint: str, key: str, deadline: float | None) -> tuple[int, int, int, int] | None:
         """``(address, nbytes, lease, lease_ms)`` of the claimed key, ``None`` if missing (no deadline)."""
-        request = [ctl.CLAIM, key.encode("ascii"), self._receiver_id, ctl.U64.pack(self.max_payload_bytes)]
-        delay = 0.001
-        while True:
-            wait_until = deadline if deadline is not None else time.monotonic() + self.request_timeout_s
-            asked = time.monotonic()
-            hold = ctl.hold_field(deadline)  # the sender answers when the key is put
-            answer = self._client.request(endpoint, request + hold, wait_until)
-            status = answer[0] if answer else b""
-            if status == ctl.OK and len(answer) == 5:
-                addr, nbytes, lease, lease_ms = (ctl.U64.unpack(a)[0] for a in answer[1:])
-                return addr, nbytes, lease, lease_ms
-            if status == ctl.TOOBIG:
-                raise TransferRefused(
-                    f"{key!r} at {endpoint} is {ctl.U64.unpack(answer[1])[0]} bytes, over "
-                    f"max_payload_bytes={self.max_payload_bytes}"
-                )
-            if status != ctl.MISSING:
-                raise TransferError(f"{endpoint} answered {answer!r} to a claim of {key!r}")
-            if deadline is None:
-                return None
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TransferTimeout(f"{key!r} was not available at {endpoint} before the deadline")
-            if not (hold and time.monotonic() - asked >= ctl.LONG_POLL_S / 2):  # not held: back off
-                time.sleep(min(delay, left))
-                delay = min(delay * 2, 0.02)
-            self._check_open()
+        answer = self._client.claim(
+            endpoint,
+            key,
+            self._claim_request(key),
+            deadline,  # the sender holds each request until the key is put
+            fields=4,
+            request_timeout_s=self.request_timeout_s,
+            max_payload_bytes=self.max_payload_bytes,
+            check_open=self._check_open,
+        )
+        if answer is None:
+            return None
+        addr, nbytes, lease, lease_ms = (ctl.U64.unpack(a)[0] for a in answer)
+        return addr, nbytes, lease, lease_ms
+
+    def _claim_request(self, key: str) -> list[bytes]:
+        return [ctl.CLAIM, key.encode("ascii"), self._receiver_id, ctl.U64.pack(self.max_payload_bytes)]
 
     def _read(
         self, endpoint: str, segment: str, key: str, addr: int, nbytes: int, lease: int, lease_ms: int
@@ -421,7 +412,7 @@ class MooncakeTransferEngineConnector(Connector):
         """Claim again (same receiver: same lease, new expiry); fails if the claim is gone."""
         with self._lock:
             self._counters["lease_renewals"] += 1
-        request = [ctl.CLAIM, key.encode("ascii"), self._receiver_id, ctl.U64.pack(self.max_payload_bytes)]
+        request = self._claim_request(key)
         answer = self._client.request(endpoint, request, time.monotonic() + self.request_timeout_s)
         if not answer or answer[0] != ctl.OK:
             raise TransferError(f"{key!r}: the claim at {endpoint} was lost during the read ({answer!r})")

@@ -13,7 +13,8 @@ under ``key``. The side channel is :class:`~vllm_kvbridge.connectors.te_control.
 ``PutResult.metadata["endpoint"]``, next to the agent name); its tick every 5 ms takes the
 agent's notifications and expires payloads.
 
-Receiver (:meth:`NixlConnector.get`): asks the side channel for ``key``. The answer claims
+Receiver (:meth:`NixlConnector.get`): asks the side channel for ``key`` (the pull connectors'
+one claim loop: :meth:`~vllm_kvbridge.connectors.te_control.ControlClient.claim`). The answer claims
 the payload for this receiver (a key is read once; the same receiver asking again gets the
 same claim) and gives ``(address, nbytes, lease left, token)`` plus the
 generation of the sender's registrations; the receiver (re)loads the sender's NIXL agent
@@ -22,7 +23,8 @@ pool with the token as the transfer's notification, and decodes them in place: t
 returned tensors are views of the slab, which goes back to the pool when the last of them
 is freed. When the notification arrives, the sender returns its slab to its pool.
 
-Lifetimes (nothing stays registered or held):
+Lifetimes (nothing stays registered or held; the sender's bookkeeping is the pull
+connectors' one held table, :mod:`~vllm_kvbridge.connectors.held_table`):
   * a published payload nobody claims is released after ``ttl_s``, unless a receiver still
     waiting for it RENEWs it (:meth:`NixlConnector.renew`): each renewal moves its expiry
     to ``lease_s`` from then; ``health()["expired"]`` counts those released unread this
@@ -102,7 +104,7 @@ from vllm_kvbridge.connectors.nixl_agent import (
     prepare_ucx_env,
 )
 from vllm_kvbridge.connectors.registered_pool import RegisteredBufferPool
-from vllm_kvbridge.connectors.te_control import LONG_POLL_S, RENEW, ControlClient, ControlServer, hold_field
+from vllm_kvbridge.connectors.te_control import RENEW, ControlClient, ControlServer
 from vllm_kvbridge.errors import (
     ConfigError,
     PayloadError,
@@ -377,37 +379,23 @@ class NixlConnector(Connector):
         return self._client.renew(str(endpoint), key, self.request_timeout_s)
 
     def _pull(self, endpoint: str, key: str, deadline: float | None) -> tuple[Any, int] | None:
-        delay = 0.001
+        # TransferError at once when the sender is gone (its port refuses connections),
+        # TransferTimeout when it does not answer in time. With a deadline the sender
+        # holds each request until the key is put (te_control's long poll).
         request = [_GET, key.encode("ascii"), self._receiver_id, _U64.pack(self.max_payload_bytes)]
-        while True:
-            wait_until = deadline if deadline is not None else time.monotonic() + self.request_timeout_s
-            # TransferError at once when the sender is gone (its port refuses connections),
-            # TransferTimeout when it does not answer by wait_until. With a deadline the
-            # sender holds the request until the key is put (te_control's long poll).
-            asked = time.monotonic()
-            hold = hold_field(deadline)
-            answer = self._client.request(endpoint, request + hold, wait_until)
-            status = answer[0] if answer else _BAD
-            if status == _OK and len(answer) == 8 and self._was_consumed(answer[7]):
-                status = _MISSING  # ours already; the sender has not seen our notification yet
-            elif status == _OK and len(answer) == 8:
-                return self._read_claimed(endpoint, key, answer[1:])
-            if status == _TOOBIG and len(answer) == 2:
-                raise TransferRefused(
-                    f"{key!r} at {endpoint} is {_u64(answer[1])} bytes, over "
-                    f"max_payload_bytes={self.max_payload_bytes}"
-                )
-            if status != _MISSING:
-                raise TransferError(f"{endpoint} answered {status!r} for {key!r}")
-            if deadline is None:
-                return None
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TransferTimeout(f"{key!r} was not available at {endpoint} before the deadline")
-            if not (hold and time.monotonic() - asked >= LONG_POLL_S / 2):  # not held: back off
-                time.sleep(min(delay, left))
-                delay = min(delay * 2, 0.02)
-            self._check_open()
+        answer = self._client.claim(
+            endpoint,
+            key,
+            request,
+            deadline,
+            fields=7,
+            request_timeout_s=self.request_timeout_s,
+            max_payload_bytes=self.max_payload_bytes,
+            check_open=self._check_open,
+            # Ours already (read to the end): the sender has not seen our notification yet.
+            taken=lambda answer: self._was_consumed(answer[7]),
+        )
+        return None if answer is None else self._read_claimed(endpoint, key, answer)
 
     def _read_claimed(self, endpoint: str, key: str, fields: list[bytes]) -> tuple[Any, int]:
         from vllm_kvbridge.wire import decode_packed
