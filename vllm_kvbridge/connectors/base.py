@@ -55,6 +55,13 @@ from typing import Any
 from vllm_kvbridge.connectors.held_table import Refusal
 from vllm_kvbridge.errors import ConfigError, ConnectorClosed
 
+#: A stage of the pipeline: its index, or its name (``from_stage`` / ``to_stage``).
+Stage = int | str
+#: What the receiver knows of a put: its ``PutResult.metadata`` (None: nothing).
+Meta = Mapping[str, Any] | None
+#: A get's deadline, a ``time.monotonic()`` value (None: ask once).
+Due = float | None
+
 
 @dataclass(frozen=True)
 class PutResult:
@@ -111,8 +118,8 @@ class HeapReservation(Reservation):
     def __init__(
         self,
         connector: Connector | Callable[[], Connector],
-        from_stage: int | str,
-        to_stage: int | str,
+        from_stage: Stage,
+        to_stage: Stage,
         key: str,
         nbytes: int,
         *,
@@ -248,6 +255,19 @@ def number_option(config: Mapping[str, Any], name: str, default: float, kind: ty
     return kind(value)
 
 
+def choice_option(
+    config: Mapping[str, Any], name: str, choices: tuple[str, ...], *, lower: bool = True
+) -> str:
+    """``config[name]`` (else ``choices[0]``, the default; lowercased unless ``lower`` is
+    False), one of ``choices``; ConfigError naming the option and its choices."""
+    value = str(config.get(name, choices[0]))
+    value = value.lower() if lower else value
+    if value not in choices:
+        allowed = " or ".join(", ".join(repr(c) for c in choices).rsplit(", ", 1))
+        raise ConfigError(f"connector option {name!r} must be {allowed}, got {value!r}")
+    return value
+
+
 _SIZE = re.compile(r"\s*(\d+)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
 _UNITS = {
     "": 1,
@@ -310,24 +330,16 @@ class Connector(ABC):
 
     # -- the contract -------------------------------------------------------------------
     @abstractmethod
-    def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
+    def put(self, from_stage: Stage, to_stage: Stage, key: str, payload: Any) -> PutResult:
         """Make ``payload`` available to ``to_stage`` under ``key``."""
 
     @abstractmethod
     def get(
-        self,
-        from_stage: int | str,
-        to_stage: int | str,
-        key: str,
-        metadata: Mapping[str, Any] | None = None,
-        *,
-        deadline: float | None = None,
+        self, from_stage: Stage, to_stage: Stage, key: str, metadata: Meta = None, *, deadline: Due = None
     ) -> Any | None:
         """Return the payload stored under ``key`` (see the module docstring for semantics)."""
 
-    def reserve(
-        self, from_stage: int | str, to_stage: int | str, key: str, nbytes: int
-    ) -> Reservation | PutResult:
+    def reserve(self, from_stage: Stage, to_stage: Stage, key: str, nbytes: int) -> Reservation | PutResult:
         """Sender side: a destination for a packed payload of ``nbytes`` to publish under
         ``key`` (see :class:`Reservation`), or, when none can be had now, the refused
         put's :class:`PutResult` (``full``: room comes back as receivers read; never waits).
@@ -338,7 +350,7 @@ class Connector(ABC):
         self._check_key(key)
         return HeapReservation(self, from_stage, to_stage, key, nbytes)
 
-    def _put_reserved(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
+    def _put_reserved(self, from_stage: Stage, to_stage: Stage, key: str, payload: Any) -> PutResult:
         """A put as reserve + pack + publish, for a connector whose :meth:`reserve` lends its
         own memory (a :class:`LentReservation`): one implementation of both paths. A refused
         put holds nothing afterwards."""
@@ -356,9 +368,7 @@ class Connector(ABC):
             del enc
             reservation.release()  # a no-op once published
 
-    def renew(
-        self, from_stage: int | str, to_stage: int | str, key: str, metadata: Mapping[str, Any] | None = None
-    ) -> bool:
+    def renew(self, from_stage: Stage, to_stage: Stage, key: str, metadata: Meta = None) -> bool:
         """Receiver side: ask the sender to keep ``key`` for its ``lease_s`` from now (see the
         module docstring). False: the sender does not hold it. This default is for a
         connector without leases (its payloads live ``ttl_s``): it renews nothing."""
@@ -398,7 +408,7 @@ class Connector(ABC):
         return dict(config)
 
     @classmethod
-    def reap_dead(cls, config: Mapping[str, Any], from_stage: int | str, to_stage: int | str) -> list[str]:
+    def reap_dead(cls, config: Mapping[str, Any], from_stage: Stage, to_stage: Stage) -> list[str]:
         """Remove the named OS resources (files, segments) that processes which are gone left
         on the edge ``from_stage -> to_stage`` with this ``config``; return their names.
 

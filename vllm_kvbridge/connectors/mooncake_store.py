@@ -41,7 +41,7 @@ Failures:
   * master or metadata server unreachable at construction: :class:`TransferError` within
     ``connect_timeout_s`` (their ports are probed before Mooncake's ``setup``, which holds
     the GIL and retries for ~90 s; ``setup_check: subprocess`` also bounds a port that
-    accepts connections but never answers, see :meth:`MooncakeStoreConnector._connect`);
+    accepts connections but never answers, see :func:`~vllm_kvbridge.connectors.mooncake_setup.setup_store`);
   * transient errors (RPC failure, transfer failure, replica not ready) are retried with
     exponential backoff; while the master is unreachable an operation waits at most
     ``master_retry_s`` for it to come back, then ``put`` returns ``ok=False`` and ``get``
@@ -84,13 +84,16 @@ from vllm_kvbridge.connectors import te_control as ctl
 from vllm_kvbridge.connectors.base import (
     DEFAULT_LEASE_S,
     Connector,
+    Due,
     LentReservation,
+    Meta,
     PutResult,
+    Stage,
+    choice_option,
     number_option,
     parse_size,
 )
-from vllm_kvbridge.connectors.claim_loop import MISSING as NOT_YET
-from vllm_kvbridge.connectors.claim_loop import Retry, claim_until_deadline
+from vllm_kvbridge.connectors.claim_loop import claim_until_deadline
 from vllm_kvbridge.connectors.held_table import HeldTable
 from vllm_kvbridge.connectors.mooncake_setup import (
     MASTER_UNREACHABLE,
@@ -99,11 +102,14 @@ from vllm_kvbridge.connectors.mooncake_setup import (
     OBJECT_NOT_FOUND,
     OK,
     TRANSIENT,
+    GetPolicy,
     error_name,
+    get_retry,
     host_port,
     put_error,
     put_placed,
     read_object,
+    remove_keys,
     replicate_configs,
     retry_transient,
     setup_store,
@@ -165,18 +171,14 @@ class MooncakeStoreConnector(Connector):
             cfg.get("global_segment_size", 512 << 20), "global_segment_size"
         )
         self.local_buffer_size = parse_size(cfg.get("local_buffer_size", 16 << 20), "local_buffer_size")
-        self.protocol = str(cfg.get("protocol", "tcp")).lower()
-        if self.protocol not in ("tcp", "rdma"):
-            raise ConfigError(f"connector option 'protocol' must be 'tcp' or 'rdma', got {self.protocol!r}")
+        self.protocol = choice_option(cfg, "protocol", ("tcp", "rdma"))
         self.device_name = str(cfg.get("device_name", "") or "")
         self.namespace = str(cfg.get("namespace", "kvbridge"))
         if not _NAMESPACE.fullmatch(self.namespace):
             raise ConfigError(
                 f"connector option 'namespace' must match [A-Za-z0-9_-]{{1,64}}, got {self.namespace!r}"
             )
-        self.pin = str(cfg.get("pin", "hard")).lower()
-        if self.pin not in ("none", "soft", "hard"):
-            raise ConfigError(f"connector option 'pin' must be 'none', 'soft' or 'hard', got {self.pin!r}")
+        self.pin = choice_option(cfg, "pin", ("hard", "none", "soft"))
         self.ttl_s = number_option(cfg, "ttl_s", 300.0)
         self.lease_s = number_option(cfg, "lease_s", DEFAULT_LEASE_S)
         self._table.set_limits(self.ttl_s, self.lease_s, None)
@@ -187,13 +189,12 @@ class MooncakeStoreConnector(Connector):
         self.retry_backoff_s = number_option(cfg, "retry_backoff_s", 0.05)
         self.master_retry_s = number_option(cfg, "master_retry_s", 5.0)
         self.connect_timeout_s = number_option(cfg, "connect_timeout_s", 10.0)
-        self.setup_check = str(cfg.get("setup_check", "port"))
-        if self.setup_check not in ("port", "subprocess"):
-            raise ConfigError(
-                f"connector option 'setup_check' must be 'port' or 'subprocess', got {self.setup_check!r}"
-            )
+        self.setup_check = choice_option(cfg, "setup_check", ("port", "subprocess"), lower=False)
         self.buffer_pool_bytes = parse_size(cfg.get("buffer_pool_bytes", 512 << 20), "buffer_pool_bytes")
         self._limits = cfg.get("limits")
+        self._get_policy = GetPolicy(
+            self.retry_backoff_s, self.master_retry_s, self.master_server_address, self._master_down
+        )
         host_port(self.master_server_address, "master_server_address")  # checked before any setup
 
         try:
@@ -207,20 +208,6 @@ class MooncakeStoreConnector(Connector):
             hasattr(store, n) for n in ("put_from", "get_into", "register_buffer", "unregister_buffer")
         )
 
-        self._connect(store)
-        self.hostname = str(store.get_hostname())
-        # A hard pin only where the object goes with this client (mooncake_setup: "Pinning").
-        local = self.prefer_local_segment and self.global_segment_size > 0
-        self._replicates = replicate_configs(self.pin, self.soft_pin_ttl_ms, self.hostname if local else None)
-        self.stats.add(spilled=0, expired=0)  # shown in health() from the start
-        self._pool = (
-            RegisteredBufferPool(store.register_buffer, store.unregister_buffer, self.buffer_pool_bytes)
-            if self.zero_copy
-            else None
-        )
-
-    # -- setup --------------------------------------------------------------------------
-    def _connect(self, store: Any) -> None:
         setup_store(
             store,
             local_hostname=self.local_hostname,
@@ -234,6 +221,14 @@ class MooncakeStoreConnector(Connector):
             setup_check=self.setup_check,
         )
         self._store = store
+        self.hostname = str(store.get_hostname())
+        # A hard pin only where the object goes with this client (mooncake_setup: "Pinning").
+        local = self.prefer_local_segment and self.global_segment_size > 0
+        self._replicates = replicate_configs(self.pin, self.soft_pin_ttl_ms, self.hostname if local else None)
+        self.stats.add(spilled=0, expired=0)  # shown in health() from the start
+        if self.zero_copy:
+            register = (store.register_buffer, store.unregister_buffer)
+            self._pool = RegisteredBufferPool(*register, self.buffer_pool_bytes)
 
     # -- keys ---------------------------------------------------------------------------
     def store_key(self, key: str, namespace: str | None = None) -> str:
@@ -259,7 +254,7 @@ class MooncakeStoreConnector(Connector):
         )
 
     # -- sender -------------------------------------------------------------------------
-    def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
+    def put(self, from_stage: Stage, to_stage: Stage, key: str, payload: Any) -> PutResult:
         """Store ``payload`` under ``key``; the receiver finds it with ``metadata``.
 
         Returns ``ok=False`` with ``error`` (never raises for transport failures) when the
@@ -271,7 +266,7 @@ class MooncakeStoreConnector(Connector):
         self.store_key(key)
         return self._put_reserved(from_stage, to_stage, key, payload)
 
-    def reserve(self, from_stage: int | str, to_stage: int | str, key: str, nbytes: int) -> Any:
+    def reserve(self, from_stage: Stage, to_stage: Stage, key: str, nbytes: int) -> Any:
         """A buffer registered with the store (a slab of the pool) to write a packed payload
         of ``nbytes`` into; publishing puts it from there (``put_from``, no further copy).
         See :class:`~vllm_kvbridge.connectors.base.Reservation`."""
@@ -389,13 +384,7 @@ class MooncakeStoreConnector(Connector):
 
     # -- receiver -----------------------------------------------------------------------
     def get(
-        self,
-        from_stage: int | str,
-        to_stage: int | str,
-        key: str,
-        metadata: Mapping[str, Any] | None = None,
-        *,
-        deadline: float | None = None,
+        self, from_stage: Stage, to_stage: Stage, key: str, metadata: Meta = None, *, deadline: Due = None
     ) -> Any | None:
         """Read and remove ``key`` (namespace from ``metadata``, else this connector's).
 
@@ -406,6 +395,8 @@ class MooncakeStoreConnector(Connector):
         object exceeds ``max_payload_bytes``, :class:`TransferCorrupt` when it does not
         decode (the object is removed either way).
         """
+        from vllm_kvbridge.wire import decode_packed
+
         self._check_open()
         store_key = self._receiver_key(key, metadata)
         start = time.perf_counter()
@@ -414,7 +405,10 @@ class MooncakeStoreConnector(Connector):
             if buffer is None:
                 self.stats.add(get_misses=1)
                 return None
-            payload = self._decode(store_key, buffer)
+            try:
+                payload = decode_packed(buffer, limits=self._limits, copy=False)
+            except PayloadError as exc:
+                raise TransferCorrupt(f"{store_key!r} does not decode: {exc}") from exc
         except TransferTimeout:
             self.stats.add(timeouts=1)
             raise
@@ -446,29 +440,10 @@ class MooncakeStoreConnector(Connector):
             elif code == 0:  # the codec never writes an empty object
                 self._remove(store_key)
                 raise TransferCorrupt(f"{store_key!r} is an empty object")
-            if code == OBJECT_NOT_FOUND:
-                unreachable_since = None
-                return NOT_YET
-            if code not in TRANSIENT:
-                raise TransferError(f"Mooncake get of {store_key!r} failed: {error_name(code)}")
             now = time.monotonic()
-            unreachable_since = now if unreachable_since is None else unreachable_since
-            waited, late = now - unreachable_since, deadline is not None and now >= deadline
-            if waited < self.master_retry_s and late:
-                # e.g. REPLICA_IS_NOT_READY: a put of it is under way. Within master_retry_s
-                # that is "not there yet", which a caller polling in short slices (the KV
-                # manager) asks again for.
-                raise TransferTimeout(
-                    f"{store_key!r} was not readable before the deadline ({error_name(code)}); "
-                    f"master {self.master_server_address}"
-                )
-            if waited >= self.master_retry_s or late:
-                why = "the master is unreachable" if self._master_down() else "transient errors"
-                raise TransferError(
-                    f"Mooncake get of {store_key!r} failed ({error_name(code)}): {why} "
-                    f"for {waited:.1f} s; master {self.master_server_address}"
-                )
-            return Retry(floor=self.retry_backoff_s, cap=0.5, always=True)  # retried, deadline or not
+            unreachable_since = None if code == OBJECT_NOT_FOUND else unreachable_since or now
+            late = deadline is not None and now >= deadline
+            return get_retry(code, store_key, now - (unreachable_since or now), late, self._get_policy)
 
         return claim_until_deadline(
             attempt,
@@ -478,9 +453,7 @@ class MooncakeStoreConnector(Connector):
             check_open=self._check_open,
         )
 
-    def renew(
-        self, from_stage: int | str, to_stage: int | str, key: str, metadata: Mapping[str, Any] | None = None
-    ) -> bool:
+    def renew(self, from_stage: Stage, to_stage: Stage, key: str, metadata: Meta = None) -> bool:
         """Ask the sender (``metadata["control"]``) to keep ``key`` for its ``lease_s`` from now.
 
         False: the sender does not track the key, or ``metadata`` names no control endpoint
@@ -501,19 +474,10 @@ class MooncakeStoreConnector(Connector):
             client = self._client
         return client.renew(endpoint, store_key, _RENEW_TIMEOUT_S)
 
-    def _decode(self, store_key: str, buffer: Any) -> Any:
-        from vllm_kvbridge.wire import decode_packed
-
-        try:
-            return decode_packed(buffer, limits=self._limits, copy=False)
-        except PayloadError as exc:
-            raise TransferCorrupt(f"{store_key!r} does not decode: {exc}") from exc
-
     # -- removal ------------------------------------------------------------------------
     def _remove(self, store_key: str) -> bool:
         """Remove an object (``force``: skip the lease a fresh put or get grants). True if gone."""
-        code = self._store.remove(store_key, True)
-        return code in (OK, OBJECT_NOT_FOUND)
+        return self._store.remove(store_key, True) in (OK, OBJECT_NOT_FOUND)
 
     def _consumed(self, store_key: str) -> bool:
         """Remove what a get read; False when it was gone (a read is not atomic with its
@@ -566,11 +530,9 @@ class MooncakeStoreConnector(Connector):
                 return
             retry = list(self._pending_removals)
         expired = [held.key for held in self._table.sweep()]
-        if live := self._table.keys():
-            # Keys the receiver consumed need no removal at close: stop tracking them.
-            for k, e in zip(live, self._store.batch_is_exist(live)):
-                if e == 0:
-                    self._table.drop(k)
+        if live := self._table.keys():  # forget keys consumed: no removal at close
+            for k in [k for k, e in zip(live, self._store.batch_is_exist(live)) if e == 0]:
+                self._table.drop(k)
         codes = [self._store.remove(k, True) for k in expired]
         self.stats.add(expired=codes.count(OK))  # OBJECT_NOT_FOUND: read meanwhile
         removed = [k for k in retry if self._remove(k)]
@@ -581,7 +543,6 @@ class MooncakeStoreConnector(Connector):
 
     # -- status / close -----------------------------------------------------------------
     def health(self) -> dict[str, Any]:
-        published = self._table.counts()["held"]
         with self._lock:
             pending = len(self._pending_removals)
         status = {
@@ -591,7 +552,7 @@ class MooncakeStoreConnector(Connector):
             "protocol": self.protocol,
             "namespace": self.namespace,
             "zero_copy": self.zero_copy,
-            "published": published,
+            "published": self._table.counts()["held"],
             "pending_removals": pending,
             "pooled_buffer_bytes": self._pool.pooled_bytes if self._pool is not None else 0,
             # slabs registered so far and lent now: a steady stream of puts or gets reuses
@@ -627,10 +588,7 @@ class MooncakeStoreConnector(Connector):
             keys = tracked | self._pending_removals
             self._pending_removals.clear()
         if keys and not self._master_down():
-            codes = store.batch_remove(sorted(keys), True)
-            leftover = [k for k, c in zip(sorted(keys), codes) if c not in (OK, OBJECT_NOT_FOUND)]
-            for k in leftover:
-                store.remove(k, True)
+            remove_keys(store, sorted(keys))
         if self._pool is not None:
             self._pool.close()
         store.close()

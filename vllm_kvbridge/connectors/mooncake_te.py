@@ -69,15 +69,18 @@ from vllm_kvbridge.connectors import te_control as ctl
 from vllm_kvbridge.connectors.base import (
     DEFAULT_LEASE_S,
     Connector,
+    Due,
     LentReservation,
+    Meta,
     PutResult,
+    Stage,
+    choice_option,
     number_option,
     offset_port,
 )
 from vllm_kvbridge.connectors.held_table import Held, HeldTable
 from vllm_kvbridge.connectors.registered_pool import RegisteredBufferPool
 from vllm_kvbridge.errors import (
-    ConfigError,
     PayloadError,
     TransferCorrupt,
     TransferError,
@@ -130,9 +133,7 @@ class MooncakeTransferEngineConnector(Connector):
         self.local_hostname = str(cfg.get("local_hostname", "127.0.0.1"))
         self.host = str(cfg.get("host", self.local_hostname))
         self.control_port = number_option(cfg, "control_port", 0, int)
-        self.protocol = str(cfg.get("protocol", "tcp")).lower()
-        if self.protocol not in ("tcp", "rdma"):
-            raise ConfigError(f"connector option 'protocol' must be 'tcp' or 'rdma', got {self.protocol!r}")
+        self.protocol = choice_option(cfg, "protocol", ("tcp", "rdma"))
         self.device_name = str(cfg.get("device_name", "") or "")
         self.ttl_s = number_option(cfg, "ttl_s", 300.0)
         self.lease_s = number_option(cfg, "lease_s", DEFAULT_LEASE_S)
@@ -187,7 +188,7 @@ class MooncakeTransferEngineConnector(Connector):
         what every put's metadata holds besides the size, the same for every key."""
         return {"endpoint": self._ensure_server(), "segment": self.segment, "lease_s": self.lease_s}
 
-    def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
+    def put(self, from_stage: Stage, to_stage: Stage, key: str, payload: Any) -> PutResult:
         """Pack ``payload`` into a registered slab and hold it under ``key`` for a receiver.
 
         The payload is copied (once): the caller may reuse its tensors when this returns.
@@ -198,7 +199,7 @@ class MooncakeTransferEngineConnector(Connector):
         self._check_key(key)
         return self._put_reserved(from_stage, to_stage, key, payload)
 
-    def reserve(self, from_stage: int | str, to_stage: int | str, key: str, nbytes: int) -> Any:
+    def reserve(self, from_stage: Stage, to_stage: Stage, key: str, nbytes: int) -> Any:
         """A registered slab to write a packed payload of ``nbytes`` into; publishing holds
         it for receivers to read one-sided (no further copy). Counts against
         ``max_held_bytes`` from now. See :class:`~vllm_kvbridge.connectors.base.Reservation`."""
@@ -293,13 +294,7 @@ class MooncakeTransferEngineConnector(Connector):
 
     # -- receiver -----------------------------------------------------------------------
     def get(
-        self,
-        from_stage: int | str,
-        to_stage: int | str,
-        key: str,
-        metadata: Mapping[str, Any] | None = None,
-        *,
-        deadline: float | None = None,
+        self, from_stage: Stage, to_stage: Stage, key: str, metadata: Meta = None, *, deadline: Due = None
     ) -> Any | None:
         """Claim ``key`` at the sender in ``metadata``, read it, confirm, decode in place.
 
@@ -331,9 +326,7 @@ class MooncakeTransferEngineConnector(Connector):
         self.stats.add(gets=1, get_bytes=nbytes, get_seconds=time.perf_counter() - start)
         return payload
 
-    def renew(
-        self, from_stage: int | str, to_stage: int | str, key: str, metadata: Mapping[str, Any] | None = None
-    ) -> bool:
+    def renew(self, from_stage: Stage, to_stage: Stage, key: str, metadata: Meta = None) -> bool:
         """RENEW ``key`` at the sender in ``metadata`` (see the module docstring): True while it
         holds the key, False once not; :class:`TransferError` past ``request_timeout_s``."""
         self._check_open()

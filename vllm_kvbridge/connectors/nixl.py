@@ -87,8 +87,11 @@ import zmq
 from vllm_kvbridge.connectors.base import (
     DEFAULT_LEASE_S,
     Connector,
+    Due,
     LentReservation,
+    Meta,
     PutResult,
+    Stage,
     number_option,
     offset_port,
     parse_size,
@@ -214,7 +217,7 @@ class NixlConnector(Connector):
         what every put's metadata holds, the same for every key."""
         return {"endpoint": self._ensure_server(), "agent": self._agent.name, "lease_s": self.lease_s}
 
-    def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
+    def put(self, from_stage: Stage, to_stage: Stage, key: str, payload: Any) -> PutResult:
         """Pack ``payload`` into a registered slab and publish it under ``key``.
 
         The payload is copied once: the caller may reuse its tensors when this returns.
@@ -224,7 +227,7 @@ class NixlConnector(Connector):
         self._check_key(key)
         return self._put_reserved(from_stage, to_stage, key, payload)
 
-    def reserve(self, from_stage: int | str, to_stage: int | str, key: str, nbytes: int) -> Any:
+    def reserve(self, from_stage: Stage, to_stage: Stage, key: str, nbytes: int) -> Any:
         """A registered slab to write a packed payload of ``nbytes`` into; publishing holds
         it for receivers to READ (no further copy). Counts against ``max_held_bytes`` from
         now. See :class:`~vllm_kvbridge.connectors.base.Reservation`."""
@@ -325,13 +328,7 @@ class NixlConnector(Connector):
 
     # -- receiver -----------------------------------------------------------------------
     def get(
-        self,
-        from_stage: int | str,
-        to_stage: int | str,
-        key: str,
-        metadata: Mapping[str, Any] | None = None,
-        *,
-        deadline: float | None = None,
+        self, from_stage: Stage, to_stage: Stage, key: str, metadata: Meta = None, *, deadline: Due = None
     ) -> Any | None:
         """Claim ``key`` at the sender in ``metadata``, READ it and decode it in place.
 
@@ -364,9 +361,7 @@ class NixlConnector(Connector):
         self.stats.add(gets=1, get_bytes=nbytes, get_seconds=time.perf_counter() - start)
         return payload
 
-    def renew(
-        self, from_stage: int | str, to_stage: int | str, key: str, metadata: Mapping[str, Any] | None = None
-    ) -> bool:
+    def renew(self, from_stage: Stage, to_stage: Stage, key: str, metadata: Meta = None) -> bool:
         """RENEW ``key`` at the sender in ``metadata`` (see the module docstring): True while it
         holds the key, False once not; :class:`TransferError` past ``request_timeout_s``."""
         self._check_open()

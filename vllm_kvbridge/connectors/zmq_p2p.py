@@ -81,8 +81,11 @@ from vllm_kvbridge.connectors import zmq_server
 from vllm_kvbridge.connectors.base import (
     DEFAULT_LEASE_S,
     Connector,
+    Due,
     HeapReservation,
+    Meta,
     PutResult,
+    Stage,
     number_option,
     offset_port,
 )
@@ -177,7 +180,7 @@ class ZmqConnector(Connector):
         return offset_port(config, "port", rank)
 
     # -- sender -------------------------------------------------------------------------
-    def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
+    def put(self, from_stage: Stage, to_stage: Stage, key: str, payload: Any) -> PutResult:
         """Keep ``payload`` in memory under ``key`` and serve it until claimed or expired.
 
         The payload's tensors are referenced, not copied: do not modify them until the
@@ -191,7 +194,7 @@ class ZmqConnector(Connector):
         self._check_key(key)
         return self._hold(key, list(encode(payload).frames()), time.perf_counter())
 
-    def reserve(self, from_stage: int | str, to_stage: int | str, key: str, nbytes: int) -> Any:
+    def reserve(self, from_stage: Stage, to_stage: Stage, key: str, nbytes: int) -> Any:
         """A host buffer of this process to write a packed payload into; publishing serves
         its frames as views of it (no further copy before the socket). Buffers are pooled
         (``pool_keep_bytes``): one returns when the receiver confirmed its payload (or it
@@ -256,13 +259,7 @@ class ZmqConnector(Connector):
 
     # -- receiver -----------------------------------------------------------------------
     def get(
-        self,
-        from_stage: int | str,
-        to_stage: int | str,
-        key: str,
-        metadata: Mapping[str, Any] | None = None,
-        *,
-        deadline: float | None = None,
+        self, from_stage: Stage, to_stage: Stage, key: str, metadata: Meta = None, *, deadline: Due = None
     ) -> Any | None:
         """Pull ``key`` from the endpoint in ``metadata`` (or config ``endpoint``).
 
@@ -310,9 +307,7 @@ class ZmqConnector(Connector):
             )
         return str(endpoint), server_key
 
-    def renew(
-        self, from_stage: int | str, to_stage: int | str, key: str, metadata: Mapping[str, Any] | None = None
-    ) -> bool:
+    def renew(self, from_stage: Stage, to_stage: Stage, key: str, metadata: Meta = None) -> bool:
         """Ask the sender to hold ``key`` for its ``lease_s``; TransferError without an answer
         within ``request_timeout_s``."""
         endpoint, server_key = self._peer(key, metadata)
