@@ -52,8 +52,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_kvbridge.connectors.held_table import Refusal
-from vllm_kvbridge.errors import ConfigError, ConnectorClosed
+from vllm_kvbridge.connectors.held_table import HeldTable, Refusal
+from vllm_kvbridge.connectors.registered_pool import RegisteredBufferPool
+from vllm_kvbridge.errors import ConfigError, ConnectorClosed, TransferError
 
 #: A stage of the pipeline: its index, or its name (``from_stage`` / ``to_stage``).
 Stage = int | str
@@ -442,6 +443,45 @@ class Connector(ABC):
         """A put the held table refused (:mod:`~vllm_kvbridge.connectors.held_table`): full
         when room may come back, failed otherwise."""
         return self._put_full(refusal.why) if refusal.full else self._put_failed(refusal.why)
+
+    def _reserve_slab(
+        self,
+        table: HeldTable[Any],
+        pool: RegisteredBufferPool,
+        key: str,
+        nbytes: int,
+        endpoint: Callable[[], str],
+    ) -> Reservation | PutResult:
+        """A slab of the registered ``pool`` to pack ``nbytes`` into, to be held under ``key``
+        (``LentReservation.lent`` is ``(slab, endpoint())``: where receivers claim it);
+        counted in ``table`` before the copy, so concurrent puts respect its byte budget.
+        The refusal instead (too big, key held, full, no registered memory)."""
+        self._check_open()
+        self._check_key(key)
+        if (refused := self._refuse_oversize(nbytes)) is not None:
+            return refused
+        where = endpoint()
+        if (refused := table.reserve(key, nbytes)) is not None:
+            return self._put_refused(refused)
+        try:
+            slab, _ = pool.acquire(nbytes)
+        except TransferError as exc:
+            table.unreserve(key)
+            return self._put_failed(f"no registered memory for {nbytes} bytes: {exc}")
+        return LentReservation(self, key, nbytes, memoryview(slab)[:nbytes], (slab, where))
+
+    def _publish_slab(self, table: HeldTable[Any], r: LentReservation) -> PutResult | None:
+        """Hold the written slab of ``r`` (:meth:`_reserve_slab`) in ``table``: None, or the failure."""
+        if table.publish(r.key, r.lent[0]):
+            return None
+        return self._put_failed(
+            f"{self.name} closed during put" if self._closed else f"key {r.key!r} is already held"
+        )
+
+    def _release_slab(self, table: HeldTable[Any], pool: RegisteredBufferPool, r: LentReservation) -> None:
+        """A reservation of :meth:`_reserve_slab` ends unpublished: its slab and bytes go back."""
+        pool.release(r.lent[0])
+        table.unreserve(r.key)
 
     def _refuse_oversize(self, nbytes: int) -> PutResult | None:
         """The refusal of a payload over this connector's ``max_payload_bytes``, else None."""

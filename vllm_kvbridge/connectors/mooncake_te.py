@@ -203,27 +203,13 @@ class MooncakeTransferEngineConnector(Connector):
         """A registered slab to write a packed payload of ``nbytes`` into; publishing holds
         it for receivers to read one-sided (no further copy). Counts against
         ``max_held_bytes`` from now. See :class:`~vllm_kvbridge.connectors.base.Reservation`."""
-        self._check_open()
-        self._check_key(key)
-        if (refused := self._refuse_oversize(nbytes)) is not None:
-            return refused
-        endpoint = self._ensure_server()
-        # Reserved before the copy, so concurrent puts respect max_held_bytes.
-        if (refused := self._table.reserve(key, nbytes)) is not None:
-            return self._put_refused(refused)
-        try:
-            slab, _ = self._pool.acquire(nbytes)
-        except TransferError as exc:
-            self._table.unreserve(key)
-            return self._put_failed(str(exc))
-        return LentReservation(self, key, nbytes, memoryview(slab)[:nbytes], (slab, endpoint))
+        return self._reserve_slab(self._table, self._pool, key, nbytes, self._ensure_server)
 
     def _publish_lent(self, r: LentReservation, start: float) -> PutResult:
         """Hold the written slab of ``r`` under its key for receivers (see :meth:`reserve`)."""
-        slab, endpoint = r.lent
-        if not self._table.publish(r.key, slab):
-            why = f"{self.name} closed during put" if self._closed else f"key {r.key!r} is already held"
-            return self._put_failed(why)
+        if (failed := self._publish_slab(self._table, r)) is not None:
+            return failed
+        endpoint = r.lent[1]
         with self._lock:
             server = self._server
         if server is not None:
@@ -242,8 +228,7 @@ class MooncakeTransferEngineConnector(Connector):
 
     def _release_lent(self, r: LentReservation) -> None:
         """An unpublished reservation ends: its slab and its held bytes go back."""
-        self._pool.release(r.lent[0])
-        self._table.unreserve(r.key)
+        self._release_slab(self._table, self._pool, r)
 
     def _ensure_server(self) -> str:
         with self._lock:

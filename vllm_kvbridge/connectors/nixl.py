@@ -231,27 +231,13 @@ class NixlConnector(Connector):
         """A registered slab to write a packed payload of ``nbytes`` into; publishing holds
         it for receivers to READ (no further copy). Counts against ``max_held_bytes`` from
         now. See :class:`~vllm_kvbridge.connectors.base.Reservation`."""
-        self._check_open()
-        self._check_key(key)
-        if (refused := self._refuse_oversize(nbytes)) is not None:
-            return refused
-        endpoint = self._ensure_server()
-        # Counted before the copy: concurrent puts respect max_held_bytes.
-        if (refused := self._table.reserve(key, nbytes)) is not None:
-            return self._put_refused(refused)
-        try:
-            slab, _ = self._pool.acquire(nbytes)
-        except TransferError as exc:
-            self._table.unreserve(key)
-            return self._put_failed(f"no registered memory for {nbytes} bytes: {exc}")
-        return LentReservation(self, key, nbytes, memoryview(slab)[:nbytes], (slab, endpoint))
+        return self._reserve_slab(self._table, self._pool, key, nbytes, self._ensure_server)
 
     def _publish_lent(self, r: LentReservation, start: float) -> PutResult:
         """Publish the written slab of ``r`` under its key (see :meth:`reserve`)."""
-        slab, endpoint = r.lent
-        if not self._table.publish(r.key, slab):
-            why = f"{self.name} closed during put" if self._closed else f"key {r.key!r} is already published"
-            return self._put_failed(why)
+        if (failed := self._publish_slab(self._table, r)) is not None:
+            return failed
+        endpoint = r.lent[1]
         self._control.key_put(r.key)  # receivers waiting for it get it now
         self.stats.add(puts=1, put_bytes=r.nbytes, put_seconds=time.perf_counter() - start)
         metadata = {"endpoint": endpoint, "agent": self._agent.name, "lease_s": self.lease_s}
@@ -259,8 +245,7 @@ class NixlConnector(Connector):
 
     def _release_lent(self, r: LentReservation) -> None:
         """An unpublished reservation ends: its slab and its reserved bytes go back."""
-        self._pool.release(r.lent[0])
-        self._table.unreserve(r.key)
+        self._release_slab(self._table, self._pool, r)
 
     def _ensure_server(self) -> str:
         with self._lock:
