@@ -52,7 +52,16 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_kvbridge.errors import ConfigError, ConnectorClosed
+from vllm_kvbridge.connectors.held_table import HeldTable, Refusal
+from vllm_kvbridge.connectors.registered_pool import RegisteredBufferPool
+from vllm_kvbridge.errors import ConfigError, ConnectorClosed, TransferError
+
+#: A stage of the pipeline: its index, or its name (``from_stage`` / ``to_stage``).
+Stage = int | str
+#: What the receiver knows of a put: its ``PutResult.metadata`` (None: nothing).
+Meta = Mapping[str, Any] | None
+#: A get's deadline, a ``time.monotonic()`` value (None: ask once).
+Due = float | None
 
 
 @dataclass(frozen=True)
@@ -110,8 +119,8 @@ class HeapReservation(Reservation):
     def __init__(
         self,
         connector: Connector | Callable[[], Connector],
-        from_stage: int | str,
-        to_stage: int | str,
+        from_stage: Stage,
+        to_stage: Stage,
         key: str,
         nbytes: int,
         *,
@@ -247,6 +256,19 @@ def number_option(config: Mapping[str, Any], name: str, default: float, kind: ty
     return kind(value)
 
 
+def choice_option(
+    config: Mapping[str, Any], name: str, choices: tuple[str, ...], *, lower: bool = True
+) -> str:
+    """``config[name]`` (else ``choices[0]``, the default; lowercased unless ``lower`` is
+    False), one of ``choices``; ConfigError naming the option and its choices."""
+    value = str(config.get(name, choices[0]))
+    value = value.lower() if lower else value
+    if value not in choices:
+        allowed = " or ".join(", ".join(repr(c) for c in choices).rsplit(", ", 1))
+        raise ConfigError(f"connector option {name!r} must be {allowed}, got {value!r}")
+    return value
+
+
 _SIZE = re.compile(r"\s*(\d+)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
 _UNITS = {
     "": 1,
@@ -309,24 +331,16 @@ class Connector(ABC):
 
     # -- the contract -------------------------------------------------------------------
     @abstractmethod
-    def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
+    def put(self, from_stage: Stage, to_stage: Stage, key: str, payload: Any) -> PutResult:
         """Make ``payload`` available to ``to_stage`` under ``key``."""
 
     @abstractmethod
     def get(
-        self,
-        from_stage: int | str,
-        to_stage: int | str,
-        key: str,
-        metadata: Mapping[str, Any] | None = None,
-        *,
-        deadline: float | None = None,
+        self, from_stage: Stage, to_stage: Stage, key: str, metadata: Meta = None, *, deadline: Due = None
     ) -> Any | None:
         """Return the payload stored under ``key`` (see the module docstring for semantics)."""
 
-    def reserve(
-        self, from_stage: int | str, to_stage: int | str, key: str, nbytes: int
-    ) -> Reservation | PutResult:
+    def reserve(self, from_stage: Stage, to_stage: Stage, key: str, nbytes: int) -> Reservation | PutResult:
         """Sender side: a destination for a packed payload of ``nbytes`` to publish under
         ``key`` (see :class:`Reservation`), or, when none can be had now, the refused
         put's :class:`PutResult` (``full``: room comes back as receivers read; never waits).
@@ -337,7 +351,7 @@ class Connector(ABC):
         self._check_key(key)
         return HeapReservation(self, from_stage, to_stage, key, nbytes)
 
-    def _put_reserved(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
+    def _put_reserved(self, from_stage: Stage, to_stage: Stage, key: str, payload: Any) -> PutResult:
         """A put as reserve + pack + publish, for a connector whose :meth:`reserve` lends its
         own memory (a :class:`LentReservation`): one implementation of both paths. A refused
         put holds nothing afterwards."""
@@ -355,9 +369,7 @@ class Connector(ABC):
             del enc
             reservation.release()  # a no-op once published
 
-    def renew(
-        self, from_stage: int | str, to_stage: int | str, key: str, metadata: Mapping[str, Any] | None = None
-    ) -> bool:
+    def renew(self, from_stage: Stage, to_stage: Stage, key: str, metadata: Meta = None) -> bool:
         """Receiver side: ask the sender to keep ``key`` for its ``lease_s`` from now (see the
         module docstring). False: the sender does not hold it. This default is for a
         connector without leases (its payloads live ``ttl_s``): it renews nothing."""
@@ -397,7 +409,7 @@ class Connector(ABC):
         return dict(config)
 
     @classmethod
-    def reap_dead(cls, config: Mapping[str, Any], from_stage: int | str, to_stage: int | str) -> list[str]:
+    def reap_dead(cls, config: Mapping[str, Any], from_stage: Stage, to_stage: Stage) -> list[str]:
         """Remove the named OS resources (files, segments) that processes which are gone left
         on the edge ``from_stage -> to_stage`` with this ``config``; return their names.
 
@@ -426,6 +438,50 @@ class Connector(ABC):
         failures, since the caller waits and puts again."""
         self.stats.add(put_full=1)
         return PutResult(ok=False, error=error, full=True)
+
+    def _put_refused(self, refusal: Refusal) -> PutResult:
+        """A put the held table refused (:mod:`~vllm_kvbridge.connectors.held_table`): full
+        when room may come back, failed otherwise."""
+        return self._put_full(refusal.why) if refusal.full else self._put_failed(refusal.why)
+
+    def _reserve_slab(
+        self,
+        table: HeldTable[Any],
+        pool: RegisteredBufferPool,
+        key: str,
+        nbytes: int,
+        endpoint: Callable[[], str],
+    ) -> Reservation | PutResult:
+        """A slab of the registered ``pool`` to pack ``nbytes`` into, to be held under ``key``
+        (``LentReservation.lent`` is ``(slab, endpoint())``: where receivers claim it);
+        counted in ``table`` before the copy, so concurrent puts respect its byte budget.
+        The refusal instead (too big, key held, full, no registered memory)."""
+        self._check_open()
+        self._check_key(key)
+        if (refused := self._refuse_oversize(nbytes)) is not None:
+            return refused
+        where = endpoint()
+        if (refused := table.reserve(key, nbytes)) is not None:
+            return self._put_refused(refused)
+        try:
+            slab, _ = pool.acquire(nbytes)
+        except TransferError as exc:
+            table.unreserve(key)
+            return self._put_failed(f"no registered memory for {nbytes} bytes: {exc}")
+        return LentReservation(self, key, nbytes, memoryview(slab)[:nbytes], (slab, where))
+
+    def _publish_slab(self, table: HeldTable[Any], r: LentReservation) -> PutResult | None:
+        """Hold the written slab of ``r`` (:meth:`_reserve_slab`) in ``table``: None, or the failure."""
+        if table.publish(r.key, r.lent[0]):
+            return None
+        return self._put_failed(
+            f"{self.name} closed during put" if self._closed else f"key {r.key!r} is already held"
+        )
+
+    def _release_slab(self, table: HeldTable[Any], pool: RegisteredBufferPool, r: LentReservation) -> None:
+        """A reservation of :meth:`_reserve_slab` ends unpublished: its slab and bytes go back."""
+        pool.release(r.lent[0])
+        table.unreserve(r.key)
 
     def _refuse_oversize(self, nbytes: int) -> PutResult | None:
         """The refusal of a payload over this connector's ``max_payload_bytes``, else None."""

@@ -85,7 +85,16 @@ from typing import Any
 
 import torch
 
-from vllm_kvbridge.connectors.base import Connector, PutResult, Reservation, number_option, parse_size
+from vllm_kvbridge.connectors.base import (
+    Connector,
+    Due,
+    Meta,
+    PutResult,
+    Reservation,
+    Stage,
+    number_option,
+    parse_size,
+)
 from vllm_kvbridge.connectors.cuda_ipc_devices import local_gpu_index
 from vllm_kvbridge.connectors.shm import SharedMemoryConnector
 from vllm_kvbridge.errors import ConfigError, TransferCorrupt, TransferRefused
@@ -120,8 +129,8 @@ class _Lent:
 
     buffer: torch.Tensor
     nbytes: int
-    from_stage: int | str
-    to_stage: int | str
+    from_stage: Stage
+    to_stage: Stage
     claimed_at: float = 0.0  # monotonic, when this side saw its control message was read
 
 
@@ -131,9 +140,7 @@ class DeviceReservation(Reservation):
     :func:`~vllm_kvbridge.wire.device_pack.pack_into_device`), and the writer calls
     :meth:`filled` with the head it returned, on the stream that wrote, before publishing."""
 
-    def __init__(
-        self, owner: CudaIpcConnector, from_stage: int | str, to_stage: int | str, key: str, nbytes: int
-    ):
+    def __init__(self, owner: CudaIpcConnector, from_stage: Stage, to_stage: Stage, key: str, nbytes: int):
         super().__init__(key, nbytes, torch.empty(max(nbytes, 1), dtype=torch.uint8, device=owner.device))  # type: ignore[arg-type]
         self._owner, self._stages = owner, (from_stage, to_stage)
         self._head: bytes | None = None
@@ -205,7 +212,7 @@ class CudaIpcConnector(Connector):
         self._streams: dict[int, torch.cuda.Stream] = {}  # the receiver's copy stream per device
 
     # -- sender ---------------------------------------------------------------------------
-    def reserve(self, from_stage: int | str, to_stage: int | str, key: str, nbytes: int) -> Any:
+    def reserve(self, from_stage: Stage, to_stage: Stage, key: str, nbytes: int) -> Any:
         self._check_open()
         self._check_key(key)
         if (refused := self._refuse_oversize(nbytes)) is not None:
@@ -226,7 +233,7 @@ class CudaIpcConnector(Connector):
             self._unreserve(nbytes)
             return self._put_full(f"no device memory for {nbytes} bytes now: {exc}")
 
-    def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
+    def put(self, from_stage: Stage, to_stage: Stage, key: str, payload: Any) -> PutResult:
         from vllm_kvbridge.wire import encode
         from vllm_kvbridge.wire.device_pack import pack_into_device
 
@@ -301,13 +308,7 @@ class CudaIpcConnector(Connector):
 
     # -- receiver -------------------------------------------------------------------------
     def get(
-        self,
-        from_stage: int | str,
-        to_stage: int | str,
-        key: str,
-        metadata: Mapping[str, Any] | None = None,
-        *,
-        deadline: float | None = None,
+        self, from_stage: Stage, to_stage: Stage, key: str, metadata: Meta = None, *, deadline: Due = None
     ) -> Any | None:
         """Open the sender's buffer, copy it device to device onto :attr:`device`,
         acknowledge, and decode the copy (tensors are views of it, on :attr:`device`)."""
@@ -409,15 +410,13 @@ class CudaIpcConnector(Connector):
     def receiver_metadata(self) -> dict[str, Any]:
         return self._control.receiver_metadata()
 
-    def renew(
-        self, from_stage: int | str, to_stage: int | str, key: str, metadata: Mapping[str, Any] | None = None
-    ) -> bool:
+    def renew(self, from_stage: Stage, to_stage: Stage, key: str, metadata: Meta = None) -> bool:
         """Receiver side: keep ``key``'s control message (and so its buffer) for a lease."""
         self._check_open()
         return self._control.renew(from_stage, to_stage, key, metadata)
 
     @classmethod
-    def reap_dead(cls, config: Mapping[str, Any], from_stage: int | str, to_stage: int | str) -> list[str]:
+    def reap_dead(cls, config: Mapping[str, Any], from_stage: Stage, to_stage: Stage) -> list[str]:
         control = {k: config[k] for k in ("namespace", "shm_dir") if k in config}
         forward = SharedMemoryConnector.reap_dead(control, from_stage, to_stage)
         return forward + SharedMemoryConnector.reap_dead(control, to_stage, from_stage)  # acknowledgements

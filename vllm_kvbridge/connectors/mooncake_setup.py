@@ -28,11 +28,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from vllm_kvbridge.connectors.claim_loop import MISSING, Retry
 from vllm_kvbridge.connectors.registered_pool import RegisteredBufferPool
-from vllm_kvbridge.errors import ConfigError, TransferError
+from vllm_kvbridge.errors import ConfigError, TransferError, TransferTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +131,48 @@ def retry_transient(
         attempt += 1
         time.sleep(delay)
         delay *= 2
+
+
+@dataclass(frozen=True)
+class GetPolicy:
+    """How a get rides out transient errors: ``backoff_s`` (first retry delay),
+    ``master_retry_s`` (how long it waits for the master), ``master`` (for messages) and
+    ``master_down`` (whether the master is unreachable now)."""
+
+    backoff_s: float
+    master_retry_s: float
+    master: str
+    master_down: Callable[[], bool]
+
+
+def get_retry(code: int, store_key: str, waited: float, late: bool, policy: GetPolicy) -> Retry:
+    """The claim loop's answer to a get of ``store_key`` that met ``code`` (not found, or
+    transient for ``waited`` seconds; ``late``: its deadline passed), or the error that ends it."""
+    if code == OBJECT_NOT_FOUND:
+        return MISSING
+    if code not in TRANSIENT:
+        raise TransferError(f"Mooncake get of {store_key!r} failed: {error_name(code)}")
+    if waited < policy.master_retry_s and late:
+        # e.g. REPLICA_IS_NOT_READY: a put of it is under way. Within master_retry_s that
+        # is "not there yet", which a caller polling in short slices (the KV manager) asks
+        # again for.
+        raise TransferTimeout(
+            f"{store_key!r} was not readable before the deadline ({error_name(code)}); master {policy.master}"
+        )
+    if waited >= policy.master_retry_s or late:
+        why = "the master is unreachable" if policy.master_down() else "transient errors"
+        raise TransferError(
+            f"Mooncake get of {store_key!r} failed ({error_name(code)}): {why} "
+            f"for {waited:.1f} s; master {policy.master}"
+        )
+    return Retry(floor=policy.backoff_s, cap=0.5, always=True)  # retried, deadline or not
+
+
+def remove_keys(store: Any, keys: list[str]) -> None:
+    """Remove ``keys`` (``force``: past any lease), each the batch could not once more."""
+    for key, code in zip(keys, store.batch_remove(keys, True)):
+        if code not in (OK, OBJECT_NOT_FOUND):
+            store.remove(key, True)
 
 
 def host_port(address: str, what: str) -> tuple[str, int]:

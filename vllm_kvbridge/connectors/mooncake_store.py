@@ -14,7 +14,8 @@ local write and the receiver pulls one hop. ``PutResult.metadata`` carries the s
 ``namespace``, the object's ``key`` and ``nbytes`` and the ``master`` address.
 
 Receiver (:meth:`MooncakeStoreConnector.get`): ``get_size`` (cheap master RPC; also the
-"not there yet" poll) then ``get_into`` a registered slab of the same pool, then
+"not there yet" poll, in the one claim loop :mod:`~vllm_kvbridge.connectors.claim_loop`)
+then ``get_into`` a registered slab of the same pool, then
 :func:`vllm_kvbridge.wire.decode_packed` over it without a copy. The returned tensors are
 views of the slab; it goes back to the pool when the last of them is freed (until then
 it is lent; beyond ``buffer_pool_bytes`` of slabs, one is unregistered and freed instead).
@@ -25,8 +26,9 @@ whose removal found it returns it).
 
 Lifetime of store keys (nothing is left in the store after a run):
   * a key is removed by the receiver once read; ``cleanup(key)`` removes it from either side;
-  * the sender tracks what it put: keys not consumed within ``ttl_s`` are removed by a
-    reaper thread (counted as ``expired``), and ``close()`` removes every key it still tracks;
+  * the sender tracks what it put (the one held table, :mod:`~vllm_kvbridge.connectors.held_table`):
+    keys not consumed within ``ttl_s`` are removed by a reaper thread (counted as
+    ``expired``), and ``close()`` removes every key it still tracks;
     a receiver's :meth:`~MooncakeStoreConnector.renew` (``RENEW`` to the sender's control
     server, :mod:`~vllm_kvbridge.connectors.te_control`, at ``metadata["control"]``) moves
     a tracked key's expiry to ``lease_s`` from then;
@@ -39,7 +41,7 @@ Failures:
   * master or metadata server unreachable at construction: :class:`TransferError` within
     ``connect_timeout_s`` (their ports are probed before Mooncake's ``setup``, which holds
     the GIL and retries for ~90 s; ``setup_check: subprocess`` also bounds a port that
-    accepts connections but never answers, see :meth:`MooncakeStoreConnector._connect`);
+    accepts connections but never answers, see :func:`~vllm_kvbridge.connectors.mooncake_setup.setup_store`);
   * transient errors (RPC failure, transfer failure, replica not ready) are retried with
     exponential backoff; while the master is unreachable an operation waits at most
     ``master_retry_s`` for it to come back, then ``put`` returns ``ok=False`` and ``get``
@@ -82,11 +84,17 @@ from vllm_kvbridge.connectors import te_control as ctl
 from vllm_kvbridge.connectors.base import (
     DEFAULT_LEASE_S,
     Connector,
+    Due,
     LentReservation,
+    Meta,
     PutResult,
+    Stage,
+    choice_option,
     number_option,
     parse_size,
 )
+from vllm_kvbridge.connectors.claim_loop import claim_until_deadline
+from vllm_kvbridge.connectors.held_table import HeldTable
 from vllm_kvbridge.connectors.mooncake_setup import (
     MASTER_UNREACHABLE,
     NO_AVAILABLE_HANDLE,
@@ -94,11 +102,14 @@ from vllm_kvbridge.connectors.mooncake_setup import (
     OBJECT_NOT_FOUND,
     OK,
     TRANSIENT,
+    GetPolicy,
     error_name,
+    get_retry,
     host_port,
     put_error,
     put_placed,
     read_object,
+    remove_keys,
     replicate_configs,
     retry_transient,
     setup_store,
@@ -141,11 +152,12 @@ class MooncakeStoreConnector(Connector):
         self._store: Any = None
         self._pool: RegisteredBufferPool | None = None
         self._lock = threading.Lock()
-        self._published: dict[str, float] = {}  # store key -> monotonic expiry (sender side)
+        # Sender side: the store keys it put (and puts under way), until read, cleaned up or
+        # expired; no byte budget (a full store answers full). Limits set below.
+        self._table: HeldTable[None] = HeldTable(0.0, 0.0)
         self._pending_removals: set[str] = set()  # read but not yet removed (receiver side)
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
-        self._inflight_puts: dict[str, int] = {}
         self._ctx: zmq.Context | None = None  # control channel: server (sender), client (receiver)
         self._server: ctl.ControlServer | None = None
         self._client: ctl.ControlClient | None = None
@@ -159,20 +171,17 @@ class MooncakeStoreConnector(Connector):
             cfg.get("global_segment_size", 512 << 20), "global_segment_size"
         )
         self.local_buffer_size = parse_size(cfg.get("local_buffer_size", 16 << 20), "local_buffer_size")
-        self.protocol = str(cfg.get("protocol", "tcp")).lower()
-        if self.protocol not in ("tcp", "rdma"):
-            raise ConfigError(f"connector option 'protocol' must be 'tcp' or 'rdma', got {self.protocol!r}")
+        self.protocol = choice_option(cfg, "protocol", ("tcp", "rdma"))
         self.device_name = str(cfg.get("device_name", "") or "")
         self.namespace = str(cfg.get("namespace", "kvbridge"))
         if not _NAMESPACE.fullmatch(self.namespace):
             raise ConfigError(
                 f"connector option 'namespace' must match [A-Za-z0-9_-]{{1,64}}, got {self.namespace!r}"
             )
-        self.pin = str(cfg.get("pin", "hard")).lower()
-        if self.pin not in ("none", "soft", "hard"):
-            raise ConfigError(f"connector option 'pin' must be 'none', 'soft' or 'hard', got {self.pin!r}")
+        self.pin = choice_option(cfg, "pin", ("hard", "none", "soft"))
         self.ttl_s = number_option(cfg, "ttl_s", 300.0)
         self.lease_s = number_option(cfg, "lease_s", DEFAULT_LEASE_S)
+        self._table.set_limits(self.ttl_s, self.lease_s, None)
         self.soft_pin_ttl_ms = number_option(cfg, "soft_pin_ttl_ms", max(1000, int(self.ttl_s * 1000)), int)
         self.prefer_local_segment = bool(cfg.get("prefer_local_segment", True))
         self.max_payload_bytes = parse_size(cfg.get("max_payload_bytes", 64 << 30), "max_payload_bytes")
@@ -180,13 +189,12 @@ class MooncakeStoreConnector(Connector):
         self.retry_backoff_s = number_option(cfg, "retry_backoff_s", 0.05)
         self.master_retry_s = number_option(cfg, "master_retry_s", 5.0)
         self.connect_timeout_s = number_option(cfg, "connect_timeout_s", 10.0)
-        self.setup_check = str(cfg.get("setup_check", "port"))
-        if self.setup_check not in ("port", "subprocess"):
-            raise ConfigError(
-                f"connector option 'setup_check' must be 'port' or 'subprocess', got {self.setup_check!r}"
-            )
+        self.setup_check = choice_option(cfg, "setup_check", ("port", "subprocess"), lower=False)
         self.buffer_pool_bytes = parse_size(cfg.get("buffer_pool_bytes", 512 << 20), "buffer_pool_bytes")
         self._limits = cfg.get("limits")
+        self._get_policy = GetPolicy(
+            self.retry_backoff_s, self.master_retry_s, self.master_server_address, self._master_down
+        )
         host_port(self.master_server_address, "master_server_address")  # checked before any setup
 
         try:
@@ -200,20 +208,6 @@ class MooncakeStoreConnector(Connector):
             hasattr(store, n) for n in ("put_from", "get_into", "register_buffer", "unregister_buffer")
         )
 
-        self._connect(store)
-        self.hostname = str(store.get_hostname())
-        # A hard pin only where the object goes with this client (mooncake_setup: "Pinning").
-        local = self.prefer_local_segment and self.global_segment_size > 0
-        self._replicates = replicate_configs(self.pin, self.soft_pin_ttl_ms, self.hostname if local else None)
-        self.stats.add(spilled=0, expired=0)  # shown in health() from the start
-        self._pool = (
-            RegisteredBufferPool(store.register_buffer, store.unregister_buffer, self.buffer_pool_bytes)
-            if self.zero_copy
-            else None
-        )
-
-    # -- setup --------------------------------------------------------------------------
-    def _connect(self, store: Any) -> None:
         setup_store(
             store,
             local_hostname=self.local_hostname,
@@ -227,6 +221,14 @@ class MooncakeStoreConnector(Connector):
             setup_check=self.setup_check,
         )
         self._store = store
+        self.hostname = str(store.get_hostname())
+        # A hard pin only where the object goes with this client (mooncake_setup: "Pinning").
+        local = self.prefer_local_segment and self.global_segment_size > 0
+        self._replicates = replicate_configs(self.pin, self.soft_pin_ttl_ms, self.hostname if local else None)
+        self.stats.add(spilled=0, expired=0)  # shown in health() from the start
+        if self.zero_copy:
+            register = (store.register_buffer, store.unregister_buffer)
+            self._pool = RegisteredBufferPool(*register, self.buffer_pool_bytes)
 
     # -- keys ---------------------------------------------------------------------------
     def store_key(self, key: str, namespace: str | None = None) -> str:
@@ -252,7 +254,7 @@ class MooncakeStoreConnector(Connector):
         )
 
     # -- sender -------------------------------------------------------------------------
-    def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
+    def put(self, from_stage: Stage, to_stage: Stage, key: str, payload: Any) -> PutResult:
         """Store ``payload`` under ``key``; the receiver finds it with ``metadata``.
 
         Returns ``ok=False`` with ``error`` (never raises for transport failures) when the
@@ -264,7 +266,7 @@ class MooncakeStoreConnector(Connector):
         self.store_key(key)
         return self._put_reserved(from_stage, to_stage, key, payload)
 
-    def reserve(self, from_stage: int | str, to_stage: int | str, key: str, nbytes: int) -> Any:
+    def reserve(self, from_stage: Stage, to_stage: Stage, key: str, nbytes: int) -> Any:
         """A buffer registered with the store (a slab of the pool) to write a packed payload
         of ``nbytes`` into; publishing puts it from there (``put_from``, no further copy).
         See :class:`~vllm_kvbridge.connectors.base.Reservation`."""
@@ -276,16 +278,13 @@ class MooncakeStoreConnector(Connector):
             control = self._ensure_server()
         except TransferError as exc:  # cannot bind: nobody could renew the key
             return self._put_failed(str(exc))
-        with self._lock:
-            self._check_open()
-            if store_key in self._published or store_key in self._inflight_puts:
-                return self._put_failed(f"key {key!r} is already stored by this connector")
-            self._inflight_puts[store_key] = nbytes
+        self._check_open()
+        if (refused := self._table.reserve(store_key, nbytes)) is not None:
+            return self._put_refused(refused)
         try:
             slab, pooled = self._pool.acquire(nbytes) if self._pool is not None else (None, False)
         except TransferError as exc:  # registering a new slab needs the master
-            with self._lock:
-                self._inflight_puts.pop(store_key, None)
+            self._table.unreserve(store_key)
             if self._master_down():
                 master = self.master_server_address
                 return self._put_failed(
@@ -320,13 +319,10 @@ class MooncakeStoreConnector(Connector):
         # reservation is not released again; keeping it leaked a registered slab per put).
         if lent.slab is not None and self._pool is not None:
             self._pool.release(lent.slab)
-        with self._lock:
-            closed = self._closed
-            self._inflight_puts.pop(store_key, None)
-            if not closed:
-                self._published[store_key] = time.monotonic() + self.ttl_s
+        if self._table.publish(store_key, None):
+            with self._lock:
                 self._start_reaper_locked()
-        if closed:  # close() ran meanwhile: do not leave the key behind
+        else:  # close() ran meanwhile: do not leave the key behind
             self._remove(store_key)
             return self._put_failed(f"{self.name} closed during put")
         self.stats.add(puts=1, put_bytes=need, put_seconds=time.perf_counter() - start)
@@ -347,8 +343,7 @@ class MooncakeStoreConnector(Connector):
         """A reservation ends unpublished: its buffer goes back (a published one's went back
         in :meth:`_publish_lent`)."""
         lent: _Lent = r.lent
-        with self._lock:
-            self._inflight_puts.pop(lent.store_key, None)
+        self._table.unreserve(lent.store_key)
         if lent.slab is not None and self._pool is not None:
             self._pool.release(lent.slab, lent.pooled)
 
@@ -373,14 +368,10 @@ class MooncakeStoreConnector(Connector):
         if request[0] != ctl.RENEW or len(request) != 2:
             return [ctl.BAD]
         store_key = request[1].decode("ascii")
-        with self._lock:
-            tracked = store_key in self._published
+        tracked = self._table.get(store_key) is not None
         # A key read by its receiver stays tracked until a sweep notices: ask the store.
-        if tracked and self._store.is_exist(store_key) != 0:  # 1, or unknown: keep it
-            with self._lock:
-                if store_key in self._published:
-                    self._published[store_key] = time.monotonic() + self.lease_s
-                    return [ctl.OK]
+        if tracked and self._store.is_exist(store_key) != 0 and self._table.renew(store_key):
+            return [ctl.OK]  # is_exist 1, or unknown: keep it
         return [ctl.MISSING]
 
     def _put_placed(self, store_key: str, put: Callable[[Any], int]) -> int:
@@ -393,13 +384,7 @@ class MooncakeStoreConnector(Connector):
 
     # -- receiver -----------------------------------------------------------------------
     def get(
-        self,
-        from_stage: int | str,
-        to_stage: int | str,
-        key: str,
-        metadata: Mapping[str, Any] | None = None,
-        *,
-        deadline: float | None = None,
+        self, from_stage: Stage, to_stage: Stage, key: str, metadata: Meta = None, *, deadline: Due = None
     ) -> Any | None:
         """Read and remove ``key`` (namespace from ``metadata``, else this connector's).
 
@@ -410,6 +395,8 @@ class MooncakeStoreConnector(Connector):
         object exceeds ``max_payload_bytes``, :class:`TransferCorrupt` when it does not
         decode (the object is removed either way).
         """
+        from vllm_kvbridge.wire import decode_packed
+
         self._check_open()
         store_key = self._receiver_key(key, metadata)
         start = time.perf_counter()
@@ -418,7 +405,10 @@ class MooncakeStoreConnector(Connector):
             if buffer is None:
                 self.stats.add(get_misses=1)
                 return None
-            payload = self._decode(store_key, buffer)
+            try:
+                payload = decode_packed(buffer, limits=self._limits, copy=False)
+            except PayloadError as exc:
+                raise TransferCorrupt(f"{store_key!r} does not decode: {exc}") from exc
         except TransferTimeout:
             self.stats.add(timeouts=1)
             raise
@@ -430,9 +420,10 @@ class MooncakeStoreConnector(Connector):
 
     def _fetch(self, store_key: str, deadline: float | None) -> Any | None:
         """The object's bytes (removed from the store), or ``None`` when absent and no deadline."""
-        delay = 0.001
         unreachable_since: float | None = None
-        while True:
+
+        def attempt(_hold: float, _wait_until: float) -> Any:
+            nonlocal unreachable_since
             self._check_open()
             code = self._store.get_size(store_key)
             if code > 0:
@@ -450,43 +441,19 @@ class MooncakeStoreConnector(Connector):
                 self._remove(store_key)
                 raise TransferCorrupt(f"{store_key!r} is an empty object")
             now = time.monotonic()
-            if code == OBJECT_NOT_FOUND:
-                unreachable_since = None
-                if deadline is None:
-                    return None
-                if now >= deadline:
-                    raise TransferTimeout(
-                        f"{store_key!r} did not appear in the Mooncake store "
-                        f"(master {self.master_server_address}) before the deadline"
-                    )
-            elif code in TRANSIENT:
-                if unreachable_since is None:
-                    unreachable_since = now
-                waited = now - unreachable_since
-                if waited < self.master_retry_s and deadline is not None and now >= deadline:
-                    # e.g. REPLICA_IS_NOT_READY: a put of it is under way. Within
-                    # master_retry_s that is "not there yet", which a caller polling in
-                    # short slices (the KV manager) asks again for.
-                    raise TransferTimeout(
-                        f"{store_key!r} was not readable before the deadline ({error_name(code)}); "
-                        f"master {self.master_server_address}"
-                    )
-                if waited >= self.master_retry_s or (deadline is not None and now >= deadline):
-                    why = "the master is unreachable" if self._master_down() else "transient errors"
-                    raise TransferError(
-                        f"Mooncake get of {store_key!r} failed ({error_name(code)}): {why} "
-                        f"for {waited:.1f} s; master {self.master_server_address}"
-                    )
-                delay = max(delay, self.retry_backoff_s)
-            else:
-                raise TransferError(f"Mooncake get of {store_key!r} failed: {error_name(code)}")
-            left = (deadline - now) if deadline is not None else delay
-            time.sleep(max(0.0, min(delay, left)))
-            delay = min(delay * 2, 0.02 if unreachable_since is None else 0.5)
+            unreachable_since = None if code == OBJECT_NOT_FOUND else unreachable_since or now
+            late = deadline is not None and now >= deadline
+            return get_retry(code, store_key, now - (unreachable_since or now), late, self._get_policy)
 
-    def renew(
-        self, from_stage: int | str, to_stage: int | str, key: str, metadata: Mapping[str, Any] | None = None
-    ) -> bool:
+        return claim_until_deadline(
+            attempt,
+            deadline,
+            not_there=f"{store_key!r} did not appear in the Mooncake store "
+            f"(master {self.master_server_address}) before the deadline",
+            check_open=self._check_open,
+        )
+
+    def renew(self, from_stage: Stage, to_stage: Stage, key: str, metadata: Meta = None) -> bool:
         """Ask the sender (``metadata["control"]``) to keep ``key`` for its ``lease_s`` from now.
 
         False: the sender does not track the key, or ``metadata`` names no control endpoint
@@ -507,25 +474,15 @@ class MooncakeStoreConnector(Connector):
             client = self._client
         return client.renew(endpoint, store_key, _RENEW_TIMEOUT_S)
 
-    def _decode(self, store_key: str, buffer: Any) -> Any:
-        from vllm_kvbridge.wire import decode_packed
-
-        try:
-            return decode_packed(buffer, limits=self._limits, copy=False)
-        except PayloadError as exc:
-            raise TransferCorrupt(f"{store_key!r} does not decode: {exc}") from exc
-
     # -- removal ------------------------------------------------------------------------
     def _remove(self, store_key: str) -> bool:
         """Remove an object (``force``: skip the lease a fresh put or get grants). True if gone."""
-        code = self._store.remove(store_key, True)
-        return code in (OK, OBJECT_NOT_FOUND)
+        return self._store.remove(store_key, True) in (OK, OBJECT_NOT_FOUND)
 
     def _consumed(self, store_key: str) -> bool:
         """Remove what a get read; False when it was gone (a read is not atomic with its
         removal: of two receivers that read one object, the removal decides who has it)."""
-        with self._lock:
-            self._published.pop(store_key, None)
+        self._table.drop(store_key)
         code = self._store.remove(store_key, True)
         if code == OBJECT_NOT_FOUND:
             self.stats.add(read_lost_to_another=1)
@@ -540,8 +497,8 @@ class MooncakeStoreConnector(Connector):
         with self._lock:
             if self._store is None or self._closed:
                 return
-            self._published.pop(store_key, None)
             self._pending_removals.discard(store_key)
+        self._table.drop(store_key)
         if not self._remove(store_key):
             self._remove_later(store_key)
         self.stats.add(cleanups=1)
@@ -568,32 +525,26 @@ class MooncakeStoreConnector(Connector):
 
     def sweep(self) -> None:
         """Remove expired unclaimed keys, forget consumed ones, retry failed removals."""
-        now = time.monotonic()
         with self._lock:
             if self._closed or self._store is None:
                 return
-            tracked = list(self._published.items())
             retry = list(self._pending_removals)
-        expired = [k for k, expiry in tracked if expiry <= now]
-        live = [k for k, expiry in tracked if expiry > now]
-        gone: list[str] = []
-        if live:
-            # Keys the receiver consumed need no removal at close: stop tracking them.
-            exists = self._store.batch_is_exist(live)
-            gone = [k for k, e in zip(live, exists) if e == 0]
+        expired = [held.key for held in self._table.sweep()]
+        if live := self._table.keys():  # forget keys consumed: no removal at close
+            for k in [k for k, e in zip(live, self._store.batch_is_exist(live)) if e == 0]:
+                self._table.drop(k)
         codes = [self._store.remove(k, True) for k in expired]
         self.stats.add(expired=codes.count(OK))  # OBJECT_NOT_FOUND: read meanwhile
-        removed = [k for k, c in zip(expired, codes) if c in (OK, OBJECT_NOT_FOUND)]
-        removed += [k for k in retry if self._remove(k)]
+        removed = [k for k in retry if self._remove(k)]
+        failed = [k for k, c in zip(expired, codes) if c not in (OK, OBJECT_NOT_FOUND)]
         with self._lock:
-            for k in (*gone, *removed):
-                self._published.pop(k, None)
-                self._pending_removals.discard(k)
+            self._pending_removals.difference_update(removed)
+            self._pending_removals.update(failed)  # retried with the failed removals
 
     # -- status / close -----------------------------------------------------------------
     def health(self) -> dict[str, Any]:
         with self._lock:
-            published, pending = len(self._published), len(self._pending_removals)
+            pending = len(self._pending_removals)
         status = {
             **super().health(),
             "master": self.master_server_address,
@@ -601,7 +552,7 @@ class MooncakeStoreConnector(Connector):
             "protocol": self.protocol,
             "namespace": self.namespace,
             "zero_copy": self.zero_copy,
-            "published": published,
+            "published": self._table.counts()["held"],
             "pending_removals": pending,
             "pooled_buffer_bytes": self._pool.pooled_bytes if self._pool is not None else 0,
             # slabs registered so far and lent now: a steady stream of puts or gets reuses
@@ -632,15 +583,12 @@ class MooncakeStoreConnector(Connector):
             if ctx is not None:
                 ctx.term()
             return
+        tracked = {held.key for held in self._table.clear()}
         with self._lock:
-            keys = set(self._published) | self._pending_removals
-            self._published.clear()
+            keys = tracked | self._pending_removals
             self._pending_removals.clear()
         if keys and not self._master_down():
-            codes = store.batch_remove(sorted(keys), True)
-            leftover = [k for k, c in zip(sorted(keys), codes) if c not in (OK, OBJECT_NOT_FOUND)]
-            for k in leftover:
-                store.remove(k, True)
+            remove_keys(store, sorted(keys))
         if self._pool is not None:
             self._pool.close()
         store.close()

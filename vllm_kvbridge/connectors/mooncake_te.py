@@ -16,7 +16,9 @@ path does (the decode side READs). On RDMA the read is one-sided: the sender's C
 involved in moving the bytes.
 
 **Control** (:mod:`~vllm_kvbridge.connectors.te_control`, a ZeroMQ ROUTER the sender owns,
-its address ``endpoint`` in the put metadata beside the engine's ``segment``): the receiver
+its address ``endpoint`` in the put metadata beside the engine's ``segment``; the sender's
+side is the one held table, :mod:`~vllm_kvbridge.connectors.held_table`, the receiver's the
+one claim loop, :meth:`~vllm_kvbridge.connectors.te_control.ControlClient.claim`): the receiver
 CLAIMs a key and gets ``(address, nbytes, lease)``; it reads; it sends DONE, and the sender
 returns the slab to its pool. A claimed key is invisible to other receivers (destructive
 read). The sender releases a slab when the receiver confirms, when an unclaimed key's
@@ -58,7 +60,6 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -68,18 +69,21 @@ from vllm_kvbridge.connectors import te_control as ctl
 from vllm_kvbridge.connectors.base import (
     DEFAULT_LEASE_S,
     Connector,
+    Due,
     LentReservation,
+    Meta,
     PutResult,
+    Stage,
+    choice_option,
     number_option,
     offset_port,
 )
+from vllm_kvbridge.connectors.held_table import Held, HeldTable
 from vllm_kvbridge.connectors.registered_pool import RegisteredBufferPool
 from vllm_kvbridge.errors import (
-    ConfigError,
     PayloadError,
     TransferCorrupt,
     TransferError,
-    TransferRefused,
     TransferTimeout,
 )
 
@@ -98,17 +102,6 @@ def _has_rdma_devices(engine: Any, device_name: str) -> bool:
     return any(nic for tiers in topology.values() for tier in tiers for nic in tier)
 
 
-@dataclass
-class _Held:
-    """A payload the sender holds in a registered slab until the receiver is done with it."""
-
-    slab: np.ndarray
-    nbytes: int
-    expires: float
-    lease: int = 0  # 0: not claimed
-    claimer: bytes = b""
-
-
 class MooncakeTransferEngineConnector(Connector):
     """One-sided reads over Mooncake's transfer engine; see the module docstring."""
 
@@ -124,23 +117,23 @@ class MooncakeTransferEngineConnector(Connector):
         self._client: ctl.ControlClient | None = None
         self._ctx: zmq.Context | None = None
         self._lock = threading.Lock()
-        self._held: dict[str, _Held] = {}
-        self._held_bytes = 0
-        self._next_lease = 0
+        # Registered slabs held until their reader is done (claim ids: the u64 lease of the
+        # protocol); a reader claiming again renews its lease. Limits set below.
+        self._table: HeldTable[np.ndarray] = HeldTable(
+            0.0, 0.0, 0, reclaim_renews=True, on_expired=self._expired
+        )
         self._reads = 0  # reads in progress (close waits for them)
         self._reads_done = threading.Condition(self._lock)
         self._queued = 0  # pieces queued in the engine by this connector
         self._queue_room = threading.Condition(threading.Lock())
-        self._counters = {"read_batches": 0, "expired": 0, "lease_expired": 0, "lease_renewals": 0}
+        self._counters = {"read_batches": 0, "lease_renewals": 0}
         self.endpoint: str | None = None
 
         cfg = self.config
         self.local_hostname = str(cfg.get("local_hostname", "127.0.0.1"))
         self.host = str(cfg.get("host", self.local_hostname))
         self.control_port = number_option(cfg, "control_port", 0, int)
-        self.protocol = str(cfg.get("protocol", "tcp")).lower()
-        if self.protocol not in ("tcp", "rdma"):
-            raise ConfigError(f"connector option 'protocol' must be 'tcp' or 'rdma', got {self.protocol!r}")
+        self.protocol = choice_option(cfg, "protocol", ("tcp", "rdma"))
         self.device_name = str(cfg.get("device_name", "") or "")
         self.ttl_s = number_option(cfg, "ttl_s", 300.0)
         self.lease_s = number_option(cfg, "lease_s", DEFAULT_LEASE_S)
@@ -153,6 +146,7 @@ class MooncakeTransferEngineConnector(Connector):
         self.max_held_bytes = number_option(cfg, "max_held_bytes", 8 << 30, int)
         self.buffer_pool_bytes = number_option(cfg, "buffer_pool_bytes", 1 << 30, int)
         self.request_timeout_s = number_option(cfg, "request_timeout_s", 5.0)
+        self._table.set_limits(self.ttl_s, self.lease_s, self.max_held_bytes)
         self._limits = cfg.get("limits")
         self._receiver_id = os.urandom(8)
 
@@ -194,7 +188,7 @@ class MooncakeTransferEngineConnector(Connector):
         what every put's metadata holds besides the size, the same for every key."""
         return {"endpoint": self._ensure_server(), "segment": self.segment, "lease_s": self.lease_s}
 
-    def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
+    def put(self, from_stage: Stage, to_stage: Stage, key: str, payload: Any) -> PutResult:
         """Pack ``payload`` into a registered slab and hold it under ``key`` for a receiver.
 
         The payload is copied (once): the caller may reuse its tensors when this returns.
@@ -205,45 +199,18 @@ class MooncakeTransferEngineConnector(Connector):
         self._check_key(key)
         return self._put_reserved(from_stage, to_stage, key, payload)
 
-    def reserve(self, from_stage: int | str, to_stage: int | str, key: str, nbytes: int) -> Any:
+    def reserve(self, from_stage: Stage, to_stage: Stage, key: str, nbytes: int) -> Any:
         """A registered slab to write a packed payload of ``nbytes`` into; publishing holds
         it for receivers to read one-sided (no further copy). Counts against
         ``max_held_bytes`` from now. See :class:`~vllm_kvbridge.connectors.base.Reservation`."""
-        self._check_open()
-        self._check_key(key)
-        if (refused := self._refuse_oversize(nbytes)) is not None:
-            return refused
-        endpoint = self._ensure_server()
-        with self._lock:
-            self._check_open()
-            if key in self._held:
-                return self._put_failed(f"key {key!r} is already held for sending")
-            if nbytes > self.max_held_bytes:  # would never fit: waiting cannot help
-                return self._put_failed(
-                    f"payload of {nbytes} bytes exceeds max_held_bytes={self.max_held_bytes}"
-                )
-            if self._held_bytes + nbytes > self.max_held_bytes:
-                return self._put_full(
-                    f"{self._held_bytes} bytes held + {nbytes} exceeds max_held_bytes={self.max_held_bytes}"
-                )
-            self._held_bytes += nbytes  # reserved before the copy, so concurrent puts respect the bound
-        try:
-            slab, _ = self._pool.acquire(nbytes)
-        except TransferError as exc:
-            with self._lock:
-                self._held_bytes -= nbytes
-            return self._put_failed(str(exc))
-        return LentReservation(self, key, nbytes, memoryview(slab)[:nbytes], (slab, endpoint))
+        return self._reserve_slab(self._table, self._pool, key, nbytes, self._ensure_server)
 
     def _publish_lent(self, r: LentReservation, start: float) -> PutResult:
         """Hold the written slab of ``r`` under its key for receivers (see :meth:`reserve`)."""
-        slab, endpoint = r.lent
+        if (failed := self._publish_slab(self._table, r)) is not None:
+            return failed
+        endpoint = r.lent[1]
         with self._lock:
-            if self._closed:
-                return self._put_failed(f"{self.name} closed during put")
-            if r.key in self._held:
-                return self._put_failed(f"key {r.key!r} is already held for sending")
-            self._held[r.key] = _Held(slab, r.nbytes, time.monotonic() + self.ttl_s)
             server = self._server
         if server is not None:
             server.key_put(r.key)  # receivers waiting for it get it now
@@ -261,9 +228,7 @@ class MooncakeTransferEngineConnector(Connector):
 
     def _release_lent(self, r: LentReservation) -> None:
         """An unpublished reservation ends: its slab and its held bytes go back."""
-        self._pool.release(r.lent[0])
-        with self._lock:
-            self._held_bytes -= r.nbytes
+        self._release_slab(self._table, self._pool, r)
 
     def _ensure_server(self) -> str:
         with self._lock:
@@ -285,62 +250,36 @@ class MooncakeTransferEngineConnector(Connector):
                 request[2],
                 ctl.U64.unpack(request[3])[0],
             )
-            with self._lock:
-                held = self._held.get(key)
-                if held is None or (held.lease and held.claimer != claimer):
-                    return [ctl.MISSING]
-                if held.nbytes > limit:
-                    return [ctl.TOOBIG, ctl.U64.pack(held.nbytes)]
-                if not held.lease:
-                    self._next_lease += 1
-                    held.lease, held.claimer = self._next_lease, claimer
-                # Claiming again renews the lease: a long read keeps its slab alive.
-                held.expires = time.monotonic() + self.lease_s
-                addr = held.slab.ctypes.data
-                fields = (addr, held.nbytes, held.lease, int(self.lease_s * 1000))
-                return [ctl.OK, *(ctl.U64.pack(v) for v in fields)]
+            # Claiming again renews the lease: a long read keeps its slab alive.
+            held = self._table.claim(key, claimer, limit)
+            if held is None:
+                return [ctl.MISSING]
+            if held.nbytes > limit:
+                return [ctl.TOOBIG, ctl.U64.pack(held.nbytes)]
+            fields = (held.value.ctypes.data, held.nbytes, held.claim, int(self.lease_s * 1000))
+            return [ctl.OK, *(ctl.U64.pack(v) for v in fields)]
         if op == ctl.DONE and len(request) == 3 and len(request[2]) == 8:
             key, lease = request[1].decode("ascii", "replace"), ctl.U64.unpack(request[2])[0]
-            with self._lock:
-                held = self._held.get(key)
-                if held is None or not held.lease or held.lease != lease:
-                    return [ctl.EXPIRED]
-                del self._held[key]
-                self._held_bytes -= held.nbytes
-            self._pool.release(held.slab)
+            if (held := self._table.release_claim(lease, key)) is None:
+                return [ctl.EXPIRED]
+            self._pool.release(held.value)
             return [ctl.DONE]
-        if op == ctl.RENEW and len(request) == 2:
-            with self._lock:
-                held = self._held.get(request[1].decode("ascii", "replace"))
-                if held is not None and not held.lease:  # a claim's own lease governs a claimed key
-                    held.expires = time.monotonic() + self.lease_s
-            return [ctl.OK if held is not None else ctl.MISSING]
+        if op == ctl.RENEW and len(request) == 2:  # a claim's own lease governs a claimed key
+            return [ctl.OK if self._table.renew(request[1].decode("ascii", "replace")) else ctl.MISSING]
         return [ctl.BAD]
 
     def sweep(self) -> None:
         """Drop unclaimed payloads past ``ttl_s`` (or their renewal's lease) and claims past ``lease_s``."""
-        now = time.monotonic()
-        with self._lock:
-            gone = [(k, h) for k, h in self._held.items() if h.expires <= now]
-            for k, h in gone:
-                del self._held[k]
-                self._held_bytes -= h.nbytes
-                self._counters["lease_expired" if h.lease else "expired"] += 1
-        for _, h in gone:
-            if h.lease:  # a reader may still hold the address: never hand this slab out again
-                self._pool.discard(h.slab)
-            else:
-                self._pool.release(h.slab)
+        self._table.sweep()
+
+    def _expired(self, held: Held[np.ndarray]) -> None:
+        """What :meth:`sweep` took goes back to the pool; a claimed slab is discarded: a
+        reader may still hold its address, so it is never handed out again."""
+        (self._pool.discard if held.claimed else self._pool.release)(held.value)
 
     # -- receiver -----------------------------------------------------------------------
     def get(
-        self,
-        from_stage: int | str,
-        to_stage: int | str,
-        key: str,
-        metadata: Mapping[str, Any] | None = None,
-        *,
-        deadline: float | None = None,
+        self, from_stage: Stage, to_stage: Stage, key: str, metadata: Meta = None, *, deadline: Due = None
     ) -> Any | None:
         """Claim ``key`` at the sender in ``metadata``, read it, confirm, decode in place.
 
@@ -372,9 +311,7 @@ class MooncakeTransferEngineConnector(Connector):
         self.stats.add(gets=1, get_bytes=nbytes, get_seconds=time.perf_counter() - start)
         return payload
 
-    def renew(
-        self, from_stage: int | str, to_stage: int | str, key: str, metadata: Mapping[str, Any] | None = None
-    ) -> bool:
+    def renew(self, from_stage: Stage, to_stage: Stage, key: str, metadata: Meta = None) -> bool:
         """RENEW ``key`` at the sender in ``metadata`` (see the module docstring): True while it
         holds the key, False once not; :class:`TransferError` past ``request_timeout_s``."""
         self._check_open()
@@ -386,33 +323,23 @@ class MooncakeTransferEngineConnector(Connector):
 
     def _claim(self, endpoint: str, key: str, deadline: float | None) -> tuple[int, int, int, int] | None:
         """``(address, nbytes, lease, lease_ms)`` of the claimed key, ``None`` if missing (no deadline)."""
-        request = [ctl.CLAIM, key.encode("ascii"), self._receiver_id, ctl.U64.pack(self.max_payload_bytes)]
-        delay = 0.001
-        while True:
-            wait_until = deadline if deadline is not None else time.monotonic() + self.request_timeout_s
-            asked = time.monotonic()
-            hold = ctl.hold_field(deadline)  # the sender answers when the key is put
-            answer = self._client.request(endpoint, request + hold, wait_until)
-            status = answer[0] if answer else b""
-            if status == ctl.OK and len(answer) == 5:
-                addr, nbytes, lease, lease_ms = (ctl.U64.unpack(a)[0] for a in answer[1:])
-                return addr, nbytes, lease, lease_ms
-            if status == ctl.TOOBIG:
-                raise TransferRefused(
-                    f"{key!r} at {endpoint} is {ctl.U64.unpack(answer[1])[0]} bytes, over "
-                    f"max_payload_bytes={self.max_payload_bytes}"
-                )
-            if status != ctl.MISSING:
-                raise TransferError(f"{endpoint} answered {answer!r} to a claim of {key!r}")
-            if deadline is None:
-                return None
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TransferTimeout(f"{key!r} was not available at {endpoint} before the deadline")
-            if not (hold and time.monotonic() - asked >= ctl.LONG_POLL_S / 2):  # not held: back off
-                time.sleep(min(delay, left))
-                delay = min(delay * 2, 0.02)
-            self._check_open()
+        answer = self._client.claim(
+            endpoint,
+            key,
+            self._claim_request(key),
+            deadline,  # the sender holds each request until the key is put
+            fields=4,
+            request_timeout_s=self.request_timeout_s,
+            max_payload_bytes=self.max_payload_bytes,
+            check_open=self._check_open,
+        )
+        if answer is None:
+            return None
+        addr, nbytes, lease, lease_ms = (ctl.U64.unpack(a)[0] for a in answer)
+        return addr, nbytes, lease, lease_ms
+
+    def _claim_request(self, key: str) -> list[bytes]:
+        return [ctl.CLAIM, key.encode("ascii"), self._receiver_id, ctl.U64.pack(self.max_payload_bytes)]
 
     def _read(
         self, endpoint: str, segment: str, key: str, addr: int, nbytes: int, lease: int, lease_ms: int
@@ -463,7 +390,7 @@ class MooncakeTransferEngineConnector(Connector):
         """Claim again (same receiver: same lease, new expiry); fails if the claim is gone."""
         with self._lock:
             self._counters["lease_renewals"] += 1
-        request = [ctl.CLAIM, key.encode("ascii"), self._receiver_id, ctl.U64.pack(self.max_payload_bytes)]
+        request = self._claim_request(key)
         answer = self._client.request(endpoint, request, time.monotonic() + self.request_timeout_s)
         if not answer or answer[0] != ctl.OK:
             raise TransferError(f"{key!r}: the claim at {endpoint} was lost during the read ({answer!r})")
@@ -526,25 +453,25 @@ class MooncakeTransferEngineConnector(Connector):
     def cleanup(self, key: str) -> None:
         """Drop what this side holds for ``key`` (a claimed slab is not reused). Idempotent."""
         self._check_key(key)
-        with self._lock:
-            held = self._held.pop(key, None)
-            if held is not None:
-                self._held_bytes -= held.nbytes
+        held = self._table.drop(key, claimed_too=True)
         if held is not None and self._pool is not None:
-            (self._pool.discard if held.lease else self._pool.release)(held.slab)
+            (self._pool.discard if held.claimed else self._pool.release)(held.value)
             self.stats.add(cleanups=1)
 
     def health(self) -> dict[str, Any]:
-        pool = self._pool
+        pool, held = self._pool, self._table.counts()
         with self._lock:
             extra = {
                 "endpoint": self.endpoint,
                 "segment": getattr(self, "segment", None),
                 "protocol": self.protocol,
-                "held_payloads": len(self._held),
-                "held_bytes": self._held_bytes,
-                "claimed": sum(1 for h in self._held.values() if h.lease),
-                **self._counters,
+                "held_payloads": held["held"] + held["claimed"],
+                "held_bytes": held["held_bytes"],
+                "claimed": held["claimed"],
+                "read_batches": self._counters["read_batches"],
+                "expired": held["expired"],
+                "lease_expired": held["lease_expired"],
+                "lease_renewals": self._counters["lease_renewals"],
             }
         extra["registered_bytes"] = pool.registered_bytes if pool is not None else 0
         extra["lent_buffers"] = pool.lent if pool is not None else 0
@@ -557,9 +484,7 @@ class MooncakeTransferEngineConnector(Connector):
         with self._lock:
             # Reads in progress write into our slabs: let them finish before unregistering.
             self._reads_done.wait_for(lambda: self._reads == 0, timeout=10)
-            held = list(self._held.values())
-            self._held.clear()
-            self._held_bytes = 0
+        held = self._table.clear()
         if self._client is not None:
             self._client.close()
         if self._pool is not None:

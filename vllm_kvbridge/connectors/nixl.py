@@ -13,7 +13,8 @@ under ``key``. The side channel is :class:`~vllm_kvbridge.connectors.te_control.
 ``PutResult.metadata["endpoint"]``, next to the agent name); its tick every 5 ms takes the
 agent's notifications and expires payloads.
 
-Receiver (:meth:`NixlConnector.get`): asks the side channel for ``key``. The answer claims
+Receiver (:meth:`NixlConnector.get`): asks the side channel for ``key`` (the pull connectors'
+one claim loop: :meth:`~vllm_kvbridge.connectors.te_control.ControlClient.claim`). The answer claims
 the payload for this receiver (a key is read once; the same receiver asking again gets the
 same claim) and gives ``(address, nbytes, lease left, token)`` plus the
 generation of the sender's registrations; the receiver (re)loads the sender's NIXL agent
@@ -22,7 +23,8 @@ pool with the token as the transfer's notification, and decodes them in place: t
 returned tensors are views of the slab, which goes back to the pool when the last of them
 is freed. When the notification arrives, the sender returns its slab to its pool.
 
-Lifetimes (nothing stays registered or held):
+Lifetimes (nothing stays registered or held; the sender's bookkeeping is the pull
+connectors' one held table, :mod:`~vllm_kvbridge.connectors.held_table`):
   * a published payload nobody claims is released after ``ttl_s``, unless a receiver still
     waiting for it RENEWs it (:meth:`NixlConnector.renew`): each renewal moves its expiry
     to ``lease_s`` from then; ``health()["expired"]`` counts those released unread this
@@ -77,7 +79,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -86,12 +87,16 @@ import zmq
 from vllm_kvbridge.connectors.base import (
     DEFAULT_LEASE_S,
     Connector,
+    Due,
     LentReservation,
+    Meta,
     PutResult,
+    Stage,
     number_option,
     offset_port,
     parse_size,
 )
+from vllm_kvbridge.connectors.held_table import Held, HeldTable
 from vllm_kvbridge.connectors.nixl_agent import (
     DEFAULT_PROGRESS_DELAY_US,
     DEFAULT_UCX_MODULES,
@@ -102,7 +107,7 @@ from vllm_kvbridge.connectors.nixl_agent import (
     prepare_ucx_env,
 )
 from vllm_kvbridge.connectors.registered_pool import RegisteredBufferPool
-from vllm_kvbridge.connectors.te_control import LONG_POLL_S, RENEW, ControlClient, ControlServer, hold_field
+from vllm_kvbridge.connectors.te_control import RENEW, ControlClient, ControlServer
 from vllm_kvbridge.errors import (
     ConfigError,
     PayloadError,
@@ -130,16 +135,9 @@ def _u64(frame: bytes) -> int:
     return _U64.unpack(frame)[0]
 
 
-@dataclass
-class _Held:
-    """A packed payload in a registered slab: published under its key, then lent to one reader."""
-
-    key: str
-    slab: np.ndarray
-    nbytes: int
-    expires: float
-    token: bytes = b""
-    receiver: bytes = b""
+def _new_token() -> bytes:
+    """A claim's id, and the notification its READ carries."""
+    return _TOKEN_PREFIX + os.urandom(12).hex().encode()
 
 
 class NixlConnector(Connector):
@@ -152,9 +150,12 @@ class NixlConnector(Connector):
         super().__init__(config)
         # Everything _close() touches exists before anything can fail.
         self._lock = threading.Lock()
-        self._published: dict[str, _Held] = {}
-        self._lent: dict[bytes, _Held] = {}  # token -> claimed payload awaiting its notification
-        self._claims: dict[tuple[bytes, str], bytes] = {}  # (receiver id, key) -> token
+        # Published payloads (registered slabs), then lent to one reader under a token until
+        # its notification; limits set below. A key may be put again while its last claim
+        # waits for its notification (which trails the reader's get).
+        self._table: HeldTable[np.ndarray] = HeldTable(
+            0.0, 0.0, 0, keys_reusable_while_claimed=True, claim_id=_new_token, on_expired=self._expired_slab
+        )
         self._quarantine: list[np.ndarray] = []  # local slabs a failed READ may still write
         # Claims this receiver READ to the end: until the sender has seen the notification it
         # would answer a second get of the key with the same claim (gets are destructive),
@@ -166,7 +167,6 @@ class NixlConnector(Connector):
         self._agent: NixlAgent | None = None
         self._pool: RegisteredBufferPool | None = None
         self.endpoint: str | None = None
-        self._expired = 0  # published payloads released unread (ttl_s or renewal lease)
 
         cfg = self.config
         self.host = str(cfg.get("host", "127.0.0.1"))
@@ -190,7 +190,7 @@ class NixlConnector(Connector):
         self.request_timeout_s = number_option(cfg, "request_timeout_s", 5.0)
         self.max_payload_bytes = parse_size(cfg.get("max_payload_bytes", 64 << 30), "max_payload_bytes")
         self.max_held_bytes = parse_size(cfg.get("max_held_bytes", 8 << 30), "max_held_bytes")
-        self._reserved = 0  # bytes of puts under way (counted against max_held_bytes)
+        self._table.set_limits(self.ttl_s, self.lease_s, self.max_held_bytes)
         pool_bytes = parse_size(cfg.get("buffer_pool_bytes", 512 << 20), "buffer_pool_bytes")
         self._limits = cfg.get("limits")
         self.ucx_env = prepare_ucx_env(
@@ -217,7 +217,7 @@ class NixlConnector(Connector):
         what every put's metadata holds, the same for every key."""
         return {"endpoint": self._ensure_server(), "agent": self._agent.name, "lease_s": self.lease_s}
 
-    def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
+    def put(self, from_stage: Stage, to_stage: Stage, key: str, payload: Any) -> PutResult:
         """Pack ``payload`` into a registered slab and publish it under ``key``.
 
         The payload is copied once: the caller may reuse its tensors when this returns.
@@ -227,45 +227,17 @@ class NixlConnector(Connector):
         self._check_key(key)
         return self._put_reserved(from_stage, to_stage, key, payload)
 
-    def reserve(self, from_stage: int | str, to_stage: int | str, key: str, nbytes: int) -> Any:
+    def reserve(self, from_stage: Stage, to_stage: Stage, key: str, nbytes: int) -> Any:
         """A registered slab to write a packed payload of ``nbytes`` into; publishing holds
         it for receivers to READ (no further copy). Counts against ``max_held_bytes`` from
         now. See :class:`~vllm_kvbridge.connectors.base.Reservation`."""
-        self._check_open()
-        self._check_key(key)
-        if (refused := self._refuse_oversize(nbytes)) is not None:
-            return refused
-        endpoint = self._ensure_server()
-        with self._lock:
-            if key in self._published:
-                return self._put_failed(f"key {key!r} is already published by this connector")
-            if nbytes > self.max_held_bytes:  # would never fit: waiting cannot help
-                return self._put_failed(
-                    f"payload of {nbytes} bytes exceeds max_held_bytes={self.max_held_bytes}"
-                )
-            held = self._held_bytes_locked()
-            if held + nbytes > self.max_held_bytes:
-                limit = self.max_held_bytes
-                return self._put_full(f"{held} bytes held + {nbytes} exceeds max_held_bytes={limit}")
-            self._reserved += nbytes  # before the copy: concurrent puts respect the bound
-        try:
-            slab, _ = self._pool.acquire(nbytes)
-        except TransferError as exc:
-            self._unreserve(nbytes)
-            return self._put_failed(f"no registered memory for {nbytes} bytes: {exc}")
-        return LentReservation(self, key, nbytes, memoryview(slab)[:nbytes], (slab, endpoint))
+        return self._reserve_slab(self._table, self._pool, key, nbytes, self._ensure_server)
 
     def _publish_lent(self, r: LentReservation, start: float) -> PutResult:
         """Publish the written slab of ``r`` under its key (see :meth:`reserve`)."""
-        slab, endpoint = r.lent
-        with self._lock:
-            refused = self._closed or r.key in self._published
-            if not refused:
-                self._published[r.key] = _Held(r.key, slab, r.nbytes, time.monotonic() + self.ttl_s)
-                self._reserved -= r.nbytes
-        if refused:
-            why = f"{self.name} closed during put" if self._closed else f"key {r.key!r} is already published"
-            return self._put_failed(why)
+        if (failed := self._publish_slab(self._table, r)) is not None:
+            return failed
+        endpoint = r.lent[1]
         self._control.key_put(r.key)  # receivers waiting for it get it now
         self.stats.add(puts=1, put_bytes=r.nbytes, put_seconds=time.perf_counter() - start)
         metadata = {"endpoint": endpoint, "agent": self._agent.name, "lease_s": self.lease_s}
@@ -273,17 +245,7 @@ class NixlConnector(Connector):
 
     def _release_lent(self, r: LentReservation) -> None:
         """An unpublished reservation ends: its slab and its reserved bytes go back."""
-        self._pool.release(r.lent[0])
-        self._unreserve(r.nbytes)
-
-    def _unreserve(self, need: int) -> None:
-        with self._lock:
-            self._reserved -= need
-
-    def _held_bytes_locked(self) -> int:
-        """Bytes of payloads published or lent to a reader, plus puts under way."""
-        published = sum(h.nbytes for h in self._published.values())
-        return published + sum(h.nbytes for h in self._lent.values()) + self._reserved
+        self._release_slab(self._table, self._pool, r)
 
     def _ensure_server(self) -> str:
         with self._lock:
@@ -308,54 +270,30 @@ class NixlConnector(Connector):
             self._release_read(request[1])
             return [_OK]
         if verb == RENEW and len(request) == 2:
-            return [self._answer_renew(request[1].decode("ascii", "replace"))]
+            # A claimed key's own lease governs it. (Read already, but our notification not
+            # seen yet: the reader itself answers False, see renew.)
+            return [_OK if self._table.renew(request[1].decode("ascii", "replace")) else _MISSING]
         return [_BAD]
 
-    def _answer_renew(self, key: str) -> bytes:
-        with self._lock:
-            held = self._published.get(key)
-            if held is not None:
-                held.expires = time.monotonic() + self.lease_s
-                return _OK
-            # Claimed: its claim lease governs it. (Read already, but our notification not
-            # seen yet: the reader itself answers False, see renew.)
-            return _OK if any(h.key == key for h in self._lent.values()) else _MISSING
-
     def _answer_get(self, key_raw: bytes, receiver: bytes, limit: int) -> list[bytes]:
-        key = key_raw.decode("ascii", "replace")
-        with self._lock:
-            token = self._claims.get((receiver, key))
-            held = self._lent.get(token) if token is not None else None
-            if held is None:
-                # A key is claimed once; the same receiver asking again (its first answer
-                # came after its deadline) gets the same claim, so nothing is lost between.
-                held = self._published.get(key)
-                if held is not None and held.nbytes <= limit:
-                    del self._published[key]
-                    token = _TOKEN_PREFIX + os.urandom(12).hex().encode()
-                    held.token, held.receiver = token, receiver
-                    held.expires = time.monotonic() + self.lease_s
-                    self._lent[token] = held
-                    self._claims[(receiver, key)] = token
+        # A key is claimed once; the same receiver asking again (its first answer came
+        # after its deadline) gets the same claim, so nothing is lost between.
+        held = self._table.claim(key_raw.decode("ascii", "replace"), receiver, limit)
         if held is None:
             return [_MISSING]
         if held.nbytes > limit:
             return [_TOOBIG, _U64.pack(held.nbytes)]
         agent = self._agent
         lease_ms = max(0, int((held.expires - time.monotonic()) * 1000))  # what is left of it
-        fields = (held.slab.ctypes.data, held.nbytes, agent.generation, agent.dereg_generation, lease_ms)
-        return [_OK, agent.name.encode(), *(_U64.pack(v) for v in fields), token]
+        fields = (held.value.ctypes.data, held.nbytes, agent.generation, agent.dereg_generation, lease_ms)
+        return [_OK, agent.name.encode(), *(_U64.pack(v) for v in fields), held.claim]
 
     def _tick(self) -> None:
-        with self._lock:
-            lent = bool(self._lent)
-            sweep = time.monotonic() >= self._next_sweep
-        if lent:
+        if self._table.any_claimed:
             self._take_notifications()
-        if sweep:
-            self._expire()
-            with self._lock:
-                self._next_sweep = time.monotonic() + self._sweep_every
+        if time.monotonic() >= self._next_sweep:  # the server thread alone sweeps
+            self._table.sweep()
+            self._next_sweep = time.monotonic() + self._sweep_every
 
     def _take_notifications(self) -> None:
         for message in self._agent.notifications():
@@ -364,37 +302,18 @@ class NixlConnector(Connector):
 
     def _release_read(self, token: bytes) -> None:
         """A reader is done with (or gave up) the slab it claimed with ``token``."""
-        with self._lock:
-            held = self._lent.pop(token, None)
-            if held is not None:
-                self._claims.pop((held.receiver, held.key), None)
-        if held is not None:
-            self._pool.release(held.slab)
+        if (held := self._table.release_claim(token)) is not None:
+            self._pool.release(held.value)
 
-    def _expire(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            gone = [self._published.pop(k) for k, h in list(self._published.items()) if h.expires <= now]
-            expired = [self._lent.pop(t) for t, h in list(self._lent.items()) if h.expires <= now]
-            for held in expired:
-                self._claims.pop((held.receiver, held.key), None)
-            self._expired += len(gone)
-        for held in gone:
-            self._pool.release(held.slab)
-        for held in expired:
-            # Its reader died or gave up (a reader never reads past its lease). Never reuse
-            # the slab: unregistered, a late READ fails on RDMA instead of reading another payload.
-            self._pool.discard(held.slab)
+    def _expired_slab(self, held: Held[np.ndarray]) -> None:
+        """The held table's sweep took ``held``: unread (ttl_s or renewal lease), or a claim
+        whose reader died or gave up (a reader never reads past its lease). Such a slab is
+        never reused: unregistered, a late READ fails on RDMA instead of reading another payload."""
+        (self._pool.discard if held.claimed else self._pool.release)(held.value)
 
     # -- receiver -----------------------------------------------------------------------
     def get(
-        self,
-        from_stage: int | str,
-        to_stage: int | str,
-        key: str,
-        metadata: Mapping[str, Any] | None = None,
-        *,
-        deadline: float | None = None,
+        self, from_stage: Stage, to_stage: Stage, key: str, metadata: Meta = None, *, deadline: Due = None
     ) -> Any | None:
         """Claim ``key`` at the sender in ``metadata``, READ it and decode it in place.
 
@@ -427,9 +346,7 @@ class NixlConnector(Connector):
         self.stats.add(gets=1, get_bytes=nbytes, get_seconds=time.perf_counter() - start)
         return payload
 
-    def renew(
-        self, from_stage: int | str, to_stage: int | str, key: str, metadata: Mapping[str, Any] | None = None
-    ) -> bool:
+    def renew(self, from_stage: Stage, to_stage: Stage, key: str, metadata: Meta = None) -> bool:
         """RENEW ``key`` at the sender in ``metadata`` (see the module docstring): True while it
         holds the key, False once not; :class:`TransferError` past ``request_timeout_s``."""
         self._check_open()
@@ -442,37 +359,23 @@ class NixlConnector(Connector):
         return self._client.renew(str(endpoint), key, self.request_timeout_s)
 
     def _pull(self, endpoint: str, key: str, deadline: float | None) -> tuple[Any, int] | None:
-        delay = 0.001
+        # TransferError at once when the sender is gone (its port refuses connections),
+        # TransferTimeout when it does not answer in time. With a deadline the sender
+        # holds each request until the key is put (te_control's long poll).
         request = [_GET, key.encode("ascii"), self._receiver_id, _U64.pack(self.max_payload_bytes)]
-        while True:
-            wait_until = deadline if deadline is not None else time.monotonic() + self.request_timeout_s
-            # TransferError at once when the sender is gone (its port refuses connections),
-            # TransferTimeout when it does not answer by wait_until. With a deadline the
-            # sender holds the request until the key is put (te_control's long poll).
-            asked = time.monotonic()
-            hold = hold_field(deadline)
-            answer = self._client.request(endpoint, request + hold, wait_until)
-            status = answer[0] if answer else _BAD
-            if status == _OK and len(answer) == 8 and self._was_consumed(answer[7]):
-                status = _MISSING  # ours already; the sender has not seen our notification yet
-            elif status == _OK and len(answer) == 8:
-                return self._read_claimed(endpoint, key, answer[1:])
-            if status == _TOOBIG and len(answer) == 2:
-                raise TransferRefused(
-                    f"{key!r} at {endpoint} is {_u64(answer[1])} bytes, over "
-                    f"max_payload_bytes={self.max_payload_bytes}"
-                )
-            if status != _MISSING:
-                raise TransferError(f"{endpoint} answered {status!r} for {key!r}")
-            if deadline is None:
-                return None
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TransferTimeout(f"{key!r} was not available at {endpoint} before the deadline")
-            if not (hold and time.monotonic() - asked >= LONG_POLL_S / 2):  # not held: back off
-                time.sleep(min(delay, left))
-                delay = min(delay * 2, 0.02)
-            self._check_open()
+        answer = self._client.claim(
+            endpoint,
+            key,
+            request,
+            deadline,
+            fields=7,
+            request_timeout_s=self.request_timeout_s,
+            max_payload_bytes=self.max_payload_bytes,
+            check_open=self._check_open,
+            # Ours already (read to the end): the sender has not seen our notification yet.
+            taken=lambda answer: self._was_consumed(answer[7]),
+        )
+        return None if answer is None else self._read_claimed(endpoint, key, answer)
 
     def _read_claimed(self, endpoint: str, key: str, fields: list[bytes]) -> tuple[Any, int]:
         from vllm_kvbridge.wire import decode_packed
@@ -549,22 +452,20 @@ class NixlConnector(Connector):
     def cleanup(self, key: str) -> None:
         """Release ``key`` if it is still published here (a claimed one waits for its reader). Idempotent."""
         self._check_key(key)
-        with self._lock:
-            held = self._published.pop(key, None)
-        if held is not None:
-            self._pool.release(held.slab)
+        if (held := self._table.drop(key)) is not None:
+            self._pool.release(held.value)
             self.stats.add(cleanups=1)
 
     def health(self) -> dict[str, Any]:
-        with self._lock:
-            extra: dict[str, Any] = {
-                "endpoint": self.endpoint,
-                "published": len(self._published),
-                "lent": len(self._lent),
-                "held_payloads": len(self._published) + len(self._lent),
-                "held_bytes": self._held_bytes_locked(),
-                "expired": self._expired,
-            }
+        held = self._table.counts()
+        extra: dict[str, Any] = {
+            "endpoint": self.endpoint,
+            "published": held["held"],
+            "lent": held["claimed"],
+            "held_payloads": held["held"] + held["claimed"],
+            "held_bytes": held["held_bytes"],
+            "expired": held["expired"],
+        }
         agent = self._agent
         regions, nbytes = agent.registered if agent is not None else (0, 0)
         extra.update(
@@ -582,10 +483,8 @@ class NixlConnector(Connector):
         closed_normally(self)
         if self._control is not None:
             self._control.close()  # joins the server thread: no handler runs after this
+        self._table.clear()
         with self._lock:
-            self._published.clear()
-            self._lent.clear()
-            self._claims.clear()
             self._quarantine.clear()
         if self._client is not None:
             self._client.close()

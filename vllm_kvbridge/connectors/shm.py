@@ -60,8 +60,11 @@ from vllm_kvbridge.connectors import shm_segments as seg
 from vllm_kvbridge.connectors.base import (
     DEFAULT_LEASE_S,
     Connector,
+    Due,
     LentReservation,
+    Meta,
     PutResult,
+    Stage,
     number_option,
 )
 from vllm_kvbridge.connectors.dir_watch import ArrivalWait, WatchPool
@@ -145,7 +148,7 @@ class SharedMemoryConnector(Connector):
         self.on_expired: Callable[[str], None] | None = None
 
     # -- naming -------------------------------------------------------------------------
-    def namespace(self, from_stage: int | str, to_stage: int | str) -> str:
+    def namespace(self, from_stage: Stage, to_stage: Stage) -> str:
         """The segment namespace of an edge (config ``namespace`` or :func:`edge_name`)."""
         if self._namespace_override is not None:
             return self._namespace_override
@@ -155,7 +158,7 @@ class SharedMemoryConnector(Connector):
         return seg.check_namespace(name)
 
     @classmethod
-    def reap_dead(cls, config: Mapping[str, Any], from_stage: int | str, to_stage: int | str) -> list[str]:
+    def reap_dead(cls, config: Mapping[str, Any], from_stage: Stage, to_stage: Stage) -> list[str]:
         """Unlink the edge's pool, claim and published names whose owner process is gone."""
         conn = cls(config)  # no threads, no segments until first used: naming only
         try:
@@ -169,7 +172,7 @@ class SharedMemoryConnector(Connector):
             seg.reap_stale(namespace, shm_dir=self.shm_dir)  # leftovers of crashed processes
 
     # -- sender -------------------------------------------------------------------------
-    def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
+    def put(self, from_stage: Stage, to_stage: Stage, key: str, payload: Any) -> PutResult:
         """Write ``payload`` into a pool segment and publish it as ``key``.
 
         Returns ``ok=False`` (never raises) when the key is already published, the payload
@@ -180,7 +183,7 @@ class SharedMemoryConnector(Connector):
         seg.check_key(key)
         return self._put_reserved(from_stage, to_stage, key, payload)
 
-    def reserve(self, from_stage: int | str, to_stage: int | str, key: str, nbytes: int) -> Any:
+    def reserve(self, from_stage: Stage, to_stage: Stage, key: str, nbytes: int) -> Any:
         """A pool segment to write a packed payload of ``nbytes`` into (one copy from the
         sender's data to where the receiver maps it); ``full`` when the held bytes or
         /dev/shm leave no room now. See :class:`~vllm_kvbridge.connectors.base.Reservation`."""
@@ -352,16 +355,12 @@ class SharedMemoryConnector(Connector):
                 self._maps.sweep()
 
     # -- receiver -----------------------------------------------------------------------
-    def _namespace_of(
-        self, from_stage: int | str, to_stage: int | str, metadata: Mapping[str, Any] | None
-    ) -> str:
+    def _namespace_of(self, from_stage: Stage, to_stage: Stage, metadata: Mapping[str, Any] | None) -> str:
         if metadata and metadata.get("namespace") is not None:
             return seg.check_namespace(metadata["namespace"])
         return self.namespace(from_stage, to_stage)
 
-    def renew(
-        self, from_stage: int | str, to_stage: int | str, key: str, metadata: Mapping[str, Any] | None = None
-    ) -> bool:
+    def renew(self, from_stage: Stage, to_stage: Stage, key: str, metadata: Meta = None) -> bool:
         """Keep the published segment ``key`` for the sender's ``lease_s`` (from ``metadata``)."""
         self._check_open()
         seg.check_key(key)
@@ -369,13 +368,7 @@ class SharedMemoryConnector(Connector):
         return seg.renew(self._namespace_of(from_stage, to_stage, metadata), key, lease_s, self.shm_dir)
 
     def get(
-        self,
-        from_stage: int | str,
-        to_stage: int | str,
-        key: str,
-        metadata: Mapping[str, Any] | None = None,
-        *,
-        deadline: float | None = None,
+        self, from_stage: Stage, to_stage: Stage, key: str, metadata: Meta = None, *, deadline: Due = None
     ) -> Any | None:
         """Claim and decode the segment published as ``key``.
 

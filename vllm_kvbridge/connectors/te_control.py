@@ -1,6 +1,7 @@
 """The small control channel of the one-sided connectors (ZeroMQ, TCP).
 
-Used by the Mooncake transfer-engine connector (and the NIXL connector). The bytes move
+Used by the Mooncake transfer-engine connector and the NIXL connector (the Mooncake store's
+RENEW too). The bytes move
 one-sided over the engine; this channel only says *where* a key's bytes are and *when* the
 receiver is done with them. The sender's :class:`ControlServer`
 owns a ROUTER socket on a background thread; receivers talk to it through
@@ -24,6 +25,9 @@ is simply re-issued by its next get (nothing is lost between a timed-out claim a
 poll), and a long read keeps its claim by claiming again between batches. (These are the
 transfer-engine connector's messages; the NIXL connector speaks its own over the same
 server and client, and RENEW.)
+
+:meth:`ControlClient.claim` is the receivers' claim loop over this channel (the one
+claim-until-deadline loop, :mod:`~vllm_kvbridge.connectors.claim_loop`).
 
 Long poll: a CLAIM (or the NIXL connector's GET, the same shape) that ends with
 ``hold_ms`` and finds nothing is not answered MISSING at once: the server holds it, and
@@ -51,7 +55,9 @@ from dataclasses import dataclass
 
 import zmq
 
-from vllm_kvbridge.errors import ConnectorClosed, TransferError, TransferTimeout
+from vllm_kvbridge.connectors.claim_loop import MISSING as MISSING_KEY
+from vllm_kvbridge.connectors.claim_loop import Retry, claim_until_deadline, hold_seconds
+from vllm_kvbridge.errors import ConnectorClosed, TransferError, TransferRefused, TransferTimeout
 
 U64 = struct.Struct("<Q")
 CLAIM, DONE, RENEW = b"CLAIM", b"DONE", b"RENEW"
@@ -64,18 +70,17 @@ Handler = Callable[[list[bytes]], list[bytes]]
 MAX_HELD = 256
 #: Longest hold a receiver asks for: it asks again after that (and re-checks it is open).
 LONG_POLL_S = 1.0
-#: How much earlier than its deadline a receiver's hold ends, so MISSING arrives in time.
-HOLD_MARGIN_S = 0.01
 _HOLD_FIELDS = 5  # [verb, key, receiver, max_bytes, hold_ms]
 
 
 def hold_field(deadline: float | None) -> list[bytes]:
     """The ``hold_ms`` frame for a claim whose receiver waits until ``deadline`` (none
     without a deadline: a single try)."""
-    if deadline is None:
-        return []
-    hold = min(LONG_POLL_S, deadline - time.monotonic() - HOLD_MARGIN_S)
-    return [U64.pack(int(hold * 1000))] if hold >= 0.001 else []
+    return _hold_frame(hold_seconds(deadline, LONG_POLL_S))
+
+
+def _hold_frame(hold_s: float) -> list[bytes]:
+    return [U64.pack(int(hold_s * 1000))] if hold_s else []
 
 
 @dataclass
@@ -289,6 +294,50 @@ class ControlClient:
             raise TransferError(f"control request to {endpoint} failed: {exc}") from exc
         finally:
             self._checkin(endpoint, sock, healthy)
+
+    def claim(
+        self,
+        endpoint: str,
+        key: str,
+        request: list[bytes],
+        deadline: float | None,
+        *,
+        fields: int,
+        request_timeout_s: float,
+        max_payload_bytes: int,
+        check_open: Callable[[], None],
+        taken: Callable[[list[bytes]], bool] = lambda answer: False,
+    ) -> list[bytes] | None:
+        """CLAIM (or NIXL's GET) ``key`` with ``request`` until it is claimed or ``deadline``
+        passes (:func:`~vllm_kvbridge.connectors.claim_loop.claim_until_deadline`, each
+        request held by the sender until the key is put): the OK answer's ``fields`` frames
+        after OK; ``None`` if missing without a deadline. An OK answer that ``taken`` says
+        this receiver consumed already counts as missing. :class:`TransferRefused` when the
+        sender says the payload is over ``max_payload_bytes``, :class:`TransferError` for any
+        other answer, as from :meth:`request`."""
+
+        def attempt(hold_s: float, wait_until: float) -> list[bytes] | Retry:
+            answer = self.request(endpoint, request + _hold_frame(hold_s), wait_until)
+            status = answer[0] if answer else BAD
+            if status == OK and len(answer) == fields + 1:
+                return MISSING_KEY if taken(answer) else answer[1:]
+            if status == TOOBIG and len(answer) == 2:
+                raise TransferRefused(
+                    f"{key!r} at {endpoint} is {U64.unpack(answer[1])[0]} bytes, over "
+                    f"max_payload_bytes={max_payload_bytes}"
+                )
+            if status != MISSING:
+                raise TransferError(f"{endpoint} answered {answer[:1]!r} to a claim of {key!r}")
+            return MISSING_KEY
+
+        return claim_until_deadline(
+            attempt,
+            deadline,
+            not_there=f"{key!r} was not available at {endpoint} before the deadline",
+            check_open=check_open,
+            request_timeout_s=request_timeout_s,
+            long_poll_s=LONG_POLL_S,
+        )
 
     def renew(self, endpoint: str, key: str, timeout_s: float) -> bool:
         """RENEW ``key`` at ``endpoint``: True if the sender holds it, False if not.

@@ -1,7 +1,8 @@
 """Cross-host transport over TCP with ZeroMQ: the sender serves, the receiver pulls.
 
 Sender: :meth:`ZmqConnector.put` encodes the payload (:func:`vllm_kvbridge.wire.encode`;
-tensors are referenced, not copied) and keeps the frames in memory under ``key``. A
+tensors are referenced, not copied) and keeps the frames in memory under ``key`` (in the
+pull connectors' one held table, :mod:`~vllm_kvbridge.connectors.held_table`). A
 background thread owns a ROUTER socket bound to ``host``/``port`` (port 0: ephemeral) and
 answers requests (that half: :mod:`~vllm_kvbridge.connectors.zmq_server`); the address
 is in ``PutResult.metadata["endpoint"]``. Frames are sent
@@ -13,7 +14,8 @@ Receiver: :meth:`ZmqConnector.get` sends ``GET`` over a DEALER socket connected 
 endpoint (sockets are pooled per endpoint; a socket is used by one thread at a time),
 receives the reply with ``copy=False`` and decodes it in place
 (:func:`vllm_kvbridge.wire.decode_frames`). A get without a deadline asks once: "not there
-yet" is an immediate ``MISSING``. A get with a deadline *long-polls*: its GET asks the server
+yet" is an immediate ``MISSING``. A get with a deadline *long-polls* (the pull connectors' one
+claim loop, :mod:`~vllm_kvbridge.connectors.claim_loop`): its GET asks the server
 to hold it up to the time left (at most ``LONG_POLL_S`` per request), and the server answers
 it the moment a put of that key lands, so the payload is seen on arrival rather than at the
 next retry (the old 1-20 ms backoff made a 1 KB handoff take ~8 ms p50 where the transport
@@ -79,11 +81,16 @@ from vllm_kvbridge.connectors import zmq_server
 from vllm_kvbridge.connectors.base import (
     DEFAULT_LEASE_S,
     Connector,
+    Due,
     HeapReservation,
+    Meta,
     PutResult,
+    Stage,
     number_option,
     offset_port,
 )
+from vllm_kvbridge.connectors.claim_loop import MISSING as NOT_YET
+from vllm_kvbridge.connectors.claim_loop import Retry, claim_until_deadline
 from vllm_kvbridge.connectors.registered_pool import RegisteredBufferPool
 from vllm_kvbridge.connectors.zmq_curve import CurveKeys
 from vllm_kvbridge.connectors.zmq_server import (
@@ -117,11 +124,6 @@ def _no_registration(ptr: int, nbytes: int) -> int:
 
 def _no_unregistration(ptr: int) -> int:
     return 0
-
-
-#: How much earlier than the receiver's deadline the server gives up a held GET, so its
-#: MISSING arrives before the receiver stops listening (a late answer closes the socket).
-_HOLD_MARGIN_S = 0.01
 
 
 class ZmqConnector(Connector):
@@ -178,7 +180,7 @@ class ZmqConnector(Connector):
         return offset_port(config, "port", rank)
 
     # -- sender -------------------------------------------------------------------------
-    def put(self, from_stage: int | str, to_stage: int | str, key: str, payload: Any) -> PutResult:
+    def put(self, from_stage: Stage, to_stage: Stage, key: str, payload: Any) -> PutResult:
         """Keep ``payload`` in memory under ``key`` and serve it until claimed or expired.
 
         The payload's tensors are referenced, not copied: do not modify them until the
@@ -192,7 +194,7 @@ class ZmqConnector(Connector):
         self._check_key(key)
         return self._hold(key, list(encode(payload).frames()), time.perf_counter())
 
-    def reserve(self, from_stage: int | str, to_stage: int | str, key: str, nbytes: int) -> Any:
+    def reserve(self, from_stage: Stage, to_stage: Stage, key: str, nbytes: int) -> Any:
         """A host buffer of this process to write a packed payload into; publishing serves
         its frames as views of it (no further copy before the socket). Buffers are pooled
         (``pool_keep_bytes``): one returns when the receiver confirmed its payload (or it
@@ -222,11 +224,9 @@ class ZmqConnector(Connector):
             return refused
         endpoint = self._ensure_server()
         self._check_open()
-        refusal, why, awaited = self._store.add(key, frames, sizes)
-        if refusal == "full":
-            return self._put_full(why)
-        if refusal is not None:
-            return self._put_failed(why)
+        refused, awaited = self._store.add(key, frames, sizes)
+        if refused is not None:
+            return self._put_refused(refused)
         if awaited:
             self._server.key_put()  # the server answers the GETs it holds for this key
         self.stats.add(puts=1, put_bytes=total, put_seconds=time.perf_counter() - start)
@@ -259,13 +259,7 @@ class ZmqConnector(Connector):
 
     # -- receiver -----------------------------------------------------------------------
     def get(
-        self,
-        from_stage: int | str,
-        to_stage: int | str,
-        key: str,
-        metadata: Mapping[str, Any] | None = None,
-        *,
-        deadline: float | None = None,
+        self, from_stage: Stage, to_stage: Stage, key: str, metadata: Meta = None, *, deadline: Due = None
     ) -> Any | None:
         """Pull ``key`` from the endpoint in ``metadata`` (or config ``endpoint``).
 
@@ -313,9 +307,7 @@ class ZmqConnector(Connector):
             )
         return str(endpoint), server_key
 
-    def renew(
-        self, from_stage: int | str, to_stage: int | str, key: str, metadata: Mapping[str, Any] | None = None
-    ) -> bool:
+    def renew(self, from_stage: Stage, to_stage: Stage, key: str, metadata: Meta = None) -> bool:
         """Ask the sender to hold ``key`` for its ``lease_s``; TransferError without an answer
         within ``request_timeout_s``."""
         endpoint, server_key = self._peer(key, metadata)
@@ -340,45 +332,32 @@ class ZmqConnector(Connector):
     ) -> list[zmq.Frame] | None:
         sock = self._checkout(endpoint, server_key)
         healthy = False  # until a request/answer completed cleanly
+
+        def attempt(hold: float, wait_until: float) -> list[zmq.Frame] | Retry:
+            nonlocal healthy
+            healthy = False
+            status, frames = self._request(sock, key, wait_until, hold)
+            if status is None:
+                raise TransferTimeout(f"no answer from {endpoint} for {key!r} before the deadline")
+            healthy = status in (OK, TOOBIG, MISSING)
+            if status == TOOBIG:
+                size = U64.unpack(frames[0].bytes)[0] if frames and len(frames[0]) == 8 else -1
+                raise TransferRefused(
+                    f"{key!r} at {endpoint} is {size} bytes, over max_payload_bytes={self.max_payload_bytes}"
+                )
+            if status not in (OK, MISSING):
+                raise TransferError(f"{endpoint} answered {status!r} for {key!r}")
+            return frames if status == OK else NOT_YET
+
         try:
-            delay = 0.001
-            while True:
-                asked = time.monotonic()
-                if deadline is None:
-                    hold, wait_until = 0.0, asked + self.request_timeout_s
-                else:
-                    hold, wait_until = (
-                        min(max(0.0, deadline - asked - _HOLD_MARGIN_S), zmq_server.LONG_POLL_S),
-                        deadline,
-                    )
-                status, frames = self._request(sock, key, wait_until, hold)
-                if status == OK:
-                    healthy = True
-                    return frames
-                if status is None:
-                    raise TransferTimeout(f"no answer from {endpoint} for {key!r} before the deadline")
-                if status == TOOBIG:
-                    healthy = True
-                    size = U64.unpack(frames[0].bytes)[0] if frames and len(frames[0]) == 8 else -1
-                    raise TransferRefused(
-                        f"{key!r} at {endpoint} is {size} bytes, over "
-                        f"max_payload_bytes={self.max_payload_bytes}"
-                    )
-                if status != MISSING:
-                    raise TransferError(f"{endpoint} answered {status!r} for {key!r}")
-                healthy = True
-                if deadline is None:
-                    return None
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TransferTimeout(f"{key!r} was not available at {endpoint} before the deadline")
-                if time.monotonic() - asked < hold / 2 or hold == 0:
-                    # Answered at once: not held (the server is at MAX_WAITERS), or the last
-                    # moments before the deadline (no time left to hold): back off.
-                    time.sleep(min(delay, left))
-                    delay = min(delay * 2, 0.02)
-                self._check_open()
-                healthy = False
+            return claim_until_deadline(
+                attempt,
+                deadline,
+                not_there=f"{key!r} was not available at {endpoint} before the deadline",
+                check_open=self._check_open,
+                request_timeout_s=self.request_timeout_s,
+                long_poll_s=zmq_server.LONG_POLL_S,  # the server holds each GET until the put
+            )
         except zmq.ContextTerminated:
             healthy = False
             raise ConnectorClosed(f"{self.name} closed during get") from None

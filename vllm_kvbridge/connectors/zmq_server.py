@@ -1,7 +1,8 @@
 """The serving half of :class:`~vllm_kvbridge.connectors.zmq_p2p.ZmqConnector`.
 
-:class:`PayloadStore` holds what a sender put (frames in its memory, their sizes, TTLs and
-leases, the bytes in flight) and the GETs the server holds for keys not put yet;
+:class:`PayloadStore` holds what a sender put (frames in its memory and their sizes, in
+the one held table of the pull connectors, :mod:`~vllm_kvbridge.connectors.held_table`:
+TTLs, renewals, the bytes in flight) and the GETs the server holds for keys not put yet;
 :class:`ZmqServer` owns the ROUTER socket and its thread and answers the wire protocol
 described in :mod:`~vllm_kvbridge.connectors.zmq_p2p`. The receiving half (the client
 socket pool, the GET/ACK exchange, decoding) stays in the connector.
@@ -25,6 +26,8 @@ from typing import Any
 
 import zmq
 
+from vllm_kvbridge.connectors.held_table import Held, HeldTable, Refusal
+
 U64 = struct.Struct("<Q")
 GET, OK, DATA, MISSING, TOOBIG, BAD = b"GET", b"OK", b"DATA", b"MISSING", b"TOOBIG", b"BAD"
 ACK, ACKED, RENEW = b"ACK", b"ACKED", b"RENEW"
@@ -35,11 +38,14 @@ MAX_WAITERS = 4096
 
 
 @dataclass
-class Entry:
+class Frames:
+    """What a held entry of the ZMQ sender is (:mod:`~vllm_kvbridge.connectors.held_table`)."""
+
     frames: list[Any]
     sizes: bytes  # u64 le per frame, as the OK header carries them
-    nbytes: int
-    expires: float  # monotonic: TTL, pushed out by renewals
+
+
+Entry = Held[Frames]
 
 
 @dataclass
@@ -53,47 +59,32 @@ class Waiter:
 
 
 class PayloadStore:
-    """What a sender serves, and the GETs held for it. Thread-safe."""
+    """What a sender serves (its held table, confirmed entries dropped, none claimed), and
+    the GETs held for it. Thread-safe."""
 
     def __init__(self, ttl_s: float, lease_s: float, max_inflight_bytes: int) -> None:
-        self.ttl_s, self.lease_s, self.max_inflight_bytes = ttl_s, lease_s, max_inflight_bytes
-        self._lock = threading.Lock()
-        self._entries: dict[str, Entry] = {}
+        self._table: HeldTable[Frames] = HeldTable(
+            ttl_s, lease_s, max_inflight_bytes, budget_option="max_inflight_bytes"
+        )
+        # The table's own (reentrant) lock: finding a key missing and holding a GET for it
+        # are one step, as are storing a key and looking for the GETs held for it.
+        self._lock = self._table.lock
         self._waiters: dict[str, list[Waiter]] = {}
         self._num_waiters = 0
-        self.inflight = 0
-        self.expired = 0  # payloads dropped unread (TTL or lease)
 
-    def add(self, key: str, frames: list[Any], sizes: list[int]) -> tuple[str | None, str, bool]:
-        """Hold ``frames`` under ``key``: ``(refusal, why, awaited)``; ``refusal`` is
-        ``"failed"`` (never fits, key held), ``"full"`` (no room now) or None, and
-        ``awaited`` whether a held GET wants the key (the server must be woken)."""
-        total = sum(sizes)
+    def add(self, key: str, frames: list[Any], sizes: list[int]) -> tuple[Refusal | None, bool]:
+        """Hold ``frames`` under ``key``: ``(refusal, awaited)``, ``awaited`` whether a held
+        GET wants the key (the server must be woken)."""
+        packed = b"".join(U64.pack(n) for n in sizes)
         with self._lock:
-            if key in self._entries:
-                return "failed", f"key {key!r} is already held for sending", False
-            if total > self.max_inflight_bytes:  # would never fit: waiting cannot help
-                return (
-                    "failed",
-                    f"payload of {total} bytes exceeds max_inflight_bytes={self.max_inflight_bytes}",
-                    False,
-                )
-            if self.inflight + total > self.max_inflight_bytes:
-                why = (
-                    f"{self.inflight} bytes in flight + {total} exceeds "
-                    f"max_inflight_bytes={self.max_inflight_bytes}"
-                )
-                return "full", why, False
-            packed = b"".join(U64.pack(n) for n in sizes)
-            self._entries[key] = Entry(frames, packed, total, time.monotonic() + self.ttl_s)
-            self.inflight += total
-            return None, "", key in self._waiters
+            refused = self._table.add(key, Frames(frames, packed), sum(sizes))
+            return refused, refused is None and key in self._waiters
 
     def lookup_or_wait(self, key: str, waiter: Waiter | None) -> tuple[Entry | None, bool]:
         """The entry of ``key``; when missing, hold ``waiter`` if given and there is room:
         ``(entry, held)``."""
         with self._lock:
-            entry = self._entries.get(key)
+            entry = self._table.get(key)
             if entry is None and waiter is not None and self._num_waiters < MAX_WAITERS:
                 self._waiters.setdefault(key, []).append(waiter)
                 self._num_waiters += 1
@@ -106,7 +97,7 @@ class PayloadStore:
         due: list[tuple[Waiter, Entry | None]] = []
         with self._lock:
             for key in list(self._waiters):
-                entry = self._entries.get(key)
+                entry = self._table.get(key)
                 keep = []
                 for w in self._waiters[key]:
                     if entry is not None or w.expires <= now:
@@ -125,42 +116,31 @@ class PayloadStore:
             return min((w.expires for ws in self._waiters.values() for w in ws), default=math.inf)
 
     def renew(self, key: str) -> bool:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None:
-                entry.expires = time.monotonic() + self.lease_s
-            return entry is not None
+        return self._table.renew(key)
 
     def drop(self, key: str) -> bool:
         """Forget ``key`` (confirmed by its receiver, or cleaned up); whether it was held."""
-        with self._lock:
-            entry = self._entries.pop(key, None)
-            if entry is not None:
-                self.inflight -= entry.nbytes
-            return entry is not None
+        return self._table.drop(key) is not None
 
     def expire(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            for key in [k for k, e in self._entries.items() if e.expires <= now]:
-                self.inflight -= self._entries.pop(key).nbytes
-                self.expired += 1
+        """Drop payloads unread past their TTL or lease (their frames go with them)."""
+        self._table.sweep()
 
     def counts(self) -> dict[str, int]:
         with self._lock:
+            held = self._table.counts()
             return {
-                "held_payloads": len(self._entries),
-                "inflight_bytes": self.inflight,
+                "held_payloads": held["held"],
+                "inflight_bytes": held["held_bytes"],
                 "held_gets": self._num_waiters,
-                "expired": self.expired,
+                "expired": held["expired"],
             }
 
     def clear(self) -> None:
         with self._lock:
-            self._entries.clear()
+            self._table.clear()
             self._waiters.clear()
             self._num_waiters = 0
-            self.inflight = 0
 
 
 class ZmqServer:
@@ -274,8 +254,8 @@ class ZmqServer:
             # The entry stays until the receiver confirms (or its TTL): a receiver that
             # gives up mid-transfer can ask again. copy=False: libzmq reads the tensors'
             # memory directly and pyzmq keeps it alive even if the entry goes meanwhile.
-            router.send_multipart([identity, nonce, OK, entry.sizes])
-            router.send_multipart([identity, nonce, DATA, *entry.frames], copy=False)
+            router.send_multipart([identity, nonce, OK, entry.value.sizes])
+            router.send_multipart([identity, nonce, DATA, *entry.value.frames], copy=False)
 
 
 def _drain_wake(wake: zmq.Socket) -> bool:
