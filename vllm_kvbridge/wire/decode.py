@@ -256,6 +256,8 @@ def _parse_packed(
     length = len(mv) if length is None else length
     if length < PREFIX_SIZE:
         raise PayloadError(f"packed payload truncated: {length} bytes < {PREFIX_SIZE}-byte prefix")
+    if len(mv) < PREFIX_SIZE:  # only a head was given (decode_packed_device), and it is short
+        raise PayloadError(f"packed payload head truncated: {len(mv)} bytes < {PREFIX_SIZE}-byte prefix")
     magic, version, flags, n, skeleton_len, total = _PREFIX.unpack_from(mv, 0)
     if magic != PACKED_MAGIC:
         hint = " (a packed KV buffer: use KVCacheTransferData.from_bytes)" if magic == kv_format.MAGIC else ""
