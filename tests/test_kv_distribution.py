@@ -15,6 +15,8 @@ from vllm_kvbridge.wire.fill import TensorFill
 from vllm_kvbridge.wire.testing import random_tensor
 
 CPU = torch.device("cpu")
+#: A TP slice, so the slice fields travel too.
+TP_SLICE = {"tp_rank": 1, "tp_size": 2, "head_start": 2, "head_end": 4, "num_kv_heads_total": 4}
 
 
 def make_kv(dtype: str = "bfloat16", rid: str = "req-7", **kw) -> KVCacheTransferData:
@@ -39,11 +41,7 @@ def make_kv(dtype: str = "bfloat16", rid: str = "req-7", **kw) -> KVCacheTransfe
         metadata={"purpose": "cfg_neg", "x": [1, None]},
         seq_len=6,
         block_size=16,
-        tp_rank=1,
-        tp_size=2,
-        head_start=2,
-        head_end=4,
-        num_kv_heads_total=4,
+        **TP_SLICE,
         **kw,
     )
 
