@@ -46,6 +46,8 @@ def _copied_by_the_pack(t: torch.Tensor | TensorFill | None, device: torch.devic
     The codec's encoder stages a tensor that is not a dense CPU tensor through a host copy
     (right for host destinations); here the destination is ``device``, so a fill makes
     that one copy (device to device on NCCL) instead, as the old KV-only packer did.
+    The fill's ``device`` is the destination's, so ``pack_into_device`` calls it on the
+    packed tensor itself (no staging tensor); ``copy_`` reads ``src`` wherever it lives.
     """
     if t is None or type(t) is TensorFill:
         return t
