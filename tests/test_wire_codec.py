@@ -452,7 +452,7 @@ def rewrite(packed: bytes, fmt: str, offset: int, *values) -> bytes:
         (lambda p: p[:10], "truncated"),
         (lambda p: p[:-1], "truncated"),
         (lambda p: b"XXXX" + p[4:], "bad magic"),
-        (lambda p: b"KVBC" + p[4:], "use KVCacheTransferData.from_bytes"),
+        (lambda p: b"KVBC" + p[4:], r"bad magic b'KVBC': not a packed payload$"),
         (lambda p: rewrite(p, "<H", 4, 2), "version 2"),
         (lambda p: rewrite(p, "<H", 6, 1), "flags"),
         (lambda p: rewrite(p, "<I", 8, 2**32 - 1), "max_buffers"),

@@ -10,10 +10,10 @@ from __future__ import annotations
 import random
 import struct
 
-import msgspec
 import numpy as np
 import pytest
 import torch
+from kv_codec_fixtures import packed, rewrite_kv_header
 
 from vllm_kvbridge.errors import PayloadError
 from vllm_kvbridge.wire import (
@@ -26,7 +26,7 @@ from vllm_kvbridge.wire import (
 )
 from vllm_kvbridge.wire._buffers import GIL_FREE_COPY, check_shape, check_wire_shape
 from vllm_kvbridge.wire.dtypes import ITEMSIZE, TORCH_DTYPES
-from vllm_kvbridge.wire.kv_format import FIXED_SIZE, KVHeader, TensorDesc, validate_header
+from vllm_kvbridge.wire.kv_format import KVHeader, TensorDesc, validate_header
 from vllm_kvbridge.wire.limits import DEFAULT_LIMITS
 from vllm_kvbridge.wire.testing import assert_payload_equal, random_tensor
 
@@ -147,45 +147,38 @@ def test_descriptor_errors_name_the_first_bad_descriptor():
     validate_header(_header(tensors=descs), Limits(max_total_bytes=96))
 
 
-def _rewrite(packed: bytes, mutate) -> bytes:
-    _, _, _, header_len, _, data_offset, data_len = struct.unpack_from("<4sHHIIQQ", packed)
-    header = msgspec.msgpack.decode(packed[FIXED_SIZE : FIXED_SIZE + header_len])
-    mutate(header)
-    raw = msgspec.msgpack.encode(header)
-    new_offset = (FIXED_SIZE + len(raw) + 63) // 64 * 64
-    prefix = struct.pack("<4sHHIIQQ", b"KVBC", 1, 0, len(raw), 0, new_offset, data_len) + raw
-    return prefix + bytes(new_offset - len(prefix)) + packed[data_offset:]
-
-
-def test_packed_kv_with_offsets_out_of_order_still_decodes():
+def test_kv_with_buffer_indices_out_of_order_still_decodes():
     kv = KVCacheTransferData("r", kv_payload(layers=2, dtype="float32"))
-    packed = kv.to_bytes()
+    frames = encode(kv).frames()
 
     def swap(h):  # same sizes: point key_cache[0] and value_cache[1] at each other's bytes
         a, b = h["tensors"][0], h["tensors"][3]
         a[4], b[4] = b[4], a[4]
 
-    out = KVCacheTransferData.from_bytes(_rewrite(packed, swap))
-    assert tensors_bitwise_equal(out.key_cache[0], kv.value_cache[1])
-    assert tensors_bitwise_equal(out.value_cache[1], kv.key_cache[0])
-    assert tensors_bitwise_equal(out.key_cache[1], kv.key_cache[1])
+    swapped = rewrite_kv_header(frames, swap)
+    for out in (decode_frames(swapped), decode_packed(packed(swapped))):
+        assert tensors_bitwise_equal(out.key_cache[0], kv.value_cache[1])
+        assert tensors_bitwise_equal(out.value_cache[1], kv.key_cache[0])
+        assert tensors_bitwise_equal(out.key_cache[1], kv.key_cache[1])
 
-    def overlap(h):  # out of order and overlapping
+    def overlap(h):  # out of order and sharing a buffer
         h["tensors"][3][4] = h["tensors"][1][4]
 
-    with pytest.raises(PayloadError, match="overlap another tensor"):
-        KVCacheTransferData.from_bytes(_rewrite(packed, overlap))
+    shared = rewrite_kv_header(frames, overlap)
+    for decode in (decode_frames, lambda f: decode_packed(packed(f))):
+        with pytest.raises(PayloadError, match="buffer 1 is referenced twice"):
+            decode(shared)
 
 
 def test_packed_kv_views_share_one_buffer_and_keep_it_alive():
     kv = KVCacheTransferData("r", kv_payload(layers=3, dtype="float16"))
-    buf = bytearray(kv.to_bytes())
-    out = KVCacheTransferData.from_bytes(buf)
+    buf = bytearray(encode(kv).to_bytes())
+    out = decode_packed(buf)
     base = np.frombuffer(buf, dtype=np.uint8).ctypes.data
     for t in [*out.key_cache, *out.value_cache]:
         assert base <= t.data_ptr() < base + len(buf) and t.is_contiguous()
     out.key_cache[2][0, 0, 0] = 7.0  # writes through to the buffer
-    assert KVCacheTransferData.from_bytes(buf).key_cache[2][0, 0, 0].item() == 7.0
+    assert decode_packed(buf).key_cache[2][0, 0, 0].item() == 7.0
     kept = out.value_cache[1]
     del out, buf
     assert tensors_bitwise_equal(kept, kv.value_cache[1])

@@ -21,10 +21,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kv_codec_fixtures import kv_header, packed_device, rewrite_kv_header
+from kv_codec_fixtures import packed as repack
 
 from vllm_kvbridge.errors import PayloadError
 from vllm_kvbridge.wire import KVCacheTransferData, decode_frames, decode_packed, encode
-from vllm_kvbridge.wire.kv_format import FIXED_SIZE
+from vllm_kvbridge.wire.decode import decode_packed_device
 from vllm_kvbridge.wire.testing import random_array, random_tensor
 
 HEADROOM = 512 << 20
@@ -87,7 +89,8 @@ PAYLOADS = [
 ]
 PACKED = [encode(p).to_bytes() for p in PAYLOADS]
 FRAMES = [encode(p).frames() for p in PAYLOADS]
-KV_PACKED = [_kv(1).to_bytes(), _kv(2).to_bytes(), KVCacheTransferData("e", {}).to_bytes()]
+KV_FRAMES = [encode(_kv(1)).frames(), encode(_kv(2)).frames(), encode(KVCacheTransferData("e", {})).frames()]
+KV_PACKED = [repack(frames) for frames in KV_FRAMES]
 INTERESTING = [
     0,
     1,
@@ -122,8 +125,9 @@ def expect_payload_error_only(fn, *args):
 
 
 def decode_kv_device(data: bytes):
+    """The device decoder over ``data``, whose head is its own first bytes (as packed)."""
     holder = torch.frombuffer(bytearray(data) or bytearray(1), dtype=torch.uint8)
-    return KVCacheTransferData.from_bytes_device(holder[: len(data)])
+    return decode_packed_device(data, holder[: len(data)])
 
 
 @st.composite
@@ -170,7 +174,6 @@ def test_memory_cap_is_effective():
 @given(st.binary(max_size=600))
 def test_random_bytes(data):
     expect_payload_error_only(decode_packed, data)
-    expect_payload_error_only(KVCacheTransferData.from_bytes, data)
     expect_payload_error_only(decode_kv_device, data)
     expect_payload_error_only(decode_frames, [data])
     expect_payload_error_only(decode_frames, [data, data])
@@ -184,7 +187,7 @@ def test_random_bytes(data):
 def test_random_bytes_behind_a_valid_magic(prefix, data):
     data = prefix + data
     expect_payload_error_only(decode_packed, data)
-    expect_payload_error_only(KVCacheTransferData.from_bytes, data)
+    expect_payload_error_only(decode_kv_device, data)
     expect_payload_error_only(decode_frames, [data, b"\x00" * 64])
 
 
@@ -198,7 +201,7 @@ def test_mutated_packed_payloads(data):
 @fuzz_settings
 @given(mutated(KV_PACKED))
 def test_mutated_packed_kv(data):
-    expect_payload_error_only(KVCacheTransferData.from_bytes, data)
+    expect_payload_error_only(decode_packed, data)
     expect_payload_error_only(decode_kv_device, data)
 
 
@@ -244,14 +247,6 @@ def _paths(node, prefix=()):
             yield from _paths(value, (*prefix, i))
 
 
-def _rebuild_kv(packed: bytes, header) -> bytes:
-    _, _, _, _, _, data_offset, data_len = struct.unpack_from("<4sHHIIQQ", packed)
-    raw = msgspec.msgpack.encode(header)
-    new_offset = (FIXED_SIZE + len(raw) + 63) // 64 * 64
-    prefix = struct.pack("<4sHHIIQQ", b"KVBC", 1, 0, len(raw), 0, new_offset, data_len) + raw
-    return prefix + bytes(new_offset - len(prefix)) + packed[data_offset:]
-
-
 #: Rewrite values: boundary ints (which size things) are drawn twice as often as
 #: arbitrary msgpack values (which test the type checks).
 boundary_ints = st.sampled_from([*INTERESTING, -1, -(2**63)])
@@ -259,11 +254,10 @@ rewrite_values = st.one_of(boundary_ints, boundary_ints, msgpack_values)
 
 
 @fuzz_settings
-@given(st.integers(0, len(KV_PACKED) - 2), st.data())
+@given(st.integers(0, len(KV_FRAMES) - 2), st.data())
 def test_kv_header_field_rewrites(index, data):
-    packed = KV_PACKED[index]
-    header_len = struct.unpack_from("<I", packed, 8)[0]
-    header = msgspec.msgpack.decode(packed[FIXED_SIZE : FIXED_SIZE + header_len])
+    frames = KV_FRAMES[index]
+    header = kv_header(frames)
     # Three pools so the fields that size things are hit often: top-level fields,
     # tensor-descriptor slots, and any position at all (metadata, block ids, ...).
     pools = [
@@ -275,9 +269,10 @@ def test_kv_header_field_rewrites(index, data):
         pool = data.draw(st.sampled_from([p for p in pools if p]))
         container, key = data.draw(st.sampled_from(pool))
         container[key] = data.draw(rewrite_values)
-    rebuilt = _rebuild_kv(packed, header)
-    expect_payload_error_only(KVCacheTransferData.from_bytes, rebuilt)
-    expect_payload_error_only(decode_kv_device, rebuilt)
+    rebuilt = rewrite_kv_header(frames, lambda h: h.update(header))
+    expect_payload_error_only(decode_frames, rebuilt)
+    expect_payload_error_only(decode_packed, repack(rebuilt))
+    expect_payload_error_only(lambda: decode_packed_device(*packed_device(rebuilt)))
 
 
 def _raw_ext(code, data):

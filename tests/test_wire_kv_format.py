@@ -1,4 +1,5 @@
-"""The packed KV format: layout, round trips (host, device tensor, codec), zero copy, validation."""
+"""The KV container (KVCacheTransferData) in the payload codec: layout, round trips (host,
+device tensor, frames), zero copy, validation of construction and of decoding."""
 
 from __future__ import annotations
 
@@ -9,11 +10,16 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from kv_codec_fixtures import kv_header, packed_device, rewrite_kv_header
+from kv_codec_fixtures import packed as repack
 
 from vllm_kvbridge.errors import PayloadError
 from vllm_kvbridge.wire import KVCacheTransferData, Limits, decode_frames, decode_packed, encode
+from vllm_kvbridge.wire.codec import PREFIX_SIZE
+from vllm_kvbridge.wire.decode import decode_packed_device
+from vllm_kvbridge.wire.device_pack import pack_into_device
 from vllm_kvbridge.wire.dtypes import TORCH_DTYPES
-from vllm_kvbridge.wire.kv_format import FIXED_SIZE, KVHeader
+from vllm_kvbridge.wire.kv_format import KVHeader
 from vllm_kvbridge.wire.testing import random_tensor
 
 SHAPE = (6, 2, 8)  # [seq_len, num_kv_heads, head_dim]
@@ -41,25 +47,28 @@ def address(buffer) -> int:
     return np.frombuffer(buffer, dtype=np.uint8).ctypes.data
 
 
-def unpack_fixed(buf) -> tuple:
-    return struct.unpack_from("<4sHHIIQQ", buf, 0)
+def table(buf) -> list[tuple[int, int]]:
+    """The packed layout's frame table: (offset, nbytes) per buffer."""
+    n = struct.unpack_from("<I", buf, 8)[0]
+    return [struct.unpack_from("<QQ", buf, PREFIX_SIZE + 16 * i) for i in range(n)]
 
 
 # -- round trips -----------------------------------------------------------------------
 def round_trips(kv: KVCacheTransferData):
     """Every way of packing and unpacking, each yielding the decoded object."""
-    packed = kv.to_bytes()
-    yield "to_bytes/from_bytes", KVCacheTransferData.from_bytes(packed)
+    enc = encode(kv)
+    packed = enc.to_bytes()
+    yield "to_bytes/decode_packed", decode_packed(packed)
     big = bytearray(len(packed) + 256)
-    assert kv.pack_into(big, 128) == len(packed) == kv.packed_size()
+    assert enc.pack_into(big, 128) == len(packed) == enc.packed_size()
     assert bytes(big[128 : 128 + len(packed)]) == packed
-    yield "pack_into/from_bytes", KVCacheTransferData.from_bytes(memoryview(big)[128:])
-    device_tensor = kv.to_gpu_tensor()
+    yield "pack_into/decode_packed", decode_packed(memoryview(big)[128:])
+    device_tensor = torch.zeros(enc.packed_size(), dtype=torch.uint8)
+    head = pack_into_device(enc, device_tensor)
     assert bytes(device_tensor.numpy()) == packed
-    yield "to_gpu_tensor/from_bytes_device", KVCacheTransferData.from_bytes_device(device_tensor)
-    yield "from_bytes_gpu alias", KVCacheTransferData.from_bytes_gpu(device_tensor.clone())
-    yield "codec frames", decode_frames(encode(kv).frames())
-    yield "codec packed", decode_packed(encode({"kv": kv}).to_bytes())["kv"]
+    yield "pack_into_device/decode_packed_device", decode_packed_device(head, device_tensor)
+    yield "codec frames", decode_frames(enc.frames())
+    yield "codec packed, nested", decode_packed(encode({"kv": kv}).to_bytes())["kv"]
 
 
 @pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
@@ -136,82 +145,88 @@ def test_properties_and_repr():
 # -- layout ----------------------------------------------------------------------------
 def test_byte_layout_matches_the_documentation():
     kv = make_kv("float16")
-    packed = kv.to_bytes()
-    magic, version, flags, header_len, reserved, data_offset, data_len = unpack_fixed(packed)
-    assert (magic, version, flags, reserved) == (b"KVBC", 1, 0, 0)
-    assert data_offset % 64 == 0 and data_offset >= FIXED_SIZE + header_len
-    assert len(packed) == data_offset + data_len
-    assert packed[FIXED_SIZE + header_len : data_offset] == bytes(data_offset - FIXED_SIZE - header_len)
-    header = msgspec.msgpack.decode(packed[FIXED_SIZE : FIXED_SIZE + header_len], type=KVHeader)
+    enc = encode(kv)
+    top = msgspec.msgpack.decode(enc.skeleton)
+    assert top[:2] == ["kvbw", 1] and top[2].code == 4  # ext 4: the KV header
+    header = msgspec.msgpack.decode(top[2].data, type=KVHeader)
     assert header.request_id == "req-42" and header.num_layers == 3 and header.block_ids == [7, 8]
     assert (header.seq_len, header.block_size, header.tp_rank, header.tp_size) == (6, 16, 0, 1)
     assert header.metadata == kv.metadata
     nbytes = 6 * 2 * 8 * 2
     assert len(header.tensors) == 6
+    packed = enc.to_bytes()
+    entries = table(packed)
+    assert [d.offset for d in header.tensors] == list(range(6))  # offsets are buffer indices
     for d in header.tensors:
-        assert d.offset % 64 == 0 and d.nbytes == nbytes and d.dtype == "float16" and d.shape == [6, 2, 8]
+        assert d.nbytes == nbytes and d.dtype == "float16" and d.shape == [6, 2, 8]
         t = kv.layer_blocks["key_cache" if d.kind == 0 else "value_cache"][d.layer]
-        start = data_offset + d.offset
+        start, size = entries[d.offset]
+        assert start % 64 == 0 and size == nbytes
         assert packed[start : start + nbytes] == t.numpy().tobytes()
+        assert bytes(enc.buffers[d.offset]) == t.numpy().tobytes()
 
 
 # -- zero copy -------------------------------------------------------------------------
-def test_from_bytes_is_zero_copy_and_copy_true_is_not():
+def test_decode_packed_is_zero_copy_and_copy_true_is_not():
     kv = make_kv("float32")
-    buf = bytearray(kv.packed_size())
-    kv.pack_into(buf)
-    out = KVCacheTransferData.from_bytes(buf)
+    enc = encode(kv)
+    buf = bytearray(enc.packed_size())
+    enc.pack_into(buf)
+    out = decode_packed(buf)
     base = address(buf)
     k0 = out.key_cache[0]
     assert base <= k0.data_ptr() < base + len(buf) and (k0.data_ptr() - base) % 64 == 0
-    data_offset = unpack_fixed(buf)[5]
+    data_offset = table(buf)[0][0]  # key_cache[0] is buffer 0
     buf[data_offset : data_offset + 4] = struct.pack("<f", 123.0)  # writes through
     assert k0.flatten()[0].item() == 123.0
-    copied = KVCacheTransferData.from_bytes(buf, copy=True)
+    copied = decode_packed(buf, copy=True)
     assert not base <= copied.key_cache[0].data_ptr() < base + len(buf)
     buf[data_offset : data_offset + 4] = struct.pack("<f", 1.0)
     assert copied.key_cache[0].flatten()[0].item() == 123.0
 
 
-def test_from_bytes_device_returns_views_of_the_tensor():
+def test_decode_packed_device_returns_views_of_the_tensor():
     kv = make_kv("bfloat16")
-    packed = kv.to_gpu_tensor("cpu")
-    out = KVCacheTransferData.from_bytes_device(packed)
+    head, packed = packed_device(encode(kv).frames())
+    out = decode_packed_device(head, packed)
     for t in out.key_cache + out.value_cache:
         assert t.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
-    copied = KVCacheTransferData.from_bytes_device(packed, copy=True)
+    copied = decode_packed_device(head, packed, copy=True)
     assert copied.key_cache[0].untyped_storage().data_ptr() != packed.untyped_storage().data_ptr()
     assert kv.equals(copied)
-    # a plain uint8 CPU tensor passed to from_bytes takes the same path
-    via_from_bytes = KVCacheTransferData.from_bytes(packed)
-    assert via_from_bytes.value_cache[2].untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
+    # a plain uint8 CPU tensor's numpy view, given to decode_packed, is viewed the same way
+    via_decode_packed = decode_packed(packed.numpy()).value_cache[2]
+    assert via_decode_packed.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
 
 
-def test_from_bytes_device_with_misaligned_storage_offset_clones_once():
+def test_decode_packed_device_with_misaligned_storage_offset_clones_once():
     kv = make_kv("float32")
-    packed = kv.to_gpu_tensor()
+    head, packed = packed_device(encode(kv).frames())
     holder = torch.zeros(packed.numel() + 1, dtype=torch.uint8)
     holder[1:] = packed
-    out = KVCacheTransferData.from_bytes_device(holder[1:])
+    out = decode_packed_device(head, holder[1:])
     assert kv.equals(out)
+    assert out.key_cache[0].untyped_storage().data_ptr() != holder.untyped_storage().data_ptr()
 
 
-def test_from_bytes_of_read_only_bytes_warns_nothing():
-    packed = make_kv("float32").to_bytes()
+def test_decode_packed_of_read_only_bytes_warns_nothing():
+    packed = encode(make_kv("float32")).to_bytes()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert make_kv("float32").equals(KVCacheTransferData.from_bytes(packed))
+        assert make_kv("float32").equals(decode_packed(packed))
 
 
-def test_pack_into_writes_device_tensors_directly_and_checks_the_destination():
-    kv = make_kv("float32")
+def test_pack_into_checks_the_destination():
+    enc = encode(make_kv("float32"))
     with pytest.raises(PayloadError, match="too small"):
-        kv.pack_into(bytearray(kv.packed_size() - 1))
+        enc.pack_into(bytearray(enc.packed_size() - 1))
     with pytest.raises(PayloadError, match="read-only"):
-        kv.pack_into(bytes(kv.packed_size()))
-    arr = np.zeros(kv.packed_size(), dtype=np.uint8)  # numpy destinations work too
-    kv.pack_into(arr)
-    assert arr.tobytes() == kv.to_bytes()
+        enc.pack_into(bytes(enc.packed_size()))
+    arr = np.zeros(enc.packed_size(), dtype=np.uint8)  # numpy destinations work too
+    enc.pack_into(arr)
+    assert arr.tobytes() == enc.to_bytes()
+    with pytest.raises(PayloadError, match="too small"):
+        pack_into_device(enc, torch.empty(enc.packed_size() - 1, dtype=torch.uint8))
 
 
 # -- construction validation -----------------------------------------------------------
@@ -262,25 +277,20 @@ def test_construction_rejects_bad_fields(kwargs, message):
 def test_mutation_after_construction_is_caught_when_packing():
     kv = make_kv("float32")
     kv.layer_blocks["value_cache"][0] = t((1, 1, 1))
-    for op in (kv.to_bytes, kv.packed_size, kv.to_gpu_tensor, lambda: encode(kv)):
-        with pytest.raises(PayloadError, match="differ"):
-            op()
+    with pytest.raises(PayloadError, match="differ"):
+        encode(kv)
 
 
 # -- decode validation -----------------------------------------------------------------
-def sample_packed() -> bytes:
-    return make_kv("float32", num_layers=2, shape=(3, 1, 4)).to_bytes()
+def sample_frames() -> list:
+    return encode(make_kv("float32", num_layers=2, shape=(3, 1, 4))).frames()
 
 
-def rewrite_header(packed: bytes, mutate) -> bytes:
-    """Re-pack ``packed`` after ``mutate(header_as_plain_dict)``; keeps the data region."""
-    _, _, _, header_len, _, data_offset, data_len = unpack_fixed(packed)
-    header = msgspec.msgpack.decode(packed[FIXED_SIZE : FIXED_SIZE + header_len])
-    mutate(header)
-    raw = msgspec.msgpack.encode(header)
-    new_offset = (FIXED_SIZE + len(raw) + 63) // 64 * 64
-    prefix = struct.pack("<4sHHIIQQ", b"KVBC", 1, 0, len(raw), 0, new_offset, data_len) + raw
-    return prefix + bytes(new_offset - len(prefix)) + packed[data_offset:]
+def decoders(frames: list):
+    """Every decoder of a KV payload, each a thunk: frames, packed on the host, on a device."""
+    yield lambda: decode_frames(frames)
+    yield lambda: decode_packed(repack(frames))
+    yield lambda: decode_packed_device(*packed_device(frames))
 
 
 def set_desc(i, field_index, value):
@@ -298,8 +308,9 @@ def set_field(name, value):
 
 
 def test_rewrite_helper_produces_a_valid_buffer():
-    packed = sample_packed()
-    assert rewrite_header(packed, lambda h: None) == packed
+    frames = sample_frames()
+    assert [bytes(f) for f in rewrite_kv_header(frames, lambda h: None)] == [bytes(f) for f in frames]
+    assert kv_header(frames)["request_id"] == "req-42"
 
 
 @pytest.mark.parametrize(
@@ -315,11 +326,13 @@ def test_rewrite_helper_produces_a_valid_buffer():
         (set_desc(0, 3, [-3, 1, 4]), "bad dimension -3"),
         (set_desc(0, 3, [1] * 9), "max_ndim"),
         (set_desc(0, 3, [0, 2**62, 2**62]), "needs 0 bytes|overflows"),
-        (set_desc(0, 4, 1), "not 64-byte aligned"),
-        (set_desc(0, 4, 2**40), "outside the data region"),
-        (set_desc(0, 4, 64), "overlap"),
+        (set_desc(0, 4, 1), "buffer 1 is referenced twice"),
+        (set_desc(0, 4, 2**40), "buffer index 1099511627776 out of range"),
+        (set_desc(0, 4, 4), r"buffer index 4 out of range \(4 buffers\)"),
+        (set_desc(0, 4, -1), "offset must be an int"),
         (set_desc(0, 5, 2**63), "nbytes must be an int"),
         (set_desc(0, 5, 2**40), "needs 48 bytes"),
+        (lambda h: h["tensors"].pop(), "buffer 3 is not referenced"),
         (set_desc(0, 0, "0"), "malformed KV header"),
         (set_desc(0, 3, "3x1x4"), "malformed KV header"),
         (lambda h: h["tensors"][0].append(1), "malformed KV header"),
@@ -341,61 +354,36 @@ def test_rewrite_helper_produces_a_valid_buffer():
     ],
 )
 def test_decode_rejects_bad_headers(mutate, message):
-    bad = rewrite_header(sample_packed(), mutate)
-    if message is None:  # a control: valid rewrite decodes
-        KVCacheTransferData.from_bytes(bad)
-        return
-    with pytest.raises(PayloadError, match=message):
-        KVCacheTransferData.from_bytes(bad)
-    with pytest.raises(PayloadError, match=message):
-        KVCacheTransferData.from_bytes_device(torch.frombuffer(bytearray(bad), dtype=torch.uint8))
-
-
-def rewrite_fixed(packed: bytes, fmt: str, offset: int, value) -> bytes:
-    buf = bytearray(packed)
-    struct.pack_into(fmt, buf, offset, value)
-    return bytes(buf)
+    bad = rewrite_kv_header(sample_frames(), mutate)
+    for decode in decoders(bad):
+        if message is None:  # a control: valid rewrite decodes
+            assert isinstance(decode(), KVCacheTransferData)
+            continue
+        with pytest.raises(PayloadError, match=message):
+            decode()
 
 
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda p: p[:31], "truncated"),
+        (lambda p: p[:23], "truncated"),
         (lambda p: p[:-1], "truncated"),
         (lambda p: b"", "truncated"),
-        (lambda p: b"KVBW" + p[4:], "bad magic"),
-        (lambda p: rewrite_fixed(p, "<H", 4, 9), "unsupported packed KV version 9"),
-        (lambda p: rewrite_fixed(p, "<H", 6, 1), "reserved header fields"),
-        (lambda p: rewrite_fixed(p, "<I", 12, 1), "reserved header fields"),
-        (lambda p: rewrite_fixed(p, "<I", 8, 2**32 - 1), "max_skeleton_bytes"),
-        (lambda p: rewrite_fixed(p, "<I", 8, 5), "malformed KV header"),
-        (lambda p: rewrite_fixed(p, "<Q", 16, 65), "bad data_offset"),
-        (lambda p: rewrite_fixed(p, "<Q", 16, 0), "bad data_offset"),
-        (lambda p: rewrite_fixed(p, "<Q", 16, 2**63), "truncated"),
-        (lambda p: rewrite_fixed(p, "<Q", 24, 2**64 - 1), "truncated"),
-        (lambda p: rewrite_fixed(p, "<Q", 24, 100), "outside the data region"),
+        (lambda p: b"KVBC" + p[4:], "bad magic"),
     ],
 )
-def test_decode_rejects_bad_prefix(mutate, message):
+def test_decode_rejects_a_truncated_or_foreign_kv_payload(mutate, message):
+    # the codec's prefix and table checks are test_wire_codec.py's malformed-buffer tests
     with pytest.raises(PayloadError, match=message):
-        KVCacheTransferData.from_bytes(mutate(sample_packed()))
-
-
-def test_expected_request_id():
-    packed = sample_packed()
-    assert KVCacheTransferData.from_bytes(packed, expected_request_id="req-42").request_id == "req-42"
-    with pytest.raises(PayloadError, match="request id mismatch: buffer holds 'req-42', expected 'other'"):
-        KVCacheTransferData.from_bytes(packed, expected_request_id="other")
-    tensor = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
-    with pytest.raises(PayloadError, match="request id mismatch"):
-        KVCacheTransferData.from_bytes_device(tensor, expected_request_id="other")
+        decode_packed(mutate(encode(make_kv("float32", num_layers=2, shape=(3, 1, 4))).to_bytes()))
 
 
 def test_trailing_bytes_are_ignored():
-    packed = sample_packed()
-    assert KVCacheTransferData.from_bytes(packed + b"\xff" * 1000).equals(
-        KVCacheTransferData.from_bytes(packed)
-    )
+    packed = repack(sample_frames())
+    assert decode_packed(packed + b"\xff" * 1000).equals(decode_packed(packed))
+    head, data = packed_device(sample_frames())
+    longer = torch.cat([data, torch.full((1000,), 0xFF, dtype=torch.uint8)])
+    assert decode_packed_device(head, longer).equals(decode_packed(packed))
 
 
 @pytest.mark.parametrize(
@@ -412,26 +400,36 @@ def test_trailing_bytes_are_ignored():
 )
 def test_decode_enforces_limits(limits, message):
     kv = make_kv("float32", num_layers=2, shape=(3, 1, 4), metadata={"nested": {"deep": [1, 2, 3, 4, 5]}})
-    packed = kv.to_bytes()
+    packed = encode(kv).to_bytes()
     with pytest.raises(PayloadError, match=message):
-        KVCacheTransferData.from_bytes(packed, limits=limits)
+        decode_packed(packed, limits=limits)
     with pytest.raises(PayloadError, match=message):
-        kv.to_bytes(limits=limits)
+        encode(kv, limits=limits)
     with pytest.raises(PayloadError, match=message):
         decode_frames(encode(kv).frames(), limits=limits)
 
 
-def test_from_bytes_device_rejects_wrong_tensors():
-    with pytest.raises(PayloadError, match="contiguous 1-D uint8"):
-        KVCacheTransferData.from_bytes_device(torch.zeros(64, dtype=torch.int8))
-    with pytest.raises(PayloadError, match="contiguous 1-D uint8"):
-        KVCacheTransferData.from_bytes_device(torch.zeros(8, 8, dtype=torch.uint8))
-    with pytest.raises(PayloadError, match="contiguous 1-D uint8"):
-        KVCacheTransferData.from_bytes_device(torch.zeros(128, dtype=torch.uint8)[::2])
-    with pytest.raises(PayloadError, match=r"expected a torch\.Tensor"):
-        KVCacheTransferData.from_bytes_device(b"abc")
+def test_decode_packed_device_rejects_wrong_tensors_and_short_input():
+    kv = make_kv("float32")
+    head, packed = packed_device(encode(kv).frames())
+    with pytest.raises(PayloadError, match="1-D uint8 tensor"):
+        decode_packed_device(head, packed.view(torch.int8))
+    with pytest.raises(PayloadError, match="1-D uint8 tensor"):
+        decode_packed_device(head, packed[: packed.numel() // 64 * 64].view(-1, 8))
+    with pytest.raises(PayloadError, match="1-D uint8 tensor"):
+        decode_packed_device(head, bytes(packed.numpy()))
     with pytest.raises(PayloadError, match="truncated"):
-        KVCacheTransferData.from_bytes_device(torch.zeros(8, dtype=torch.uint8))
+        decode_packed_device(head, torch.zeros(8, dtype=torch.uint8))
+    with pytest.raises(PayloadError, match="truncated"):
+        decode_packed_device(head, packed[:-1])
+    with pytest.raises(PayloadError, match="head truncated"):
+        decode_packed_device(head[:-1], packed)
+    with pytest.raises(PayloadError, match="head truncated"):
+        decode_packed_device(head[:10], packed)
+    # a strided tensor is made contiguous once (typed views need it), not misread
+    strided = torch.zeros(2 * packed.numel(), dtype=torch.uint8)
+    strided[::2] = packed
+    assert kv.equals(decode_packed_device(head, strided[::2]))
 
 
 def test_codec_form_rejects_bad_buffer_references():

@@ -20,7 +20,7 @@ class ConfigError(KVBridgeError, ValueError):
 
 
 class PayloadError(KVBridgeError, ValueError):
-    """Bytes that claim to be a payload or a packed KV cache are malformed or exceed limits."""
+    """Bytes that claim to be a payload (a KV cache included) are malformed or exceed limits."""
 
 
 class TransferError(KVBridgeError):

@@ -1,9 +1,9 @@
-"""Wire formats: the payload codec and the packed KV format.
+"""The wire format: the payload codec, which also carries the KV container.
 
 * :func:`encode` / :func:`decode_frames` / :func:`decode_packed`: stage payloads as a
   msgpack skeleton plus out-of-band tensor buffers (:mod:`.codec`, :mod:`.decode`).
-* :class:`KVCacheTransferData`: one request's KV cache in one packed buffer
-  (:mod:`.kv_format`).
+* :class:`KVCacheTransferData`: one request's KV cache (:mod:`.kv_format`), which the
+  codec carries as a header plus one out-of-band buffer per tensor.
 * :class:`Limits`: the bounds every decoder enforces. Every decode error is a
   :class:`PayloadError`.
 

@@ -1,4 +1,4 @@
-"""Byte-level helpers shared by the payload codec and the packed KV format.
+"""Byte-level helpers of the payload codec (and of the KV container it carries).
 
 Contracts:
   * :func:`byte_view` turns anything with the buffer protocol into a flat ``'B'``
@@ -51,7 +51,7 @@ from vllm_kvbridge.wire.limits import Limits
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
-#: Data offsets in both packed layouts are multiples of this (cache line, and a
+#: Buffer offsets in the packed layout are multiples of this (cache line, and a
 #: multiple of every itemsize, so typed views never straddle an alignment boundary).
 ALIGN = 64
 _EMPTY = memoryview(b"")
@@ -416,19 +416,6 @@ class OutOfBand:
             host = self._u8[start : start + self.sizes[i]].cpu().numpy()
             return array_from_view(memoryview(host), dtype, shape, False, what)
         return array_from_view(self._mv[start : start + self.sizes[i]], dtype, shape, copy, what)
-
-
-def tensor_from_device_bytes(
-    region: torch.Tensor, dtype: str, shape: tuple[int, ...], copy: bool, what: str
-) -> torch.Tensor:
-    """A typed view of a 1-D uint8 tensor slice on any device (plain torch ops only)."""
-    torch_dtype = TORCH_DTYPES[dtype]
-    if region.numel() == 0:
-        return torch.empty(shape, dtype=torch_dtype, device=region.device)
-    if dtype == "bool":
-        _check_bool_bytes(region, what)
-    t = region.view(torch_dtype).view(shape)
-    return t.clone() if copy else t
 
 
 def tensors_bitwise_equal(a: Any, b: Any) -> bool:

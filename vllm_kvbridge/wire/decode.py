@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from vllm_kvbridge.errors import PayloadError
-from vllm_kvbridge.wire import kv_format
 from vllm_kvbridge.wire._buffers import ALIGN, INT64_MAX, OutOfBand, byte_view, check_wire_shape
 from vllm_kvbridge.wire.codec import (
     _PREFIX,
@@ -33,6 +32,7 @@ from vllm_kvbridge.wire.codec import (
     _Fail,
     _where,
 )
+from vllm_kvbridge.wire.kv_format import codec_decode
 from vllm_kvbridge.wire.limits import DEFAULT_LIMITS, Limits
 
 
@@ -133,7 +133,7 @@ class _DecodeWalk:
             return tuple(node[1:]) if is_tuple else node
         if t is _KVRef:
             try:
-                return kv_format.codec_decode(node.raw, self.frames, self.used, self.limits, self.copy)
+                return codec_decode(node.raw, self.frames, self.used, self.limits, self.copy)
             except PayloadError as exc:
                 raise _Fail(str(exc)) from None
         if t is _TupleMark:
@@ -256,10 +256,11 @@ def _parse_packed(
     length = len(mv) if length is None else length
     if length < PREFIX_SIZE:
         raise PayloadError(f"packed payload truncated: {length} bytes < {PREFIX_SIZE}-byte prefix")
+    if len(mv) < PREFIX_SIZE:  # only a head was given (decode_packed_device), and it is short
+        raise PayloadError(f"packed payload head truncated: {len(mv)} bytes < {PREFIX_SIZE}-byte prefix")
     magic, version, flags, n, skeleton_len, total = _PREFIX.unpack_from(mv, 0)
     if magic != PACKED_MAGIC:
-        hint = " (a packed KV buffer: use KVCacheTransferData.from_bytes)" if magic == kv_format.MAGIC else ""
-        raise PayloadError(f"bad magic {bytes(magic)!r}: not a packed payload{hint}")
+        raise PayloadError(f"bad magic {bytes(magic)!r}: not a packed payload")
     if version != VERSION:
         raise PayloadError(f"unsupported packed payload version {version} (this build reads {VERSION})")
     if flags:

@@ -2,7 +2,7 @@
 
 Wire names are looked up in these dicts and nowhere else (never ``getattr(torch, name)``),
 so a payload cannot name an arbitrary torch attribute. Adding a dtype means adding one
-row here; both the payload codec and the packed KV format pick it up.
+row here; the payload codec (and the KV container it carries) picks it up.
 """
 
 from __future__ import annotations

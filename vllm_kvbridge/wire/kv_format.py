@@ -1,46 +1,25 @@
-"""The packed KV format: one request's per-layer K/V tensors in one contiguous buffer.
+"""The KV container: one request's per-layer K/V tensors and what the receiver needs.
 
-:class:`KVCacheTransferData` is what the KV manager sends between stages. It packs into a
-single buffer (for shared memory, a store, or one device tensor) and unpacks into tensors
-that are *views* of that buffer (zero copy) unless a copy is asked for. The payload codec
-(:mod:`vllm_kvbridge.wire.codec`) also carries it as a tagged type, one out-of-band buffer
-per tensor.
-
-Byte layout (all integers little-endian)::
-
-    offset  size  field
-    0       4     magic  b"KVBC"
-    4       2     version (u16, currently 1)
-    6       2     flags (u16, must be 0)
-    8       4     header_len (u32): length of the msgpack header that follows
-    12      4     reserved (u32, must be 0)
-    16      8     data_offset (u64): start of the data region, a multiple of 64,
-                  >= 32 + header_len; bytes in between are zero padding
-    24      8     data_len (u64): length of the data region
-    32      H     header: msgpack map of :class:`KVHeader` (msgspec), H = header_len
-    D       L     data region, D = data_offset, L = data_len; tensor i occupies
-                  [D + tensors[i].offset, D + tensors[i].offset + tensors[i].nbytes),
-                  every tensors[i].offset a multiple of 64, gaps zero-filled
-                  (except in :meth:`KVCacheTransferData.to_gpu_tensor`, see there)
-
-The buffer given to a decoder may be longer than ``data_offset + data_len`` (a pooled
-shared-memory segment); trailing bytes are ignored.
+:class:`KVCacheTransferData` is what the KV manager sends between stages. It travels only
+inside the payload codec (:mod:`vllm_kvbridge.wire.codec`, extension type 4): a msgpack
+:class:`KVHeader` plus one out-of-band buffer per tensor, framed, packed into host memory
+(:meth:`Encoded.pack_into <vllm_kvbridge.wire.codec.Encoded.pack_into>`) or into one
+device tensor (:func:`~vllm_kvbridge.wire.device_pack.pack_into_device`). Decoded tensors
+are views of the received buffers unless a copy is asked for.
 
 :class:`KVHeader` fields: ``request_id``, ``num_layers``, ``tensors`` (a list of
-:class:`TensorDesc` ``[layer, kind (0 = K, 1 = V), dtype name, shape, offset, nbytes]``),
+:class:`TensorDesc` ``[layer, kind (0 = K, 1 = V), dtype name, shape, offset, nbytes]``,
+where ``offset`` is the index of the out-of-band buffer that holds the tensor's bytes),
 ``block_ids``, ``seq_len``, ``block_size``, TP slice info (``tp_rank``, ``tp_size``,
 ``head_start``, ``head_end``, ``num_kv_heads_total``) and JSON-safe ``metadata``.
 
-Decoding validates, before building any tensor: magic, version, reserved fields, header
-length against the buffer and ``Limits.max_skeleton_bytes``, the header's types (msgspec
-typed decode), every descriptor (layer in range, kind, dtype in the allow-list, ndim,
-``prod(shape) * itemsize == nbytes``, no duplicate (layer, kind), 64-byte aligned offset,
-inside the data region, no overlap), K/V shape agreement per layer, the TP fields, the
-metadata (JSON-safe, within the depth/item/string limits) and, optionally, the expected
-request id. Every failure is a :class:`PayloadError` naming the field.
-
-In the payload codec the same header is used, except that ``tensors[i].offset`` is the
-index of the out-of-band buffer that holds the tensor's bytes.
+Decoding (:func:`codec_decode`) validates, before building any tensor: the header's types
+(msgspec typed decode), every descriptor (layer in range, kind, dtype in the allow-list,
+ndim, ``prod(shape) * itemsize == nbytes``, no duplicate (layer, kind), buffer index in
+range, referenced once, of exactly ``nbytes``), K/V shape agreement per layer, the TP
+fields, the metadata (JSON-safe, within the depth/item/string limits). Every failure is a
+:class:`PayloadError` naming the field. (The codec checks the skeleton's size, the frame
+table and ``Limits`` around it.)
 """
 
 from __future__ import annotations
@@ -53,46 +32,31 @@ import torch
 from vllm_kvbridge.errors import PayloadError
 from vllm_kvbridge.wire._buffers import (
     OutOfBand,
-    align_up,
-    buffer_address,
-    byte_view,
-    copy_many,
     dense_cpu,
     prepare_tensor,
     tensor_bytes,
-    tensor_from_device_bytes,
     tensors_bitwise_equal,
-    writable_byte_view,
 )
 from vllm_kvbridge.wire.dtypes import ITEMSIZE, TORCH_DTYPE_NAMES
 from vllm_kvbridge.wire.fill import TensorFill
 from vllm_kvbridge.wire.kv_header import (
-    FIXED,
-    FIXED_SIZE,
     KEY,
     KINDS,
-    MAGIC,
     VALUE,
-    VERSION,
-    ZEROS,
     KVHeader,
     TensorDesc,
     check_json_safe,
     decode_header,
     header_encoder,
-    parse_prefix,
     validate_fields,
     validate_header,
 )
 from vllm_kvbridge.wire.limits import DEFAULT_LIMITS, Limits
 
 __all__ = [
-    "FIXED_SIZE",
     "KEY",
     "KINDS",
-    "MAGIC",
     "VALUE",
-    "VERSION",
     "KVCacheTransferData",
     "KVHeader",
     "TensorDesc",
@@ -154,7 +118,7 @@ class KVCacheTransferData:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of tensor data (excluding header and padding; see :meth:`packed_size`)."""
+        """Bytes of tensor data (excluding the header and any framing)."""
         return sum(t.nbytes for _, _, t in self._entries())
 
     def __repr__(self) -> str:
@@ -271,175 +235,6 @@ class KVCacheTransferData:
         validate_fields(header, limits)
         return header, tensors
 
-    def _layout(self, limits: Limits) -> tuple[bytes, int, int, KVHeader, list[torch.Tensor]]:
-        """``(prefix bytes incl. header, data_offset, data_len, header, tensors)``."""
-        header, tensors = self._header(limits)
-        end = 0
-        for d in header.tensors:
-            d.offset = align_up(end)
-            end = d.offset + d.nbytes
-        raw = header_encoder.encode(header)
-        if len(raw) > limits.max_skeleton_bytes:
-            raise PayloadError(f"KV header of {len(raw)} bytes exceeds max_skeleton_bytes")
-        data_offset = align_up(FIXED_SIZE + len(raw))
-        prefix = FIXED.pack(MAGIC, VERSION, 0, len(raw), 0, data_offset, end) + raw
-        return prefix, data_offset, end, header, tensors
-
-    # -- packing ---------------------------------------------------------------------
-    def packed_size(self, *, limits: Limits | None = None) -> int:
-        """Bytes :meth:`pack_into` writes (header, padding and data)."""
-        _, data_offset, data_len, _, _ = self._layout(limits or DEFAULT_LIMITS)
-        return data_offset + data_len
-
-    def pack_into(self, dst: Any, offset: int = 0, *, limits: Limits | None = None) -> int:
-        """Write the packed form into ``dst[offset:]`` (one copy per tensor); returns bytes written.
-
-        ``dst`` is any writable buffer (bytearray, memoryview, mmap, numpy uint8 array).
-        GPU tensors are copied straight from the device into ``dst``. Alignment is relative
-        to ``offset``: pass a 64-aligned offset into a 64-aligned buffer for aligned data.
-        """
-        prefix, data_offset, data_len, header, tensors = self._layout(limits or DEFAULT_LIMITS)
-        total = data_offset + data_len
-        mv = writable_byte_view(dst)
-        if type(offset) is not int or offset < 0 or offset + total > len(mv):
-            raise PayloadError(f"destination too small: need {total} bytes at offset {offset}, has {len(mv)}")
-        region = mv[offset : offset + total]
-        region[: len(prefix)] = prefix
-        region[len(prefix) : data_offset] = ZEROS[: data_offset - len(prefix)]
-        base = buffer_address(region) if total else 0
-        end = 0
-        copies: list[tuple[int, int, int]] = []  # made together: see copy_many
-        for d, t in zip(header.tensors, tensors):
-            start = data_offset + d.offset
-            gap = start - (data_offset + end)
-            if gap:
-                region[start - gap : start] = ZEROS[:gap]
-            _copy_tensor_into(region, base, start, t, copies)
-            end = d.offset + d.nbytes
-        copy_many(copies)
-        return total
-
-    def to_bytes(self, *, limits: Limits | None = None) -> bytes:
-        """The packed form as ``bytes`` (one copy of each CPU tensor; GPU tensors two)."""
-        prefix, data_offset, _, header, tensors = self._layout(limits or DEFAULT_LIMITS)
-        pieces: list[Any] = [prefix, ZEROS[: data_offset - len(prefix)]]
-        end = 0
-        for d, t in zip(header.tensors, tensors):
-            pieces.append(ZEROS[: d.offset - end])
-            cpu, _ = prepare_tensor(_tensor(t), f"{KINDS[d.kind]}[{d.layer}]")
-            pieces.append(tensor_bytes(cpu))
-            end = d.offset + d.nbytes
-        return b"".join(pieces)
-
-    def to_gpu_tensor(
-        self, device: torch.device | str | None = None, *, limits: Limits | None = None
-    ) -> torch.Tensor:
-        """The packed form as one 1-D uint8 tensor on ``device``.
-
-        ``device`` defaults to the device of the first tensor (CPU when there is none).
-        Tensors are copied once each (device-to-device when they already live there).
-        Padding gaps between tensors are zeroed; the result decodes with
-        :meth:`from_bytes_device` and, moved to the host, with :meth:`from_bytes`.
-        """
-        prefix, data_offset, data_len, header, tensors = self._layout(limits or DEFAULT_LIMITS)
-        if device is None:
-            device = tensors[0].device if tensors else torch.device("cpu")
-        out = torch.empty(data_offset + data_len, dtype=torch.uint8, device=device)
-        head = bytearray(data_offset)
-        head[: len(prefix)] = prefix
-        out[:data_offset].copy_(torch.frombuffer(head, dtype=torch.uint8))
-        end = 0
-        for d, t in zip(header.tensors, tensors):
-            start = data_offset + d.offset
-            if d.offset > end:
-                out[data_offset + end : start].zero_()
-            if d.nbytes:
-                view = out[start : start + d.nbytes].view(t.dtype).view(t.shape)
-                if type(t) is TensorFill:
-                    t.fill_into(view)
-                else:
-                    view.copy_(t.detach())
-            end = d.offset + d.nbytes
-        return out
-
-    # -- unpacking -------------------------------------------------------------------
-    @classmethod
-    def from_bytes(
-        cls,
-        buffer: Any,
-        *,
-        expected_request_id: str | None = None,
-        copy: bool = False,
-        limits: Limits | None = None,
-    ) -> KVCacheTransferData:
-        """Decode a packed buffer; tensors are views of ``buffer`` unless ``copy``.
-
-        ``buffer``: anything with the buffer protocol (bytes, bytearray, memoryview, mmap,
-        numpy array) or a 1-D uint8 tensor (then :meth:`from_bytes_device`). It may be
-        longer than the packed data. Raises :class:`PayloadError` on anything malformed,
-        over ``limits`` or, when given, with a request id other than ``expected_request_id``.
-        See :mod:`vllm_kvbridge.wire._buffers` on tensors viewing read-only buffers.
-        """
-        if isinstance(buffer, torch.Tensor):
-            return cls.from_bytes_device(
-                buffer, expected_request_id=expected_request_id, copy=copy, limits=limits
-            )
-        limits = limits or DEFAULT_LIMITS
-        mv = byte_view(buffer, "packed KV buffer")
-        header, data_offset, checked = parse_prefix(
-            lambda a, b: mv[a:b], len(mv), limits, expected_request_id
-        )
-        descs = header.tensors
-        region = OutOfBand.from_packed(mv, [data_offset + d.offset for d in descs], [d.nbytes for d in descs])
-        built = [
-            # `what` names the tensor in the only error left at this point (bool bytes), so
-            # it is only formatted for bool tensors.
-            region.tensor(
-                i, d.dtype, shape, strides, copy, d.dtype == "bool" and f"{KINDS[d.kind]}[{d.layer}]"
-            )
-            for i, (d, (shape, strides)) in enumerate(zip(descs, checked))
-        ]
-        return cls._from_header(header, built)
-
-    @classmethod
-    def from_bytes_device(
-        cls,
-        tensor: torch.Tensor,
-        *,
-        expected_request_id: str | None = None,
-        copy: bool = False,
-        limits: Limits | None = None,
-    ) -> KVCacheTransferData:
-        """Decode a packed 1-D uint8 tensor on any device; results are views into it.
-
-        Only the prefix and header are copied to the host (to validate them). If the
-        tensor's storage offset is not a multiple of 16 bytes (so typed views would be
-        misaligned), it is cloned once first.
-        """
-        limits = limits or DEFAULT_LIMITS
-        if not isinstance(tensor, torch.Tensor):
-            raise PayloadError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
-            raise PayloadError(
-                f"expected a contiguous 1-D uint8 tensor, got {tensor.dtype} with shape {list(tensor.shape)}"
-            )
-        if tensor.storage_offset() % 16:
-            tensor = tensor.clone()
-
-        def read(a: int, b: int) -> bytes:
-            return tensor[a:b].cpu().numpy().tobytes()
-
-        header, data_offset, _ = parse_prefix(read, tensor.numel(), limits, expected_request_id)
-        built = []
-        for d in header.tensors:
-            start = data_offset + d.offset
-            what = f"{KINDS[d.kind]}[{d.layer}]"
-            region = tensor[start : start + d.nbytes]
-            built.append(tensor_from_device_bytes(region, d.dtype, tuple(d.shape), copy, what))
-        return cls._from_header(header, built)
-
-    from_bytes_gpu = from_bytes_device
-
     @classmethod
     def _from_header(cls, header: KVHeader, tensors: list[torch.Tensor]) -> KVCacheTransferData:
         """Build from a header already validated by :func:`validate_header` (skips re-validation)."""
@@ -485,34 +280,6 @@ class KVCacheTransferData:
 def _tensor(t: torch.Tensor | TensorFill) -> torch.Tensor:
     """``t`` itself, or a fill's values as a new tensor."""
     return t.materialize() if type(t) is TensorFill else t
-
-
-def _copy_tensor_into(
-    region: memoryview,
-    base: int,
-    start: int,
-    t: torch.Tensor | TensorFill,
-    copies: list[tuple[int, int, int]],
-) -> None:
-    """Copy ``t``'s bytes to ``region[start:]`` (``base``: address of ``region[0]``).
-
-    Dense CPU tensors: one ``memmove`` added to ``copies``, which the caller makes with
-    :func:`copy_many` (bounds were checked here). Anything else (strided, conj/neg views,
-    other devices): one torch ``copy_`` straight into the destination, now.
-    """
-    if type(t) is TensorFill:
-        t.fill_bytes(region, start)
-        return
-    nbytes = t.nbytes
-    if nbytes == 0:
-        return
-    if dense_cpu(t):
-        if start + nbytes > len(region):  # the layout guarantees this; never write out of bounds
-            raise PayloadError(f"internal error: tensor of {nbytes} bytes at {start} overruns {len(region)}")
-        copies.append((base + start, t.data_ptr(), nbytes))
-    else:
-        t = t.detach()
-        torch.frombuffer(region, dtype=t.dtype, count=t.numel(), offset=start).view(t.shape).copy_(t)
 
 
 def codec_decode(

@@ -1,36 +1,27 @@
-"""The packed KV format's fixed prefix, msgpack header and their validation.
+"""The KV container's msgpack header and its validation.
 
-The byte layout is described in :mod:`vllm_kvbridge.wire.kv_format`, which builds and reads
+The header is described in :mod:`vllm_kvbridge.wire.kv_format`, which builds and reads
 :class:`~vllm_kvbridge.wire.kv_format.KVCacheTransferData` on top of this module: here are
-the descriptor and header types, :func:`validate_header` (every descriptor and field, before
-any tensor is built), the JSON-safety check of metadata, and :func:`parse_prefix`, which
-validates a buffer's prefix and header.
+the descriptor and header types, :func:`decode_header`, :func:`validate_header` (every
+descriptor and field, before any tensor is built) and the JSON-safety check of metadata.
 """
 
 from __future__ import annotations
 
 import math
-import struct
-from collections.abc import Callable
 from itertools import chain
 from typing import Any
 
 import msgspec
 
 from vllm_kvbridge.errors import PayloadError
-from vllm_kvbridge.wire._buffers import ALIGN, INT64_MAX, check_shape, check_wire_shape, contiguous_strides
+from vllm_kvbridge.wire._buffers import INT64_MAX, check_shape, check_wire_shape, contiguous_strides
 from vllm_kvbridge.wire.limits import Limits
 
-MAGIC = b"KVBC"
-VERSION = 1
 KEY = 0
 VALUE = 1
 #: ``layer_blocks`` keys, indexed by descriptor kind.
 KINDS = ("key_cache", "value_cache")
-
-FIXED = struct.Struct("<4sHHIIQQ")
-FIXED_SIZE = FIXED.size  # 32
-ZEROS = bytes(ALIGN)
 
 
 class TensorDesc(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -45,7 +36,7 @@ class TensorDesc(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 
 class KVHeader(msgspec.Struct, forbid_unknown_fields=True):
-    """The msgpack header of the packed KV format (see the module docstring)."""
+    """The msgpack header of the KV container (see :mod:`vllm_kvbridge.wire.kv_format`)."""
 
     request_id: str
     num_layers: int
@@ -244,30 +235,6 @@ def validate_fields(h: KVHeader, limits: Limits) -> None:
     check_json_safe(h.metadata, limits)
 
 
-def check_packed_offsets(h: KVHeader, data_len: int) -> None:
-    """Every tensor aligned, inside the data region, and no two overlapping."""
-    end = 0
-    for d in h.tensors:  # the writer's order: increasing offsets, checked in one pass
-        offset = d.offset
-        if offset & (ALIGN - 1) or offset < end or d.nbytes > data_len - offset:
-            break
-        end = offset + d.nbytes
-    else:
-        return
-    end = 0
-    for d in sorted(h.tensors, key=lambda d: (d.offset, d.nbytes)):
-        what = f"{KINDS[d.kind]}[{d.layer}]"
-        if d.offset % ALIGN:
-            raise PayloadError(f"{what}: offset {d.offset} is not {ALIGN}-byte aligned")
-        if d.offset + d.nbytes > data_len:
-            raise PayloadError(
-                f"{what}: bytes [{d.offset}, {d.offset + d.nbytes}) outside the data region of {data_len}"
-            )
-        if d.offset < end:
-            raise PayloadError(f"{what}: bytes at offset {d.offset} overlap another tensor")
-        end = d.offset + d.nbytes
-
-
 def decode_header(raw: bytes | memoryview) -> KVHeader:
     try:
         return _header_decoder.decode(raw)
@@ -275,40 +242,3 @@ def decode_header(raw: bytes | memoryview) -> KVHeader:
         raise PayloadError(f"malformed KV header: {exc}") from None
     except RecursionError:
         raise PayloadError("malformed KV header: nesting too deep") from None
-
-
-def parse_prefix(
-    read: Callable[[int, int], bytes | memoryview],
-    length: int,
-    limits: Limits,
-    expected_request_id: str | None,
-) -> tuple[KVHeader, int, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
-    """Validate the fixed prefix and header of a packed buffer of ``length`` bytes.
-
-    Returns ``(header, data_offset, [(shape, strides) per descriptor])``.
-    """
-    if length < FIXED_SIZE:
-        raise PayloadError(f"packed KV buffer truncated: {length} bytes < {FIXED_SIZE}-byte prefix")
-    magic, version, flags, header_len, reserved, data_offset, data_len = FIXED.unpack(
-        bytes(read(0, FIXED_SIZE))
-    )
-    if magic != MAGIC:
-        raise PayloadError(f"bad magic {magic!r}: not a packed KV buffer (expected {MAGIC!r})")
-    if version != VERSION:
-        raise PayloadError(f"unsupported packed KV version {version} (this build reads {VERSION})")
-    if flags or reserved:
-        raise PayloadError(f"reserved header fields must be 0 (flags={flags}, reserved={reserved})")
-    if header_len > limits.max_skeleton_bytes:
-        raise PayloadError(f"KV header of {header_len} bytes exceeds max_skeleton_bytes")
-    if data_offset % ALIGN or data_offset < FIXED_SIZE + header_len:
-        raise PayloadError(f"bad data_offset {data_offset} for a header of {header_len} bytes")
-    if data_offset > length or data_len > length - data_offset:
-        raise PayloadError(f"packed KV buffer truncated: needs {data_offset + data_len} bytes, has {length}")
-    header = decode_header(read(FIXED_SIZE, FIXED_SIZE + header_len))
-    checked = validate_header(header, limits)
-    if expected_request_id is not None and header.request_id != expected_request_id:
-        raise PayloadError(
-            f"request id mismatch: buffer holds {header.request_id!r}, expected {expected_request_id!r}"
-        )
-    check_packed_offsets(header, data_len)
-    return header, data_offset, checked

@@ -1,4 +1,4 @@
-"""Decode/encode limits shared by the payload codec and the packed KV format.
+"""Decode/encode limits of the payload codec (the KV container it carries included).
 
 Every wire field that sizes something (a count, a depth, a shape, a byte length) is
 checked against a :class:`Limits` before anything is built from it, so a malformed or
@@ -22,7 +22,7 @@ class Limits:
     * ``max_buffers``: out-of-band buffers (tensors/arrays) per payload.
     * ``max_total_bytes``: sum of tensor/array bytes per payload.
     * ``max_ndim``: dimensions of one tensor/array.
-    * ``max_skeleton_bytes``: size of the msgpack skeleton (or packed KV header).
+    * ``max_skeleton_bytes``: size of the msgpack skeleton (KV headers included).
       Decoding allocates Python objects in proportion to it (up to ~64x for a skeleton
       made only of empty containers), so lower it for untrusted peers.
     * ``max_str_bytes``: one str or bytes value (UTF-8 bytes for str).
