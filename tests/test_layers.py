@@ -112,3 +112,8 @@ def test_the_connector_never_calls_the_runner() -> None:
     for rel in ("runner/vllm_connector.py", "runner/connector_worker.py", "runner/connector_scheduler.py"):
         text = (PKG / rel).read_text()
         assert "attach_host" not in text and "kvbridge_connector_step(" not in text, rel
+
+
+def test_no_module_over_600_lines() -> None:
+    sizes = {p.relative_to(PKG).as_posix(): len(p.read_text().splitlines()) for p in PKG.rglob("*.py")}
+    assert {name: n for name, n in sizes.items() if n > 600} == {}
