@@ -420,17 +420,23 @@ def _cpu_seconds() -> float:
     return times.user + times.system
 
 
-@pytest.mark.parametrize("delay_us, busy", [(None, False), (0, True)])
-def test_an_idle_agent_leaves_the_cores_alone(delay_us, busy):
-    """NIXL's Python API makes the progress thread spin (a core per agent, idle or not):
-    on a 2-core host the sender's and receiver's agents took both cores from the copies
-    (issue 37). By default it now sleeps between rounds; progress_delay_us=0 is NIXL's own
-    spinning, which shows what this measures."""
-    config = CONFIG if delay_us is None else {**CONFIG, "progress_delay_us": delay_us}
+def _idle_share(config: dict) -> float:
+    """Cores this process used over a second while an agent of ``config`` sat idle."""
     with create_connector("nixl", config) as conn:
         conn.receiver_metadata()  # the side channel's thread runs too
         time.sleep(0.2)
         start, used = time.monotonic(), _cpu_seconds()
         time.sleep(1.0)
-        share = (_cpu_seconds() - used) / (time.monotonic() - start)
-    assert (share > 0.5) == busy, share
+        return (_cpu_seconds() - used) / (time.monotonic() - start)
+
+
+def test_an_idle_agent_leaves_the_cores_alone():
+    """NIXL's Python API makes the progress thread spin (a core per agent, idle or not):
+    on a 2-core host the sender's and receiver's agents took both cores from the copies
+    (issue 37). By default it now sleeps between rounds; progress_delay_us=0 is NIXL's own
+    spinning, measured in the same test to show what this measures: on a loaded host the
+    spinning agent gets less than a core (0.37 seen), but still far more than the quiet one."""
+    quiet = _idle_share(CONFIG)
+    spinning = _idle_share({**CONFIG, "progress_delay_us": 0})
+    assert quiet <= 0.5, quiet
+    assert spinning > quiet + 0.2, (spinning, quiet)
