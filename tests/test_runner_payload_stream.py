@@ -373,3 +373,26 @@ def test_connectors_are_created_at_start_not_on_the_model_thread() -> None:
     finally:
         host.kvbridge_shutdown()
     assert shm_entries(ns) == []
+
+
+def test_a_sender_reports_a_request_once_when_its_last_put_settled() -> None:
+    """``on_settled`` (the runtime reaps and reports the request from there, issue 38):
+    not after a chunk that is not the last, once after the final one, with its status."""
+    ns = shm_namespace("settle")
+    conn = create_connector("SharedMemoryConnector", {"namespace": ns})
+    sender = PayloadSender(conn, 0, 1)
+    settled: list[tuple[str, str | None]] = []
+    event = threading.Event()
+    sender.on_settled = lambda rid: (settled.append((rid, sender.status(rid))), event.set())
+    try:
+        sender.send_chunk("r", {"h": torch.ones(2)})
+        give_up = time.monotonic() + 10
+        while sender.in_flight("r") and time.monotonic() < give_up:
+            time.sleep(0.01)
+        assert not event.is_set()  # a chunk that is not the last settles nothing
+        sender.send_chunk("r", {"h": torch.ones(2)}, final=True)
+        assert event.wait(10)
+        assert settled == [("r", "done")]
+    finally:
+        sender.close()
+        conn.close()

@@ -408,7 +408,6 @@ class PayloadSender(EdgeKeys):
         abort_after = False
         with self._lock:
             self._queued[job.request_id] -= 1
-            settled = self._queued[job.request_id] == 0 and self._status[job.request_id] != "pending"
             if error is not None:
                 logger.error("payload send of request %s failed: %s", job.request_id, error)
                 self._status[job.request_id] = f"failed: {error}"
@@ -420,6 +419,8 @@ class PayloadSender(EdgeKeys):
                 self._status[job.request_id] = f"failed: {job.envelope[ENVELOPE_KEY]['error']}"
             elif final and not is_failed(self._status[job.request_id]):
                 self._status[job.request_id] = "done"
+            # After the status: the request's last put ended and it reads done or failed.
+            settled = self._queued[job.request_id] == 0 and self._status[job.request_id] != "pending"
         if error is None and self._bell is not None:
             # After the status: whoever the ring wakes (a receiver, or this stage asking
             # whether its sends are done) finds the put landed and recorded.
