@@ -108,12 +108,13 @@ class LLMStageEngine(StageEngine):
         if inbox is not None:
             self._sends = AwaitedSends(inbox, self.engine.vllm_config.parallel_config.world_size)
         #: whether this stage's payload edges capture every request (unless it opts out)
-        self._captures = RunnerSettings.from_dict(self.settings).payload.captures
+        payload_settings = RunnerSettings.from_dict(self.settings).payload
+        self._captures = payload_settings.captures
         self._no_capture: set[str] = set()
         self.dump_dir = Path(stage.debug_dump_dir) if stage.debug_dump_dir else None
         self._receivers: dict[int, Any] = {}
         self._pool: ThreadPoolExecutor | None = None
-        feeds = {str(e.peer_stage): e.feed for e in RunnerSettings.from_dict(self.settings).payload.inputs}
+        feeds = {str(e.peer_stage): e.feed for e in payload_settings.inputs}
         #: producers whose rows condition the model per step (no receiver here: the engine's)
         self._fed_from = {e.from_stage for e in stage.inputs if feeds.get(str(e.from_stage)) == "per_step"}
         for e in stage.inputs:

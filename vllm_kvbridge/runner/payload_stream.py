@@ -422,8 +422,7 @@ class PayloadSender(EdgeKeys):
             # After the status: the request's last put ended and it reads done or failed.
             settled = self._queued[job.request_id] == 0 and self._status[job.request_id] != "pending"
         if error is None and self._bell is not None:
-            # After the status: whoever the ring wakes (a receiver, or this stage asking
-            # whether its sends are done) finds the put landed and recorded.
+            # After the status: a receiver the ring wakes finds the put landed and recorded.
             self._bell.ring(job.key)
         if abort_after:
             # Best effort: tell the receiver now instead of letting it stall.
