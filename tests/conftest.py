@@ -24,7 +24,7 @@ collect_ignore = [] if os.environ.get("KVBRIDGE_GPU_TESTS") == "1" else ["gpu"]
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default tiny random-weight Llama model (seed 0), built once per test session."""
-    from vllm_kvbridge.models.tiny_llama import make_tiny_model
+    from vllm_kvbridge.models.tiny_lm import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), seed=0)
 

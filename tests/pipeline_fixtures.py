@@ -203,7 +203,7 @@ def run_ar_to_dit_over(config: Path, connector: str) -> dict[str, Any]:
 
     import msgspec
 
-    from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+    from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
     from vllm_kvbridge.pipeline import Pipeline
 
     model = ensure_tiny_model()

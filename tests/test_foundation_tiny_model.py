@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_kvbridge.models.tiny_llama import TinyLlamaSpec, ensure_tiny_model, make_tiny_model
+from vllm_kvbridge.models.tiny_lm import ARCHS, TinyLMSpec, ensure_tiny_model, make_tiny_model
 
 FILES = (
     "config.json",
@@ -31,7 +31,7 @@ def test_cli_same_seed_gives_byte_identical_files(tmp_path: Path) -> None:
     for name in ("a", "b"):
         proc = _cli("make-tiny-model", str(tmp_path / name), "--seed", "1")
         assert proc.returncode == 0, proc.stderr
-        assert "wrote tiny Llama model" in proc.stdout
+        assert "wrote tiny LlamaForCausalLM model" in proc.stdout
     for f in FILES:
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes(), f
 
@@ -77,7 +77,7 @@ def test_cli_reports_invalid_shape_as_error(tmp_path: Path) -> None:
 
 
 def test_spec_validate_accepts_defaults() -> None:
-    TinyLlamaSpec().validate()
+    TinyLMSpec().validate()
 
 
 def test_ensure_tiny_model_builds_once(tmp_path: Path) -> None:
@@ -86,7 +86,7 @@ def test_ensure_tiny_model_builds_once(tmp_path: Path) -> None:
     second = ensure_tiny_model(seed=3, cache_dir=tmp_path)
     assert first == second
     assert (second / "model.safetensors").stat().st_mtime_ns == mtime
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama-seed3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama-seed3-v2"]
 
 
 def test_tokenizer_and_weights_load_in_transformers(tiny_model_dir: Path) -> None:
@@ -100,3 +100,31 @@ def test_tokenizer_and_weights_load_in_transformers(tiny_model_dir: Path) -> Non
     logits = model(torch.tensor([ids])).logits
     assert logits.shape == (1, len(ids), 512)
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_every_arch_is_byte_identical_per_seed_and_loads_in_transformers(tmp_path: Path, arch: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    a = make_tiny_model(tmp_path / "a", arch=arch, seed=5)
+    b = make_tiny_model(tmp_path / "b", arch=arch, seed=5)
+    for f in FILES:
+        assert (a / f).read_bytes() == (b / f).read_bytes(), (arch, f)
+    cfg = json.loads((a / "config.json").read_text())
+    assert cfg["architectures"] == [ARCHS[arch].architecture]
+    assert (cfg["num_key_value_heads"], cfg["head_dim"]) == (2, 32)
+    model = AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32)
+    assert type(model).__name__ == ARCHS[arch].architecture
+    logits = model(torch.tensor([[1, 40, 41, 42]])).logits
+    assert logits.shape == (1, 4, 512) and torch.isfinite(logits).all()
+    window = TinyLMSpec(arch=arch).sliding_window
+    if window is not None:  # sliding layers and full ones: vLLM keeps two KV cache groups
+        assert set(cfg["layer_types"]) == {"sliding_attention", "full_attention"}
+        assert cfg["sliding_window"] == window
+
+
+def test_an_unknown_arch_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown arch 'gpt5'"):
+        make_tiny_model(tmp_path, arch="gpt5")
+    proc = _cli("make-tiny-model", str(tmp_path / "m"), "--arch", "gpt5")
+    assert proc.returncode != 0 and "invalid choice" in proc.stderr

@@ -168,7 +168,7 @@ def test_run_on_ray_without_a_cluster_fails_clearly(tmp_path: Path) -> None:
     import os
     import subprocess
 
-    from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+    from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 
     # an empty Ray temp dir and no RAY_ADDRESS: `auto` finds no cluster to join
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(tmp_path)}

@@ -28,7 +28,7 @@ from vllm_kvbridge.cli.run import use_mooncake_master, uses_mooncake
 from vllm_kvbridge.config.resolve import resolve
 from vllm_kvbridge.connectors.keys import encode_request_id
 from vllm_kvbridge.models.tiny_dit import TinyKVDiT
-from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 from vllm_kvbridge.pipeline import Pipeline
 from vllm_kvbridge.runner.diffusion_runner import denoise
 

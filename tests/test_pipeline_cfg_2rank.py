@@ -24,7 +24,7 @@ from pipeline_fixtures import ROOT, hf_reference, load_dump, processes_using, sh
 from vllm_kvbridge.connectors.keys import encode_request_id
 from vllm_kvbridge.models.guidance import CFG_NEGATIVE
 from vllm_kvbridge.models.tiny_dit import TinyKVDiT
-from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 from vllm_kvbridge.runner.diffusion_runner import denoise
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]

@@ -174,7 +174,7 @@ def test_vllm_and_diffusion_stages_serve_through_the_authenticated_control_plane
 ) -> None:
     """The engine-backed stages (a vLLM engine and its children, a diffusion runner, KV over
     shared memory) work on the keyed control plane, an intruder knocking meanwhile."""
-    from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+    from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 
     config = ROOT / "stage_configs/ar_to_dit_shm.yaml"
     with Pipeline.from_config(config, model=str(ensure_tiny_model()), log_dir=tmp_path / "logs") as pipe:

@@ -22,7 +22,7 @@ from pipeline_fixtures import ROOT, load_dump, processes_using, shm_segments
 
 from vllm_kvbridge.connectors.keys import encode_request_id
 from vllm_kvbridge.errors import ConfigError
-from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 from vllm_kvbridge.pipeline import Pipeline
 
 EXAMPLE_DIR = ROOT / "examples" / "custom_runner"

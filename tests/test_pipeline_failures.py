@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from pipeline_fixtures import ROOT, STAGE_ENV, processes_using, shm_segments
 
-from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 
 
 def _config(tmp: Path, class_path: str, runtime: str = "") -> Path:

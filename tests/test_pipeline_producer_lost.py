@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from pipeline_fixtures import ROOT, STAGE_ENV, poll_until
 
-from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 from vllm_kvbridge.pipeline import Pipeline
 from vllm_kvbridge.pipeline.results import RequestResult
 

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from pipeline_fixtures import ROOT, TESTS_DIR, processes_using, shm_segments
 
-from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

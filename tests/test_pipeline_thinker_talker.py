@@ -31,7 +31,7 @@ import yaml
 from pipeline_fixtures import ROOT, hf_greedy, hf_reference, load_dump, processes_using, shm_segments
 
 from vllm_kvbridge.connectors.keys import encode_request_id
-from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 from vllm_kvbridge.models.tiny_talker import ensure_tiny_talker, reference_greedy
 from vllm_kvbridge.pipeline import Pipeline
 

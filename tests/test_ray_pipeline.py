@@ -38,7 +38,7 @@ from pipeline_fixtures import (
 from serve_fixtures import ROOT, free_port, post_images, start_process, stop, wait_for
 
 from vllm_kvbridge.cli.run import write_outputs
-from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 from vllm_kvbridge.pipeline import Pipeline, StageError
 
 ray = pytest.importorskip("ray")  # an extra ([ray]); make setup installs it

@@ -19,7 +19,7 @@ import openai
 import pytest
 from serve_fixtures import ROOT, Server, shm_names, start_serve, stop, wait_for
 
-from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 from vllm_kvbridge.pipeline.stage_handles import group_alive
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]

@@ -33,7 +33,7 @@ from serve_fixtures import (
 
 from vllm_kvbridge.config.cpu_kv_cache import cpu_kv_cache_bytes
 from vllm_kvbridge.connectors import shm_segments
-from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 API_KEY = "kvb-test-key"

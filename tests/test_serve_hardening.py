@@ -24,7 +24,7 @@ import httpx
 import pytest
 from serve_fixtures import ROOT, Server, start_serve, stop, wait_for
 
-from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 CONFIG = ROOT / "stage_configs/ar_to_dit_cfg.yaml"

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from serve_fixtures import ROOT, AppServer, serve_unstarted
 
-from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 from vllm_kvbridge.server.limits import DEFAULT_MAX_BODY_BYTES
 
 CONFIG = ROOT / "stage_configs/ar_to_dit_cfg.yaml"

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from serve_fixtures import ROOT, Server, metric, post_images, start_serve, stop, wait_for
 
-from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 from vllm_kvbridge.server.metrics import ServerMetrics
 
 EXPIRED = "kvbridge_leases_expired_total"

@@ -16,7 +16,7 @@ from mooncake_fixtures import mooncake_master  # noqa: F401 - the fixture
 from serve_fixtures import ROOT, metric, start_serve, stop, wait_for
 
 from vllm_kvbridge.connectors.mooncake_master import MooncakeMaster
-from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 IMAGES = "/v1/images/generations"

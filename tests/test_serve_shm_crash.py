@@ -18,7 +18,7 @@ import pytest
 from pipeline_fixtures import FakeOpenAIServer, descendants, external_stage_config
 from serve_fixtures import start_serve, wait_for
 
-from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 from vllm_kvbridge.pipeline import Pipeline
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]

@@ -22,7 +22,7 @@ import pytest
 from pipeline_fixtures import descendants
 from serve_fixtures import ROOT, Server, metric, post_images, shm_names, start_serve, stop, wait_for
 
-from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 from vllm_kvbridge.pipeline.stage_handles import group_alive
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]

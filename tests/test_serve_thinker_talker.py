@@ -32,7 +32,7 @@ import pytest
 from pipeline_fixtures import hf_reference, load_dump
 from serve_fixtures import ROOT, Server, serve_edited, shm_names, stop, wait_for
 
-from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 from vllm_kvbridge.pipeline.stage_handles import group_alive
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]

@@ -30,7 +30,7 @@ import openai
 import pytest
 from serve_fixtures import ROOT, Server, serve_edited
 
-from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 CONFIG = ROOT / "stage_configs/thinker_talker_vocoder.yaml"

@@ -42,7 +42,7 @@ def _rows(n: int, seed: int = 7) -> torch.Tensor:
 
 
 def test_checkpoint_is_deterministic_and_names_the_talker(tmp_path: Path) -> None:
-    from vllm_kvbridge.models.tiny_llama import make_tiny_model
+    from vllm_kvbridge.models.tiny_lm import make_tiny_model
 
     a, b = make_tiny_talker(tmp_path / "a", seed=0), make_tiny_talker(tmp_path / "b", seed=0)
     for f in FILES:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 from vllm_kvbridge.pipeline import Pipeline
 from vllm_kvbridge.pipeline.audio import encode_wav
 

@@ -66,7 +66,7 @@ def run_pipeline_handoff(
 
     plan = resolve(config)
     if any(s.is_llm and not s.model for s in plan.stages):
-        from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+        from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 
         plan = plan.with_model(str(ensure_tiny_model()))
     with Pipeline(plan) as pipe:

@@ -4,7 +4,7 @@ Its KV cache is shaped like a real 7B-class model's (Qwen2.5-7B: 28 layers, 4 KV
 head_dim 128; 112 KiB per token in float32) while the rest stays small (hidden 512 =
 4 heads x 128, MLP 512), so prefill and decode are cheap on a CPU and the KV dominates
 what a kvbridge stage moves. Built once into the cache dir
-(:func:`~vllm_kvbridge.models.tiny_llama.build_once`), like the tiny model.
+(:func:`~vllm_kvbridge.models.tiny_lm.build_once`), like the tiny model.
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from pathlib import Path
 
 import torch
 
-from vllm_kvbridge.models.tiny_llama import TinyLlamaSpec, build_once, default_cache_dir, make_tiny_model
+from vllm_kvbridge.models.tiny_lm import TinyLMSpec, build_once, default_cache_dir, make_tiny_model
 
 #: Layers, KV heads and head_dim of the KV a 7B-class model sends.
 LAYERS, KV_HEADS, HEAD_DIM = 28, 4, 128
 
 
-def kv_heavy_spec(layers: int = LAYERS, max_position: int = 16384) -> TinyLlamaSpec:
+def kv_heavy_spec(layers: int = LAYERS, max_position: int = 16384) -> TinyLMSpec:
     """28 layers x 4 KV heads x head_dim 128 (``hidden = heads * head_dim = 512``)."""
-    return TinyLlamaSpec(
+    return TinyLMSpec(
         seed=0,
         layers=layers,
         hidden=KV_HEADS * HEAD_DIM,

@@ -19,7 +19,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from vllm_kvbridge.config.platform import detect_platform, platform_engine_args
-    from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+    from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
     from vllm_kvbridge.pipeline.llm_engine import with_platform_kv_cache
 
     model = args.model or str(ensure_tiny_model())

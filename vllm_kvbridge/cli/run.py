@@ -274,7 +274,7 @@ def _run_plan(args: argparse.Namespace, plan: Any) -> int:
         )
     model = args.model
     if model is None and any(s.is_llm and not s.model for s in plan.stages):
-        from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+        from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 
         model = str(ensure_tiny_model())
         print(f"model: tiny offline Llama at {model}", flush=True)

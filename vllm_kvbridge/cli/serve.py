@@ -186,7 +186,7 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
         except Exception as exc:
             if model is None and "no model for LLM stage" in str(exc):
-                from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
+                from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 
                 model = str(ensure_tiny_model())
                 pipe = open_pipeline(model)

@@ -16,19 +16,30 @@ from vllm_kvbridge.errors import ConfigError
 SCHEME = "kvbridge://"
 
 
-def _tiny_llama() -> Path:
-    from vllm_kvbridge.models.tiny_llama import ensure_tiny_model
-
-    return ensure_tiny_model()
-
-
 def _tiny_talker() -> Path:
     from vllm_kvbridge.models.tiny_talker import ensure_tiny_talker
 
     return ensure_tiny_talker()
 
 
-BUILTIN: dict[str, Callable[[], Path]] = {"tiny-llama": _tiny_llama, "tiny-talker": _tiny_talker}
+def _tiny_lm(arch: str) -> Callable[[], Path]:
+    def make() -> Path:
+        from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
+
+        return ensure_tiny_model(arch=arch)
+
+    return make
+
+
+def _tiny_lm_names() -> dict[str, Callable[[], Path]]:
+    from vllm_kvbridge.models.tiny_lm import ARCHS
+
+    return {f"tiny-{arch}": _tiny_lm(arch) for arch in ARCHS}
+
+
+#: ``tiny-<arch>`` for every architecture of :data:`vllm_kvbridge.models.tiny_lm.ARCHS`
+#: (``tiny-llama``, ``tiny-qwen3``, ``tiny-gemma3``, ...) and the talker.
+BUILTIN: dict[str, Callable[[], Path]] = {**_tiny_lm_names(), "tiny-talker": _tiny_talker}
 
 
 def is_builtin(model: str | None) -> bool:

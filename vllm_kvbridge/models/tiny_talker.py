@@ -1,7 +1,7 @@
 """A tiny *talker* model: a Llama whose every position is conditioned on a row of floats.
 
 In a thinker -> talker pipeline the thinker (the tiny Llama of
-:mod:`vllm_kvbridge.models.tiny_llama`) streams its per-position final hidden states
+:mod:`vllm_kvbridge.models.tiny_lm`) streams its per-position final hidden states
 (``[n, 128]`` float32 rows) to the talker. The talker adds a projection of position
 ``p``'s row to the embedding of its token ``p``::
 
@@ -77,12 +77,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from vllm_kvbridge.models.tiny_llama import TinyLlamaSpec, build_once, default_cache_dir, make_tiny_model
+from vllm_kvbridge.models.tiny_lm import TinyLMSpec, build_once, default_cache_dir, make_tiny_model
 
 ARCHITECTURE = "KVBridgeTinyTalkerForCausalLM"
 MODEL_CLASS = "vllm_kvbridge.models.tiny_talker:TinyTalkerForCausalLM"
 #: The thinker's hidden size (the tiny Llama's default): the default conditioning width.
-DEFAULT_CONDITIONING_DIM = TinyLlamaSpec().hidden
+DEFAULT_CONDITIONING_DIM = TinyLMSpec().hidden
 #: The talker of seed ``s`` takes its Llama weights from tiny-Llama seed ``s + BASE_SEED_OFFSET``
 #: (so the talker is never the thinker of the same seed) and its ``cond_proj`` from a
 #: generator seeded ``s + COND_SEED_OFFSET``.
@@ -261,7 +261,7 @@ def talker_spec(seed: int = 0, conditioning_dim: int = DEFAULT_CONDITIONING_DIM,
     """Everything the talker checkpoint is made from (its cache key and its config entry)."""
     if conditioning_dim <= 0:
         raise ValueError(f"conditioning_dim must be positive, got {conditioning_dim}")
-    base = TinyLlamaSpec(**{**asdict(TinyLlamaSpec()), **overrides, "seed": seed + BASE_SEED_OFFSET})
+    base = TinyLMSpec(**{**asdict(TinyLMSpec()), **overrides, "seed": seed + BASE_SEED_OFFSET})
     base.validate()
     return {
         "version": FORMAT_VERSION,
@@ -283,13 +283,13 @@ def make_tiny_talker(
     and carries ``kvbridge_conditioning_dim`` (``model_type`` stays ``llama`` so
     transformers and vLLM parse it), plus a seeded ``cond_proj.weight``
     (``[hidden, conditioning_dim]``) in ``model.safetensors``. ``overrides`` are
-    :class:`~vllm_kvbridge.models.tiny_llama.TinyLlamaSpec` fields other than ``seed``.
+    :class:`~vllm_kvbridge.models.tiny_lm.TinyLMSpec` fields other than ``seed``.
     The same arguments give byte-identical files.
     """
     if "seed" in overrides:
         raise TypeError("pass the talker's seed as seed=")
     spec = talker_spec(seed, conditioning_dim, **overrides)
-    base = TinyLlamaSpec(**spec["llama"])
+    base = TinyLMSpec(**spec["llama"])
     out = make_tiny_model(path, base)
 
     config_path = out / "config.json"
