@@ -104,8 +104,8 @@ class KVProbeExtension:
 
     def kvb_gather_blocks(self, block_ids: list[int], seq_len: int) -> list[list[list[float]]]:
         """Gathered (K, V) of every layer for the given blocks, as nested lists."""
-        from vllm_kvbridge.kv.layout import gather_layers
         from vllm_kvbridge.kv.layout_vllm import layout_from_vllm
+        from vllm_kvbridge.kv.paged import gather_layers
 
         runner = self.model_runner  # type: ignore[attr-defined]
         keys, values = gather_layers(runner.kv_caches, layout_from_vllm(runner), block_ids, seq_len)

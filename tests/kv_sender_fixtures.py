@@ -76,7 +76,7 @@ def worker(ns: str, *, max_held_bytes: int = 1 << 40, **kv: Any) -> WorkerKVSend
 def spec(rid: str, *, release: bool = True) -> KVSendSpec:
     """A send of ``PLAN`` for transfer id ``rid`` (engine id ``e-<rid>``); ``release``: a
     finished request's, whose blocks the scheduler holds for the sender."""
-    return KVSendSpec(f"e-{rid}", rid, tuple(PLAN["block_ids"]), PLAN["seq_len"], release=release)
+    return KVSendSpec(f"e-{rid}", rid, (tuple(PLAN["block_ids"]),), PLAN["seq_len"], release=release)
 
 
 def receiver(ns: str) -> KVTransferManager:

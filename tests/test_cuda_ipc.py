@@ -24,11 +24,13 @@ from connector_fixtures import same
 
 from vllm_kvbridge.connectors.registry import create_connector
 from vllm_kvbridge.errors import ConfigError, PayloadError, TransferRefused
-from vllm_kvbridge.kv.layout import KEY, VALUE, RequestGather, packed_layout
+from vllm_kvbridge.kv.layout import packed_layout
+from vllm_kvbridge.kv.paged import RequestGather
 from vllm_kvbridge.wire import TORCH_DTYPES, KVCacheTransferData, decode_packed, encode
 from vllm_kvbridge.wire.decode import decode_packed_device
 from vllm_kvbridge.wire.device_pack import pack_into_device
 from vllm_kvbridge.wire.fill import TensorFill
+from vllm_kvbridge.wire.kv_format import KEY, VALUE
 
 
 def _payload() -> dict:
@@ -106,7 +108,7 @@ def test_a_kv_gather_writes_straight_into_the_device_buffer() -> None:
             gather.write(layer, kind, out)
 
         return [
-            TensorFill(gather.shapes[kind], gather.dtype, lambda out, i=i: fill(i, out), gather.device)
+            TensorFill(gather.shape(0, kind), gather.dtype, lambda out, i=i: fill(i, out), gather.device)
             for i in range(layers)
         ]
 

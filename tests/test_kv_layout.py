@@ -12,13 +12,10 @@ from vllm_kvbridge.kv.layout import (
     KVContent,
     KVLayoutError,
     cpu_layout,
-    gather,
-    gather_layers,
     packed_layout,
-    request_block_index,
-    scatter,
 )
 from vllm_kvbridge.kv.layout_vllm import layout_for_backend
+from vllm_kvbridge.kv.paged import gather, gather_layers, request_block_index, scatter
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

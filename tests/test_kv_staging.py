@@ -327,8 +327,9 @@ def _packed_reference(cache, layout, block_ids, seq, hs, he):
 def test_a_chunked_gather_of_every_packed_layout_equals_the_whole_one(order: str, bpb: int) -> None:
     """What the CUDA path does through its scratch, chunk by chunk of whole blocks, here on
     CPU tensors: every layout, head slices (TP routes), a last partial block."""
-    from vllm_kvbridge.kv.layout import KEY, VALUE, RequestGather
+    from vllm_kvbridge.kv.paged import RequestGather
     from vllm_kvbridge.kv.staged import HostGather
+    from vllm_kvbridge.wire.kv_format import KEY, VALUE
     from vllm_kvbridge.wire.staging import chunk_rows
 
     caches, layout = _packed_caches(order, bpb)
@@ -339,19 +340,19 @@ def test_a_chunked_gather_of_every_packed_layout_equals_the_whole_one(order: str
     try:
         for hs, he in [(0, 4), (1, 3)]:
             request = RequestGather(caches, layout, block_ids, seq, head_start=hs, head_end=he)
-            host = HostGather(stream, request, block_ids)
+            host = HostGather(stream, request)
             for layer, cache in enumerate(caches):
                 want = _packed_reference(cache, layout, block_ids, seq, hs, he)
                 for kind in (KEY, VALUE):
-                    row_bytes = request.shapes[kind][1] * request.shapes[kind][2] * 2
+                    row_bytes = request.shape(0, kind)[1] * request.shape(0, kind)[2] * 2
                     for slot in (1, 2 * per * row_bytes + 5, 1 << 20):
-                        out = torch.full(request.shapes[kind], float("nan"), dtype=torch.bfloat16)
+                        out = torch.full(request.shape(0, kind), float("nan"), dtype=torch.bfloat16)
                         for start, end in chunk_rows(seq, row_bytes, per, slot):
                             host.write_rows(layer, kind, start, end, out[start:end])
                         assert torch.equal(out, want[kind]), (order, bpb, hs, layer, kind, slot)
                     fill = host.fills(kind)[layer]  # what the packer calls: one write on CPU
-                    assert fill.device.type == "cpu" and tuple(fill.shape) == request.shapes[kind]
-                    out = torch.empty(request.shapes[kind], dtype=torch.bfloat16)
+                    assert fill.device.type == "cpu" and tuple(fill.shape) == request.shape(0, kind)
+                    out = torch.empty(request.shape(0, kind), dtype=torch.bfloat16)
                     fill.fill_into(out)
                     assert torch.equal(out, want[kind])
     finally:

@@ -77,7 +77,7 @@ def test_request_ended_while_its_kv_send_is_in_flight_reads_pending_until_the_se
     sender = WorkerKVSender(settings, caches, None, num_kv_heads=2, block_size=BLOCK)
     _GatedShm.gate.clear()
     try:
-        spec = KVSendSpec("eng-1", "user-1", tuple(plan["block_ids"]), plan["seq_len"], release=True)
+        spec = KVSendSpec("eng-1", "user-1", (tuple(plan["block_ids"]),), plan["seq_len"], release=True)
         sender.send([spec])  # gathers now: the blocks may be reused once it returns
         if aborted:
             sender.mark_aborted({"eng-1": "user-1"})
@@ -135,7 +135,7 @@ def test_the_senders_kv_declaration_is_checked_by_the_receiver() -> None:
     try:
         for rid in ("good", "bad"):
             sender.send(
-                [KVSendSpec(f"e-{rid}", rid, tuple(plan["block_ids"]), plan["seq_len"], release=True)]
+                [KVSendSpec(f"e-{rid}", rid, (tuple(plan["block_ids"]),), plan["seq_len"], release=True)]
             )
         _wait(lambda: all(s["kv"] == "done" for s in sender.status(["good", "bad"]).values()))
         for rid, expect in (
@@ -175,7 +175,7 @@ def test_a_send_whose_gather_fails_reads_failed_with_the_reason() -> None:
     )
     sender = WorkerKVSender(settings, fake_cpu_caches(2, 3), None, num_kv_heads=2, block_size=BLOCK)
     try:
-        sender.send([KVSendSpec("eng-1", "user-1", (0,), 5 * BLOCK, release=True)])  # 1 block, 5 needed
+        sender.send([KVSendSpec("eng-1", "user-1", ((0,),), 5 * BLOCK, release=True)])  # 1 block, 5 needed
         status = sender.status(["user-1"])["user-1"]["kv"]
         assert status.startswith("failed: gather failed") and "blocks hold at most" in status, status
     finally:

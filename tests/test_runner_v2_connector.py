@@ -189,9 +189,9 @@ def test_v2_wrapper_sends_the_cache_content_and_returns_the_blocks(
         assert released_at["fin"] == step + (finalize == "deferred")
         assert not scheduler.requests and not scheduler.connector.connector_scheduler.held
         for rid, (send, blocks) in sends.items():
-            assert send.block_ids == blocks[: math.ceil(send.num_tokens / BLOCK)]
+            assert send.block_ids[0] == blocks[: math.ceil(send.num_tokens / BLOCK)]
             data, _ = receiver.receive_kv_cache_for_request(rid)
-            keys, values = reference_gather(cache, sender.layout, list(send.block_ids), send.num_tokens)
+            keys, values = reference_gather(cache, sender.layout, list(send.block_ids[0]), send.num_tokens)
             assert data.seq_len == send.num_tokens
             assert torch.equal(data.key_cache[0], keys) and torch.equal(data.value_cache[0], values)
             del data

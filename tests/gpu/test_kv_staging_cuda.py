@@ -21,11 +21,12 @@ import pytest
 import torch
 
 from vllm_kvbridge.kv.config import KVTransferConfig
-from vllm_kvbridge.kv.layout import KEY, VALUE, packed_layout
+from vllm_kvbridge.kv.layout import packed_layout
 from vllm_kvbridge.kv.manager import KVTransferManager
 from vllm_kvbridge.kv.staged import Stager
 from vllm_kvbridge.kv.topology import TPTopology
 from vllm_kvbridge.wire import decode_packed
+from vllm_kvbridge.wire.kv_format import KEY, VALUE
 
 # CUDA is there: tests/gpu/conftest.py fails the run without it (no silent skips).
 pytestmark = pytest.mark.cuda

@@ -8,7 +8,7 @@ same bytes come out through a strided transpose, several times slower than a mem
 this class of machine. :class:`GatherProbe` times exactly that pass in this process: a
 cache of the engine's layout (the layout vLLM picks for the model's dtype and block size
 on this platform), the request's blocks in shuffled order, every layer's K and V gathered
-by :func:`~vllm_kvbridge.kv.layout.gather_layers_into` into one preallocated dense buffer,
+by :func:`~vllm_kvbridge.kv.paged.gather_layers_into` into one preallocated dense buffer,
 on one thread (as the memcpy ceiling). ``x gather`` in the table is the path's GB/s over
 this one: how close the path comes to the copy it cannot avoid on this layout.
 """
@@ -55,7 +55,7 @@ class GatherProbe:
         self.samples: list[float] = []
 
     def sample(self) -> None:
-        from vllm_kvbridge.kv.layout import gather_layers_into
+        from vllm_kvbridge.kv.paged import gather_layers_into
 
         threads = torch.get_num_threads()
         torch.set_num_threads(1)

@@ -1,11 +1,14 @@
 """The :class:`~vllm_kvbridge.kv.layout.KVCacheLayout` of the caches vLLM hands out, built
 from vLLM's own description of them (attention backend, KV cache spec, kernel block size),
-never guessed from a tensor's shape. Reading and writing the caches stays in
-:mod:`vllm_kvbridge.kv.layout`.
+never guessed from a tensor's shape, and the KV cache groups the layers live in
+(:func:`kv_cache_groups`: vLLM's hybrid allocator keeps full-attention and sliding-window
+layers in separate groups, each with its own block table). Reading and writing the
+caches stays in :mod:`vllm_kvbridge.kv.paged`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,7 +20,13 @@ from vllm_kvbridge.kv.layout import (
     packed_layout,
 )
 
-__all__ = ["layout_for_backend", "layout_from_kv_cache_config", "layout_from_vllm"]
+__all__ = [
+    "KVCacheGroup",
+    "kv_cache_groups",
+    "layout_for_backend",
+    "layout_from_kv_cache_config",
+    "layout_from_vllm",
+]
 
 #: Backend names whose K/V sit packed in C (non-MLA, non-quantized attention).
 _PACKED_BACKENDS = frozenset(
@@ -157,10 +166,7 @@ def layout_from_kv_cache_config(
         group = kv_cache_config.kv_cache_groups[kv_cache_group_id]
     except (AttributeError, IndexError) as exc:
         raise KVLayoutError(f"KV cache config has no group {kv_cache_group_id}: {exc}") from exc
-    spec = group.kv_cache_spec
-    specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: all the same type
-    if specs:
-        spec = next(iter(specs.values()))
+    spec = _group_spec(group)
     backend = get_current_attn_backends(vllm_config, list(group.layer_names))[0]
     kernel_block_size = spec.block_size
     # Block-outermost packing puts other layers' pages between the blocks: never split.
@@ -179,3 +185,53 @@ def layout_from_kv_cache_config(
         model_dtype=vllm_config.model_config.dtype,
         kernel_block_size=kernel_block_size,
     )
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """One of vLLM's KV cache groups as kvbridge sends it: its layers (model layer indices)
+    and the sliding window of its layers (None: full attention, the whole sequence)."""
+
+    layers: tuple[int, ...]
+    window: int | None = None
+
+    def first_kept(self, num_tokens: int) -> int:
+        """The first token this group's blocks still hold once ``num_tokens`` are computed.
+
+        A sliding layer attends to its last ``window`` tokens, the next one included, so it
+        keeps ``window - 1``; vLLM frees the blocks wholly before them (its
+        ``SlidingWindowManager.get_num_skipped_tokens``), and transformers' sliding cache
+        keeps the same ``window - 1`` tokens."""
+        return 0 if self.window is None else max(0, num_tokens - (self.window - 1))
+
+
+def _group_spec(group: Any) -> Any:
+    spec = group.kv_cache_spec
+    specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: all the same type
+    return next(iter(specs.values())) if specs else spec
+
+
+def kv_cache_groups(kv_cache_config: Any) -> tuple[KVCacheGroup, ...]:
+    """The groups of vLLM's ``kv_cache_config``, in vLLM's order (the order of the block
+    tables ``request_finished_all_groups`` gets). Raises :class:`KVLayoutError` for a
+    group whose tokens kvbridge cannot describe (chunked-local, Mamba, cross-attention, a
+    sliding window with a gap): only full-attention and sliding-window KV are sent."""
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    groups = []
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = _group_spec(group)
+        layers = tuple(sorted({extract_layer_index(name) for name in group.layer_names}))
+        if type(spec) is SlidingWindowSpec:
+            groups.append(KVCacheGroup(layers, int(spec.sliding_window)))
+        elif type(spec) in (FullAttentionSpec, MLAAttentionSpec):
+            # With the hybrid allocator off, vLLM gives sliding layers a full-attention spec
+            # (and keeps every token for them): they are sent whole.
+            groups.append(KVCacheGroup(layers))
+        else:
+            raise KVLayoutError(
+                f"KV cache group {i} (layers {list(layers)}) is {type(spec).__name__}: kvbridge "
+                "sends full-attention and sliding-window KV only"
+            )
+    return tuple(groups)

@@ -432,8 +432,11 @@ class KVReceiver:
             merged_k, merged_v = list(first.key_cache), list(first.value_cache)
         else:
             n_layers = first.num_layers
-            if any(p.num_layers != n_layers or p.seq_len != first.seq_len for _, p in pieces):
-                raise TransferCorrupt(f"TP pieces of {rid} disagree on layers or seq_len")
+            if any(
+                p.num_layers != n_layers or p.seq_len != first.seq_len or p.layer_starts != first.layer_starts
+                for _, p in pieces
+            ):
+                raise TransferCorrupt(f"TP pieces of {rid} disagree on layers, seq_len or layer windows")
             total = sum(r.dst_heads.size for r, _ in pieces)
             merged_k, merged_v = [], []
             for layer in range(n_layers):
@@ -461,6 +464,7 @@ class KVReceiver:
             head_start=None if first.head_start is None else min(h.start for h in heads),
             head_end=None if first.head_end is None else max(h.end for h in heads),
             num_kv_heads_total=first.num_kv_heads_total,
+            layer_starts=first.layer_starts,
         )
 
 

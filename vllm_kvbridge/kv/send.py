@@ -49,13 +49,14 @@ from vllm_kvbridge.connectors.base import Connector, HeapReservation, PutResult,
 from vllm_kvbridge.connectors.keys import KV
 from vllm_kvbridge.errors import ConfigError, TransferRefused
 from vllm_kvbridge.kv.config import StageId
-from vllm_kvbridge.kv.layout import KEY, VALUE, KVCacheLayout, RequestGather, cpu_layout, packed_layout
+from vllm_kvbridge.kv.layout import KVCacheLayout, cpu_layout, packed_layout
+from vllm_kvbridge.kv.paged import BlockTable, RequestGather
 from vllm_kvbridge.kv.staged import HostGather, ReserveFull, StagedReservation, Stager, StagingFull
 from vllm_kvbridge.kv.topology import Route, TPTopology
 from vllm_kvbridge.wire import encode
 from vllm_kvbridge.wire.codec import Encoded
 from vllm_kvbridge.wire.fill import TensorFill
-from vllm_kvbridge.wire.kv_format import KVCacheTransferData
+from vllm_kvbridge.wire.kv_format import KEY, VALUE, KVCacheTransferData
 from vllm_kvbridge.wire.staging import Fence, StagingBuffer
 
 logger = logging.getLogger(__name__)
@@ -143,18 +144,19 @@ def gather_job(
     (in the pool, or in a device-resident connector's budget) it raises
     :class:`StagingFull` (:class:`ReserveFull`): the caller keeps the blocks and tries again later.
 
-    ``info`` is ``{"block_ids": ..., "seq_len": int}`` plus optional ``"purpose"`` (default
-    ``"kv"``) and ``"metadata"``; ``block_ids`` is a list or a tuple of per-KV-cache-group
-    lists of which the first (the attention group) is used.
+    ``info`` is ``{"block_ids": [...], "seq_len": int}`` (one block table, every layer from
+    token 0) or ``{"block_tables": [BlockTable per KV cache group], "layer_tables": [group
+    of each layer], "seq_len": int}`` (vLLM's hybrid allocator: a sliding-window group's
+    table starts at its window, kv/paged.py), plus optional ``"purpose"`` (default
+    ``"kv"``) and ``"metadata"``.
 
     A CFG companion that ran as its own request (``rid`` is its own id, e.g.
     ``"<primary>::cfg_neg"``) also sets ``"companion_of"``: the primary's id. Its KV is then
     keyed and labelled with the primary's id and its purpose (what the receiver asks for),
     while its sender info stays filed under its own ids (never over the primary's).
     """
-    block_ids = info.get("block_ids")
-    if isinstance(block_ids, tuple) and block_ids and isinstance(block_ids[0], list | tuple):
-        block_ids = block_ids[0]  # per-KV-cache-group tuple: the attention group
+    tables: list[BlockTable] = list(info.get("block_tables") or [BlockTable(info.get("block_ids") or ())])
+    layer_tables = info.get("layer_tables")
     seq_len = info.get("seq_len")
     purpose = info.get("purpose", KV)
     key_rid = str(info.get("companion_of") or rid)
@@ -170,8 +172,9 @@ def gather_job(
             RequestGather(
                 kv_caches,
                 layout,
-                block_ids,
+                tables,
                 seq_len,
+                layer_tables=layer_tables,
                 head_start=route.src_heads.start,
                 head_end=route.src_heads.end,
             ),
@@ -184,16 +187,20 @@ def gather_job(
     def encoded(to_host: bool) -> list[tuple[str, int, Encoded]]:
         out = []
         for route, request in gathers:
-            host = HostGather(scratch, request, block_ids) if to_host and scratch is not None else None
+            host = HostGather(scratch, request) if to_host and scratch is not None else None
+            starts = request.layer_starts
             data = KVCacheTransferData(
                 request_id=key_rid,
                 layer_blocks={
                     "key_cache": _fills(request, KEY, host),
                     "value_cache": _fills(request, VALUE, host),
                 },
-                block_ids=[int(b) for b in list(block_ids)[: -(-seq_len // layout.tokens_per_block)]],
+                block_ids=[
+                    int(b) for b in list(tables[0].block_ids)[: -(-seq_len // layout.tokens_per_block)]
+                ],
                 metadata=metadata,
                 seq_len=seq_len,
+                layer_starts=starts if any(starts) else None,
                 block_size=layout.tokens_per_block,
                 tp_rank=route.from_rank,
                 tp_size=topo.sender_tp,
@@ -343,9 +350,10 @@ def _fills(
     from a CUDA cache, through the copy stream's bounded scratch)."""
     if host is not None:
         return host.fills(kind)
-    write, shape, dtype, device = request.write, request.shapes[kind], request.dtype, request.device
     return [
-        TensorFill(shape, dtype, partial(write, layer, kind), device)
+        TensorFill(
+            request.shape(layer, kind), request.dtype, partial(request.write, layer, kind), request.device
+        )
         for layer in range(len(request.kv_caches))
     ]
 

@@ -20,7 +20,7 @@ import torch
 
 from vllm_kvbridge.connectors.base import Connector, PutResult, Reservation
 from vllm_kvbridge.kv.config import KVTransferConfig, StageId
-from vllm_kvbridge.kv.layout import RequestGather
+from vllm_kvbridge.kv.paged import BlockTable, RequestGather
 from vllm_kvbridge.wire.fill import TensorFill
 from vllm_kvbridge.wire.pinned_pool import ArenaPool
 from vllm_kvbridge.wire.staging import (
@@ -143,18 +143,18 @@ class HostGather:
     tensors), through ``stream``'s bounded device scratch: each layer's K or V in chunks of
     whole blocks, never a whole layer (or request) on the device at once."""
 
-    def __init__(self, stream: CopyStream, request: RequestGather, block_ids: Sequence[int]) -> None:
-        self._stream, self._request, self._block_ids = stream, request, list(block_ids)
-        self._parts: dict[tuple[int, int], RequestGather] = {}  # rows -> its blocks' gather
+    def __init__(self, stream: CopyStream, request: RequestGather) -> None:
+        self._stream, self._request = stream, request
+        #: (table, rows) -> the gather of those rows of that block table
+        self._parts: dict[tuple[int, int, int], RequestGather] = {}
         self._index_kept = False
 
     def fills(self, kind: int) -> list[torch.Tensor | TensorFill | None]:
         """One fill per layer. Their ``device`` is the host: they write host tensors only
         (through the scratch), so a packer hands them its host destination directly."""
         request = self._request
-        shape = request.shapes[kind]
         return [
-            TensorFill(shape, request.dtype, partial(self._write, layer, kind), "cpu")
+            TensorFill(request.shape(layer, kind), request.dtype, partial(self._write, layer, kind), "cpu")
             for layer in range(len(request.kv_caches))
         ]
 
@@ -163,29 +163,32 @@ class HostGather:
         self._stream.stage(out, rows, align=self._request.layout.tokens_per_block)
 
     def write_rows(self, layer: int, kind: int, start: int, end: int, dst: torch.Tensor) -> None:
-        """Write tokens ``[start, end)`` of ``layer``'s ``kind`` into ``dst`` (on the cache's
-        device); ``start`` is a multiple of the layout's ``tokens_per_block``."""
+        """Write rows ``[start, end)`` of ``layer``'s ``kind`` (its tokens from the first one its
+        block table holds) into ``dst`` (on the cache's device)."""
         request = self._request
-        if (start, end) == (0, request.seq_len):
+        if (start, end) == (0, request.shape(layer, kind)[0]):
             if request.device.type == "cuda" and not self._index_kept:
-                # Its block index was made on the model's stream and is read here, maybe on the
-                # copy stream: the allocator must not reuse it before that read.
-                request.index.record_stream(torch.cuda.current_stream(request.device))
+                # Its block indexes were made on the model's stream and are read here, maybe on
+                # the copy stream: the allocator must not reuse them before that read.
+                for index in request.device_indexes():
+                    index.record_stream(torch.cuda.current_stream(request.device))
                 self._index_kept = True
             request.write(layer, kind, dst)
             return
-        part = self._parts.get((start, end))
+        g = request.layer_tables[layer]
+        part = self._parts.get((g, start, end))
         if part is None:  # made on the gather's stream (its index copy is ordered before use)
-            per = request.layout.tokens_per_block
+            table = request.tables[g]
             part = RequestGather(
                 request.kv_caches,
                 request.layout,
-                self._block_ids[start // per : -(-end // per)],
-                end - start,
+                [BlockTable(table.block_ids, table.start + start)],
+                table.start + end,
+                layer_tables=[0] * len(request.kv_caches),
                 head_start=request.head_start,
                 head_end=request.head_end,
             )
-            self._parts[(start, end)] = part
+            self._parts[(g, start, end)] = part
         part.write(layer, kind, dst)
 
 

@@ -49,7 +49,7 @@ from vllm_kvbridge.pipeline import messages as m
 from vllm_kvbridge.pipeline.awaited_sends import AwaitedSends
 from vllm_kvbridge.pipeline.cfg import CompanionGroups
 from vllm_kvbridge.pipeline.engines import ExpiringIds, StageEngine, Waker, producer_lost_failure
-from vllm_kvbridge.pipeline.sender_info import kv_send_owed, payload_meta
+from vllm_kvbridge.pipeline.sender_info import kv_send_owed, kv_send_refused, payload_meta
 from vllm_kvbridge.runner.conditioning import CONDITION_OPTION
 from vllm_kvbridge.runner.conditioning_scheduler import ERROR_KEY
 from vllm_kvbridge.runner.outcomes import OUTCOMES_ENV, OutcomeInbox
@@ -420,6 +420,11 @@ class LLMStageEngine(StageEngine):
             for rid, (o, finished_at) in list(self._awaiting.items()):
                 if rid not in self._awaiting:
                     continue  # its CFG group failed while this loop ran
+                refused = kv_send_refused(o)
+                if refused is not None:
+                    self._awaiting.pop(rid, None)
+                    self._fail_group(rid, f"transfer failed: {refused}", out)
+                    continue
                 verdict = sends.verdict(
                     rid,
                     kv_owed=kv_send_owed(o),

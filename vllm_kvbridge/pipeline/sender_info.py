@@ -11,11 +11,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_kvbridge.runner.transfer_status import is_failed
+
 
 def kv_send_owed(output: Any) -> bool:
     """Whether our connector told vLLM, when ``output``'s request finished, that it sends its KV."""
     params = getattr(output, "kv_transfer_params", None) or {}
     return params.get("kvbridge_kv") == "submitted"
+
+
+def kv_send_refused(output: Any) -> str | None:
+    """Why our connector refused, when ``output``'s request finished, to send its KV (a
+    ``failed: ...`` status; e.g. a sliding window moved past the trigger's tokens), or None."""
+    params = getattr(output, "kv_transfer_params", None) or {}
+    status = params.get("kvbridge_kv")
+    return str(status) if status is not None and is_failed(status) else None
 
 
 def merge_kv_info(per_rank: list[dict[str, Any]], rid: str) -> dict[str, Any]:
@@ -47,4 +57,4 @@ def payload_meta(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["kv_send_owed", "merge_kv_info", "payload_meta"]
+__all__ = ["kv_send_owed", "kv_send_refused", "merge_kv_info", "payload_meta"]

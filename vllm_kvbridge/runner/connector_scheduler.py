@@ -28,10 +28,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm_kvbridge.errors import ConfigError
+from vllm_kvbridge.kv.layout_vllm import KVCacheGroup, kv_cache_groups
 from vllm_kvbridge.runner import progress
 from vllm_kvbridge.runner.capture import CaptureUpdate, CapturingRequest
 from vllm_kvbridge.runner.conditioning import CONDITION_OPTION
 from vllm_kvbridge.runner.settings import KVSendSettings, RunnerSettings
+from vllm_kvbridge.runner.transfer_status import failed
 from vllm_kvbridge.runner.vllm_connector import (
     KVBridgeConnectorMetadata,
     KVSendSpec,
@@ -51,6 +53,13 @@ logger = logging.getLogger(__name__)
 WORKER_TEARDOWN_WAIT_S = 1.0
 
 
+#: One send's block tables (one per KV cache group, from token 0) and each group's first token.
+_Tables = tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]
+
+#: vLLM's null block: what a table lists where its blocks went back (``BlockPool.null_block``).
+NULL_BLOCK_ID = 0
+
+
 @dataclass
 class _Tracked:
     request: Request
@@ -61,13 +70,15 @@ class _Tracked:
     purpose: str = "kv"
     companion_of: str | None = None
 
-    def spec(self, block_ids: tuple[int, ...], num_tokens: int, release: bool) -> KVSendSpec:
+    def spec(self, tables: _Tables, num_tokens: int, release: bool) -> KVSendSpec:
+        block_ids, starts = tables
         return KVSendSpec(
             self.request.request_id,
             self.transfer_id,
             block_ids,
             num_tokens,
             release,
+            starts,
             self.purpose,
             self.companion_of,
         )
@@ -77,9 +88,15 @@ class KVBridgeConnectorScheduler:
     """Send triggers, held blocks, capture updates and feeds of one engine (see the module
     docstring)."""
 
-    def __init__(self, settings: RunnerSettings, vllm_config: Any, block_size: int) -> None:
+    def __init__(
+        self, settings: RunnerSettings, vllm_config: Any, block_size: int, kv_cache_config: Any = None
+    ) -> None:
         self.settings = settings
         self.block_size = block_size
+        #: vLLM's KV cache groups (one without a config: the non-hybrid path's single table)
+        self.groups: tuple[KVCacheGroup, ...] = (KVCacheGroup(()),)
+        if kv_cache_config is not None and settings.sends_kv:
+            self.groups = kv_cache_groups(kv_cache_config)
         self._kv_cache_manager: Any = None
         self._tracked: dict[str, _Tracked] = {}
         self._pending: list[KVSendSpec] = []
@@ -191,10 +208,27 @@ class KVBridgeConnectorScheduler:
             companion_of=str(companion_of) if companion_of else None,
         )
 
-    def _blocks_for(self, req_id: str, num_tokens: int) -> tuple[int, ...]:
+    def _tables(self, block_ids: tuple[list[int], ...] | Any, num_tokens: int) -> _Tables | None:
+        """Each group's table up to ``num_tokens`` and its first kept token; None when a block
+        a group must send went back already (a sliding window that moved past a trigger's
+        tokens, or blocks a preempted request has not recomputed)."""
+        if len(block_ids) != len(self.groups):
+            raise RuntimeError(f"{len(block_ids)} block tables for {len(self.groups)} KV cache groups")
+        n = math.ceil(num_tokens / self.block_size)
+        tables, starts = [], []
+        for group, ids in zip(self.groups, block_ids, strict=True):
+            start = group.first_kept(num_tokens)
+            table = tuple(ids[:n])
+            needed = table[start // self.block_size :]
+            if len(table) < n or NULL_BLOCK_ID in needed:
+                return None
+            tables.append(table)
+            starts.append(start)
+        return tuple(tables), tuple(starts)
+
+    def _blocks_for(self, req_id: str, num_tokens: int) -> _Tables | None:
         assert self._kv_cache_manager is not None, "bind_kv_cache_manager was not called"
-        block_ids = self._kv_cache_manager.get_block_ids(req_id)[0]
-        return tuple(block_ids[: math.ceil(num_tokens / self.block_size)])
+        return self._tables(self._kv_cache_manager.get_block_ids(req_id), num_tokens)
 
     def _trigger_index(self, tracked: _Tracked) -> int | None:
         """Index in the output tokens of the first trigger token (scans only new tokens)."""
@@ -231,11 +265,11 @@ class KVBridgeConnectorScheduler:
                 # Sent after this step's forward, from the blocks the request holds now. A
                 # preempted request holds none (or fewer, while it recomputes): wait until
                 # its KV up to n is in the cache again; the trigger stays found.
-                blocks = self._blocks_for(req_id, n)
+                tables = self._blocks_for(req_id, n)
                 computed = req.num_computed_tokens + scheduled.get(req_id, 0)
-                if computed < n or len(blocks) < math.ceil(n / self.block_size):
+                if computed < n or tables is None:
                     continue
-                sends.append(tracked.spec(blocks, n, False))
+                sends.append(tracked.spec(tables, n, False))
                 tracked.sent = True
         finished, self._finished = self._finished, {}
         idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
@@ -255,7 +289,11 @@ class KVBridgeConnectorScheduler:
             sends=sends, finished=finished, idle=idle, conditioning=conditioning, capture=capture
         )
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``request_finished_all_groups``: ``block_ids`` has one table per KV cache
+        group (one table where vLLM's hybrid allocator is off)."""
         from vllm.v1.request import RequestStatus
 
         req_id = request.request_id
@@ -294,8 +332,16 @@ class KVBridgeConnectorScheduler:
         num_tokens = min(num_tokens, computed)
         if num_tokens <= 0:
             return False, {"kvbridge_transfer_id": transfer_id, "kvbridge_kv": "empty"}
-        blocks = tuple(block_ids[: math.ceil(num_tokens / self.block_size)])
-        self._pending.append(tracked.spec(blocks, num_tokens, True))
+        tables = self._tables(block_ids, num_tokens)
+        if tables is None:  # a sliding window moved past the trigger's tokens: they are gone
+            return False, {
+                "kvbridge_transfer_id": transfer_id,
+                "kvbridge_kv": failed(
+                    f"the KV of its first {num_tokens} tokens is no longer held (a sliding-window "
+                    "layer's window moved past them)"
+                ),
+            }
+        self._pending.append(tracked.spec(tables, num_tokens, True))
         self.held.add(req_id)
         return True, {"kvbridge_transfer_id": transfer_id, "kvbridge_kv": "submitted"}
 

@@ -61,18 +61,34 @@ class KVBridgeConnectorWorker:
         sender now, so a broken transport fails the engine's start, not a request."""
         if not self.settings.sends_kv or not kv_caches:
             return
-        from vllm_kvbridge.kv.layout_vllm import layout_from_kv_cache_config
-        from vllm_kvbridge.runner.kv_sender import WorkerKVSender, kv_caches_in_layer_order
+        from vllm_kvbridge.kv.layout_vllm import kv_cache_groups, layout_from_kv_cache_config
+        from vllm_kvbridge.runner.kv_sender import (
+            WorkerKVSender,
+            kv_caches_in_layer_order,
+            layer_groups_in_layer_order,
+        )
         from vllm_kvbridge.runner.vllm_connector import tp_position
 
         tp_rank, tp_size, tp_group = tp_position()
         vllm_config = self._vllm_config
+        groups = kv_cache_groups(self._kv_cache_config)
+        # One gather reads every layer: the groups must page their K/V alike (sliding and
+        # full layers of one model do; a model whose layer types differ in heads or head
+        # size is refused here, at the engine's start, not at its first request).
+        layouts = [
+            layout_from_kv_cache_config(vllm_config, self._kv_cache_config, g) for g in range(len(groups))
+        ]
+        if any(layout != layouts[0] for layout in layouts[1:]):
+            raise RuntimeError(
+                f"KVBridgeConnector: the KV cache groups page their KV differently ({layouts}); "
+                "kvbridge sends groups of one page format only"
+            )
         if self._sender is not None:
             self._sender.shutdown()
         self._sender = WorkerKVSender(
             self.settings,
             kv_caches_in_layer_order(kv_caches),
-            layout_from_kv_cache_config(vllm_config, self._kv_cache_config),
+            layouts[0],
             num_kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
             block_size=self.block_size,
             tp_rank=tp_rank,
@@ -80,6 +96,7 @@ class KVBridgeConnectorWorker:
             tp_group=tp_group,
             wrap_transport=self.wrap_transport,
             model=str(vllm_config.model_config.model),
+            layer_groups=layer_groups_in_layer_order(kv_caches, groups) if len(groups) > 1 else None,
         )
 
     @property

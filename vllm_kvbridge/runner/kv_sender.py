@@ -55,6 +55,7 @@ import torch
 
 from vllm_kvbridge.kv.compat import KV_SPEC_KEY, kv_spec
 from vllm_kvbridge.kv.layout import KVCacheLayout
+from vllm_kvbridge.kv.paged import BlockTable
 from vllm_kvbridge.runner.exit_hook import ExitHook
 from vllm_kvbridge.runner.outcomes import TransferOutcome, pusher
 from vllm_kvbridge.runner.settings import RunnerSettings
@@ -98,7 +99,9 @@ class WorkerKVSender:
 
     ``layout`` is the caches' layout (None: inferred from the tensors, for the CPU layout
     only); ``block_size`` the scheduler's block size (of the ids in the specs);
-    ``wrap_transport`` wraps the transport the puts go through (``Connector -> Connector``).
+    ``wrap_transport`` wraps the transport the puts go through (``Connector -> Connector``);
+    ``layer_groups`` names each cache's KV cache group (vLLM's order; None: one group),
+    whose block table and window a spec carries (:mod:`vllm_kvbridge.kv.paged`).
     """
 
     def __init__(
@@ -114,6 +117,7 @@ class WorkerKVSender:
         tp_group: Any = None,
         wrap_transport: Any = None,
         model: str | None = None,
+        layer_groups: Sequence[int] | None = None,
     ) -> None:
         from vllm_kvbridge.connectors.registry import create_connector
         from vllm_kvbridge.kv.manager import KVTransferManager
@@ -122,6 +126,7 @@ class WorkerKVSender:
         self.kv_caches = list(kv_caches)
         self.layout = layout
         self.block_size = block_size
+        self.layer_groups = list(layer_groups) if layer_groups is not None else None
         self.tp_rank, self.tp_size = tp_rank, tp_size
         config = settings.kv_transfer_config()
         self._queue_budget, self._send_timeout = config.max_send_queue_bytes, config.send_timeout
@@ -251,8 +256,12 @@ class WorkerKVSender:
             return deferred
         finished_reqs: dict[str, dict[str, Any]] = {}
         for spec in specs:
+            starts = spec.starts or (0,) * len(spec.block_ids)
             info: dict[str, Any] = {
-                "block_ids": list(spec.block_ids),
+                "block_tables": [
+                    BlockTable(ids, start) for ids, start in zip(spec.block_ids, starts, strict=True)
+                ],
+                "layer_tables": self.layer_groups,
                 "seq_len": int(spec.num_tokens),
                 "metadata": {KV_SPEC_KEY: self.kv_spec},
                 # we give these blocks back only once their copy completed (take_released)
@@ -422,6 +431,19 @@ class WorkerKVSender:
             logger.exception("KV manager shutdown failed")
 
 
+def layer_groups_in_layer_order(kv_caches: Mapping[str, torch.Tensor], groups: Sequence[Any]) -> list[int]:
+    """Each layer's KV cache group (index into ``groups``, each with ``.layers``), in the
+    order of :func:`kv_caches_in_layer_order`."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    of_layer = {layer: g for g, group in enumerate(groups) for layer in group.layers}
+    layers = sorted({extract_layer_index(name) for name in kv_caches})
+    missing = [layer for layer in layers if layer not in of_layer]
+    if missing:
+        raise RuntimeError(f"layers {missing} are in no KV cache group")
+    return [of_layer[layer] for layer in layers]
+
+
 def kv_caches_in_layer_order(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
     """The registered ``{layer name: cache}`` as a list in model layer order.
 
@@ -436,4 +458,4 @@ def kv_caches_in_layer_order(kv_caches: Mapping[str, torch.Tensor]) -> list[torc
     return [distinct[i] for i in sorted(distinct)]
 
 
-__all__ = ["WorkerKVSender", "kv_caches_in_layer_order"]
+__all__ = ["WorkerKVSender", "kv_caches_in_layer_order", "layer_groups_in_layer_order"]

@@ -57,6 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from vllm_kvbridge.config.engine_support import EngineFeatures, check_engine_supported
@@ -108,16 +109,19 @@ def transfer_id_for(internal_id: str, sampling_params: Any) -> str:
 class KVSendSpec:
     """One KV send the worker performs in this step.
 
-    ``block_ids`` are the request's blocks (group 0) covering at least ``num_tokens``
-    tokens; ``release`` is True when the scheduler holds the blocks for us and waits for
-    the id in ``finished_sending``.
+    ``block_ids`` are the request's block tables, one per KV cache group in vLLM's order,
+    each covering ``num_tokens`` tokens from position 0; ``starts`` the first token each
+    group still holds (a sliding-window group's window; its table lists vLLM's null block
+    before it). ``release`` is True when the scheduler holds the blocks for us and waits
+    for the id in ``finished_sending``.
     """
 
     req_id: str
     transfer_id: str
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
     num_tokens: int
     release: bool
+    starts: tuple[int, ...] = ()
     #: CFG companions: the key's purpose and the primary's transfer id (see the module doc)
     purpose: str = "kv"
     companion_of: str | None = None
@@ -141,8 +145,13 @@ class KVBridgeConnectorMetadata(KVConnectorMetadata):
     capture: dict[str, CaptureUpdate] = field(default_factory=dict)
 
 
-class KVBridgeConnector(SleepModeRefusal, KVConnectorBase_V1):
+class KVBridgeConnector(SleepModeRefusal, KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector that triggers kvbridge KV sends; see the module docstring.
+
+    ``SupportsHMA``: vLLM keeps its hybrid allocator on for models that mix sliding-window
+    and full-attention layers (several KV cache groups); a finished request's KV is sent
+    per group from ``request_finished_all_groups``: full-attention layers the whole
+    sequence, sliding-window layers their window (:mod:`vllm_kvbridge.kv.paged`).
 
     A facade over one role object, as vLLM's NIXL connector: :attr:`connector_scheduler` in
     the engine-core process, :attr:`connector_worker` in each worker; each vLLM hook goes to
@@ -163,7 +172,7 @@ class KVBridgeConnector(SleepModeRefusal, KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             from vllm_kvbridge.runner.connector_scheduler import KVBridgeConnectorScheduler
 
-            self.connector_scheduler = KVBridgeConnectorScheduler(s, vllm_config, block_size)
+            self.connector_scheduler = KVBridgeConnectorScheduler(s, vllm_config, block_size, kv_cache_config)
         else:
             from vllm_kvbridge.runner.connector_worker import KVBridgeConnectorWorker
 
@@ -224,6 +233,11 @@ class KVBridgeConnector(SleepModeRefusal, KVConnectorBase_V1):
         return self._scheduler().build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().request_finished(request, block_ids)
 
     def update_connector_output(self, connector_output: Any) -> None:

@@ -11,7 +11,9 @@ are views of the received buffers unless a copy is asked for.
 :class:`TensorDesc` ``[layer, kind (0 = K, 1 = V), dtype name, shape, offset, nbytes]``,
 where ``offset`` is the index of the out-of-band buffer that holds the tensor's bytes),
 ``block_ids``, ``seq_len``, ``block_size``, TP slice info (``tp_rank``, ``tp_size``,
-``head_start``, ``head_end``, ``num_kv_heads_total``) and JSON-safe ``metadata``.
+``head_start``, ``head_end``, ``num_kv_heads_total``), JSON-safe ``metadata`` and
+``layer_starts`` (per layer, the first token its tensors hold: a sliding-window layer
+carries only its window; None: every layer holds tokens ``[0, seq_len)``).
 
 Decoding (:func:`codec_decode`) validates, before building any tensor: the header's types
 (msgspec typed decode), every descriptor (layer in range, kind, dtype in the allow-list,
@@ -99,6 +101,9 @@ class KVCacheTransferData:
     head_start: int | None = None
     head_end: int | None = None
     num_kv_heads_total: int | None = None
+    #: per layer, the first token position its K/V hold (vLLM's sliding-window layers keep
+    #: only their window); None: every layer holds tokens ``[0, seq_len)``
+    layer_starts: list[int] | None = None
 
     def __post_init__(self) -> None:
         self._header(DEFAULT_LIMITS)
@@ -111,6 +116,10 @@ class KVCacheTransferData:
     @property
     def value_cache(self) -> list[torch.Tensor | None]:
         return self.layer_blocks.get("value_cache", [])
+
+    def layer_start(self, layer: int) -> int:
+        """The position of the first token layer ``layer``'s K/V hold."""
+        return self.layer_starts[layer] if self.layer_starts is not None else 0
 
     @property
     def num_layers(self) -> int:
@@ -144,6 +153,7 @@ class KVCacheTransferData:
             "head_start",
             "head_end",
             "num_kv_heads_total",
+            "layer_starts",
         )
         if any(getattr(self, f) != getattr(other, f) for f in fields):
             return False
@@ -231,6 +241,7 @@ class KVCacheTransferData:
             head_end=self.head_end,
             num_kv_heads_total=self.num_kv_heads_total,
             metadata=self.metadata,
+            layer_starts=None if self.layer_starts is None else list(self.layer_starts),
         )
         validate_fields(header, limits)
         return header, tensors
@@ -257,6 +268,7 @@ class KVCacheTransferData:
             head_start=header.head_start,
             head_end=header.head_end,
             num_kv_heads_total=header.num_kv_heads_total,
+            layer_starts=header.layer_starts,
         )
         return obj
 

@@ -50,6 +50,9 @@ class KVHeader(msgspec.Struct, forbid_unknown_fields=True):
     head_end: int | None
     num_kv_heads_total: int | None
     metadata: dict[str, Any]
+    #: per layer, the position of the first token its tensors hold (a sliding-window
+    #: layer's window, vLLM's hybrid allocator); None: every layer from token 0
+    layer_starts: list[int] | None = None
 
 
 header_encoder = msgspec.msgpack.Encoder()
@@ -116,7 +119,17 @@ def validate_header(h: KVHeader, limits: Limits) -> list[tuple[tuple[int, ...], 
     Returns the validated ``(shape, strides)`` of every descriptor, in order.
     """
     validate_fields(h, limits)
-    return _validate_descs(h, limits)
+    checked = _validate_descs(h, limits)
+    if h.seq_len is not None:
+        starts = h.layer_starts
+        for d, (shape, _) in zip(h.tensors, checked):
+            rows = h.seq_len - (starts[d.layer] if starts is not None else 0)
+            if starts is not None and (not shape or shape[0] != rows):
+                raise PayloadError(
+                    f"{KINDS[d.kind]}[{d.layer}]: {shape[0] if shape else 0} tokens, but layer_starts "
+                    f"says {rows} (seq_len {h.seq_len}, start {starts[d.layer]})"
+                )
+    return checked
 
 
 def _validate_descs(h: KVHeader, limits: Limits) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -232,6 +245,14 @@ def validate_fields(h: KVHeader, limits: Limits) -> None:
         raise PayloadError(f"head_start {h.head_start} > head_end {h.head_end}")
     if h.num_kv_heads_total is not None and h.head_end is not None and h.head_end > h.num_kv_heads_total:
         raise PayloadError(f"head_end {h.head_end} > num_kv_heads_total {h.num_kv_heads_total}")
+    if h.layer_starts is not None:
+        starts = h.layer_starts
+        if type(starts) is not list or len(starts) != h.num_layers:
+            raise PayloadError(f"layer_starts must be a list of num_layers={h.num_layers} ints")
+        end = h.seq_len if h.seq_len is not None else INT64_MAX
+        for layer, start in enumerate(starts):
+            if type(start) is not int or not 0 <= start < max(end, 1):
+                raise PayloadError(f"layer_starts[{layer}] = {start!r} is outside [0, seq_len={h.seq_len})")
     check_json_safe(h.metadata, limits)
 
 
