@@ -217,3 +217,18 @@ def test_arch_and_model_exclude_each_other(capsys: pytest.CaptureFixture[str]) -
             cli([*command, "--arch", "qwen3", "--model", "/m"])
         assert exc.value.code == 2
         assert "argument --model: not allowed with argument --arch" in capsys.readouterr().err
+
+
+def test_serve_prints_the_vllm_command_of_the_arch_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``serve --arch`` names the tiny model of that architecture for a stage naming none."""
+    from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
+
+    data = yaml.safe_load(SHM.read_text())
+    data["stages"][0]["url"] = "http://127.0.0.1:8005"
+    path = tmp_path / "external.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert cli(["serve", "--stage-config", str(path), "--arch", "qwen3", "--print-vllm-serve", "0"]) == 0
+    printed = capsys.readouterr().out.split()
+    assert printed[:3] == ["vllm", "serve", str(ensure_tiny_model(arch="qwen3"))]
