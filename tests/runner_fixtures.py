@@ -441,7 +441,8 @@ def cfg_stage(
                 "kv_transfer": {"need_recv_cache": True, "recv_timeout": recv_timeout, "prefetch": True},
                 "diffusion": {
                     "class_path": class_path,
-                    "kwargs": {"image_size": 16},
+                    # model "m" is a placeholder: the fake caches' KV geometry is given here
+                    "kwargs": {"image_size": 16, "kv_heads": 2, "kv_head_dim": 32},
                     "num_steps": 3,
                     "guidance_scale": guidance,
                     "num_ranks": num_ranks,

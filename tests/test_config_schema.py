@@ -293,6 +293,8 @@ def test_env_expansion() -> None:
         expand_env({"stages": [{"model": "${NOPE}"}]}, {})
     data = _with("stages.0.tensor_parallel_size", "${TP:-1}")
     data = _with("stages.0.model", "${MODEL}", data)
+    # /models/x is not on this host: the DiT's KV geometry comes from its kwargs instead
+    data = _with("stages.1.diffusion", {"kwargs": {"kv_heads": 2, "kv_head_dim": 32}}, data)
     plan = resolve_spec(spec_from_dict(data, env={"TP": "1", "MODEL": "/models/x"}))
     assert plan.stage(0).model == "/models/x"
 
@@ -351,13 +353,14 @@ def test_resolved_settings_are_what_the_lower_layers_accept() -> None:
     assert talker.payload.inputs[0].feed == "prompt_embeds"
 
 
-def test_model_override_and_empty_env_model() -> None:
+def test_model_override_and_empty_env_model(tiny_model_dir: Path) -> None:
     plan = resolve(ROOT / "stage_configs/ar_to_dit_shm.yaml", env={})
     assert plan.stage(0).model is None
-    assert plan.with_model("/m").stage(0).model == "/m"
-    assert plan.with_model("/m").stage(1).model is None  # diffusion stages take no LLM model
-    plan = resolve(ROOT / "stage_configs/ar_to_dit_shm.yaml", env={"KVBRIDGE_MODEL": "/pinned"})
-    assert plan.with_model("/m").stage(0).model == "/pinned"
+    m = str(tiny_model_dir)  # a model the DiT stage can read its KV geometry from
+    assert plan.with_model(m).stage(0).model == m
+    assert plan.with_model(m).stage(1).model is None  # diffusion stages take no LLM model
+    plan = resolve(ROOT / "stage_configs/ar_to_dit_shm.yaml", env={"KVBRIDGE_MODEL": "kvbridge://tiny-llama"})
+    assert plan.with_model(m).stage(0).model == "kvbridge://tiny-llama"
 
 
 def test_workers_per_stage_and_only_fed_stages_adapted_on_gpu() -> None:

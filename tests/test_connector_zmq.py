@@ -261,7 +261,13 @@ def test_a_run_binding_zmq_beyond_loopback_gets_curve_and_refuses_peers_without_
             },
             "stages": [
                 {"stage_id": 0, "kind": "llm_ar", "model": "m", "kv_transfer": {"need_send_cache": True}},
-                {"stage_id": 1, "kind": "diffusion", "kv_transfer": {"need_recv_cache": True}},
+                {
+                    "stage_id": 1,
+                    "kind": "diffusion",
+                    "kv_transfer": {"need_recv_cache": True},
+                    # model "m" is a placeholder: the DiT's KV geometry is given here
+                    "diffusion": {"kwargs": {"kv_heads": 2, "kv_head_dim": 32}},
+                },
             ],
             "edges": [{"from_stage": 0, "to_stage": 1, "connector": "z"}],
         }

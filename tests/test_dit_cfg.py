@@ -269,7 +269,13 @@ def test_external_llm_stage_fails_a_guided_request_at_once() -> None:
                 "url": f"http://127.0.0.1:{server.server_address[1]}",
                 "kv_transfer": {"need_send_cache": True},
             },
-            {"stage_id": 1, "kind": "diffusion", "kv_transfer": {"need_recv_cache": True}},
+            {
+                "stage_id": 1,
+                "kind": "diffusion",
+                "kv_transfer": {"need_recv_cache": True},
+                # "m" is the server's model name, not a readable model: geometry given here
+                "diffusion": {"kwargs": {"kv_heads": 2, "kv_head_dim": 32}},
+            },
         ],
         "connectors": {"zmq": {"name": "zmq"}},
         "edges": [{"from_stage": 0, "to_stage": 1, "connector": "zmq"}],
@@ -337,7 +343,8 @@ def test_guidance_settings_are_validated_and_decided_per_request() -> None:
                     "stage_id": 1,
                     "kind": "diffusion",
                     "kv_transfer": {"need_recv_cache": True},
-                    "diffusion": diffusion,
+                    # model "m" is a placeholder: the DiT's KV geometry is given here
+                    "diffusion": {"kwargs": {"kv_heads": 2, "kv_head_dim": 32}, **diffusion},
                 },
             ],
             "connectors": {"shm": {"name": "shm"}},

@@ -52,7 +52,9 @@ def _stage(
                 "kv_transfer": kv_transfer,
                 "diffusion": {
                     "class_path": class_path,
-                    "kwargs": {"image_size": 16, **(dit_kwargs or {})},
+                    # model "m" is a placeholder (not readable): the KV geometry of the fake
+                    # caches is given here (config/kv_geometry.py falls back to it)
+                    "kwargs": {"image_size": 16, "kv_heads": 2, "kv_head_dim": 32, **(dit_kwargs or {})},
                     "num_steps": 3,
                     "max_batch_size": max_batch_size,
                 },

@@ -139,7 +139,8 @@ def _dit_stage(namespace: str, recv_timeout: float = RECV_TIMEOUT) -> Any:
                 "stage_id": 1,
                 "kind": "diffusion",
                 "kv_transfer": {"need_recv_cache": True, "recv_timeout": recv_timeout, "prefetch": True},
-                "diffusion": {"kwargs": {"image_size": 16}, "num_steps": 3},
+                # model "m" is a placeholder: the fake caches' KV geometry is given here
+                "diffusion": {"kwargs": {"image_size": 16, "kv_heads": 2, "kv_head_dim": 32}, "num_steps": 3},
             },
         ],
         "edges": [{"from_stage": 0, "to_stage": 1, "connector": "shm"}],

@@ -32,7 +32,8 @@ def test_n_above_one_is_refused_on_stages_that_send_kv_or_payloads() -> None:
 
 
 def test_the_pipeline_refuses_before_starting_a_stage() -> None:
-    pipe = Pipeline.from_config(ROOT / "stage_configs/ar_to_dit_shm.yaml", model="/nonexistent/model")
+    # a model the DiT's KV geometry can be read from (built, cached); no stage starts
+    pipe = Pipeline.from_config(ROOT / "stage_configs/ar_to_dit_shm.yaml", model="kvbridge://tiny-llama")
     with pytest.raises(ValueError, match="n=2"):
         pipe.generate(["A cute cat"], {"n": 2})
     with pytest.raises(ValueError, match="n=2"):

@@ -184,3 +184,56 @@ def test_ar_to_dit_zmq_through_the_cli() -> None:
 
     assert png == encode_png(np.asarray(_expected_image(kv)))
     assert processes_using(out_dir) == []
+
+
+def _run_cli(out_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "vllm_kvbridge.cli.main", "run", "--stage-config"]
+    argv += [str(ROOT / "stage_configs/ar_to_dit_shm.yaml"), "--prompt", "A cute cat"]
+    argv += ["--output-dir", str(out_dir), "--debug-dump-dir", str(out_dir / "dump"), *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=280)
+
+
+def _check_image_of_its_kv(out_dir: Path, heads: int, head_dim: int) -> None:
+    """The run wrote one PNG, painted by a DiT of the sender's geometry from the KV it got."""
+    req = json.loads((out_dir / "result.json").read_text())["requests"][0]
+    assert req["error"] is None and req["image_shape"] == [3, 32, 32]
+    png = Path(req["outputs"][0]).read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    dumped = load_dump(out_dir / "dump" / f"stage1_{encode_request_id('req-1')}_kv.safetensors")
+    layers = len([k for k in dumped if k.endswith(".k")])
+    kv = [(dumped[f"layer{i}.k"], dumped[f"layer{i}.v"]) for i in range(layers)]
+    assert all(tuple(k.shape[1:]) == (heads, head_dim) for k, _ in kv)
+    import numpy as np
+
+    from vllm_kvbridge.pipeline.images import encode_png
+
+    dit = TinyKVDiT(**{**DIT_KWARGS, "kv_heads": heads, "kv_head_dim": head_dim}).eval()
+    assert png == encode_png(np.asarray(denoise(dit, kv, num_steps=8, seed=0)[0]))
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(300)
+def test_run_with_arch_qwen3() -> None:
+    """Issue 39, item 5: `run --arch qwen3` runs the LLM stage on the tiny Qwen3, and the DiT
+    (its kwargs name no KV geometry) takes the geometry from it."""
+    out_dir = Path(tempfile.mkdtemp(prefix="kvb-arch-"))
+    proc = _run_cli(out_dir, "--arch", "qwen3")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "model: tiny offline Qwen3 (kvbridge://tiny-qwen3) at " in proc.stdout
+    assert str(ensure_tiny_model(arch="qwen3")) in proc.stdout
+    _check_image_of_its_kv(out_dir, heads=2, head_dim=32)
+    assert processes_using(out_dir) == []
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(300)
+def test_run_adapts_the_dit_to_a_model_of_other_geometry(tmp_path: Path) -> None:
+    """Issue 39, item 4: the same shipped config runs a model with 4 KV heads of 64 (the tiny
+    Llama has 2 of 32) without editing the DiT's kwargs."""
+    from vllm_kvbridge.models.tiny_lm import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "qwen3-4x64", arch="qwen3", kv_heads=4, heads=8, hidden=512)
+    out_dir = tmp_path / "out"
+    proc = _run_cli(out_dir, "--model", str(model))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _check_image_of_its_kv(out_dir, heads=4, head_dim=64)

@@ -137,7 +137,8 @@ def test_config_env_overrides_addresses_per_end() -> None:
     assert send["protocol"] == recv["protocol"] == "rdma" and send["device_name"] == "mlx5_0"
     assert send["global_segment_size"] == "256MiB" and recv["global_segment_size"] == 0
     # runs sharing a master never collide: each run's keys live in its own namespace
-    pipe = Pipeline(plan.with_model("unused"))  # nothing starts before start()
+    # nothing starts before start(); the model is read for the DiT's KV geometry only
+    pipe = Pipeline(plan.with_model("kvbridge://tiny-llama"))
     try:
         ends = [e.connector.config for s in pipe.plan.stages for e in (*s.inputs, *s.outputs)]
         assert [c["namespace"] for c in ends] == [f"{pipe.run_id}-0-1"] * 2

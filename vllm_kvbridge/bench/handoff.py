@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from vllm_kvbridge.cli.model_args import add_model_arguments, chosen_model
+
 #: Width of the payload's rows (the tiny model's hidden size, float32): 512 bytes a row.
 ROW_DIM = 128
 PATHS = ("get", "stage")
@@ -329,6 +331,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--requests", type=int, default=20, help="--pipeline: timed requests, one at a time (default 20)"
     )
+    add_model_arguments(
+        p, "--pipeline: model for its LLM stages that name none (default: the tiny offline model)"
+    )
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
 
 
@@ -348,5 +353,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     if args.pipeline:
         from vllm_kvbridge.bench.handoff_pipeline import run_pipeline_handoff
 
-        rows.extend(run_pipeline_handoff(args.pipeline, args.requests, args.repeat, args.idle_ms))
+        model = chosen_model(args)
+        pipeline = run_pipeline_handoff(args.pipeline, args.requests, args.repeat, args.idle_ms, model=model)
+        rows.extend(pipeline)
     return rows

@@ -58,9 +58,10 @@ def collect(results: list[Any]) -> dict[tuple[int, int], tuple[int, list[float],
 
 
 def run_pipeline_handoff(
-    config: str, requests: int, repeat: int, idle_ms: float, prompt: str = PROMPT
+    config: str, requests: int, repeat: int, idle_ms: float, prompt: str = PROMPT, model: str | None = None
 ) -> list[Row]:
-    """Rows for every measured edge of ``config``'s pipeline (see the module docstring)."""
+    """Rows for every measured edge of ``config``'s pipeline (see the module docstring);
+    ``model`` (default: the tiny Llama) runs its LLM stages that name none."""
     from vllm_kvbridge.config.resolve import resolve
     from vllm_kvbridge.pipeline import Pipeline
 
@@ -68,7 +69,7 @@ def run_pipeline_handoff(
     if any(s.is_llm and not s.model for s in plan.stages):
         from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 
-        plan = plan.with_model(str(ensure_tiny_model()))
+        plan = plan.with_model(model or str(ensure_tiny_model()))
     with Pipeline(plan) as pipe:
         pipe.generate([prompt])  # warm-up: first requests compile and fault pools in
         results = [pipe.generate([prompt])[0] for _ in range(requests)]

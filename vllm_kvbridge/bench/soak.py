@@ -47,6 +47,7 @@ from typing import Any
 import httpx
 
 from vllm_kvbridge.bench.soak_faults import FAULTS, FaultOutcome, FaultRunner, parse_faults, wait_healthy
+from vllm_kvbridge.cli.model_args import add_model_arguments, chosen_model
 
 #: Tries again of one request answered 429 / 503 with Retry-After, at most.
 MAX_RETRIES = 20
@@ -102,7 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     where.add_argument(
         "--url", help="drive a server already running on this host (started with --debug-endpoints)"
     )
-    p.add_argument("--model", help="model for the started server (default: the tiny offline model)")
+    add_model_arguments(p, "model for the started server (default: the tiny offline model)")
     p.add_argument("--requests", type=int, default=1000, help="requests in all (default 1000)")
     p.add_argument("--concurrency", type=int, default=8, help="client threads (default 8)")
     p.add_argument(
@@ -222,7 +223,8 @@ def run(args: argparse.Namespace) -> SoakResult:
     psm_before = _psm()
     if args.stage_config:
         log = Path(tempfile.mkdtemp(prefix="kvbridge-soak-")) / "serve.log"
-        servers.append(_Server(args.stage_config, args.model, log))
+        # --arch: the tiny model is built here once, and the server is given its directory.
+        servers.append(_Server(args.stage_config, chosen_model(args), log))
         print(f"starting the server (log {log})", flush=True)
         servers[0].wait_ready()
         url = servers[0].url

@@ -5,6 +5,12 @@ otherwise. ``--json`` prints the resolved plan (including each LLM stage's runne
 settings) as JSON instead of text. ``--platform cpu|cuda`` resolves for that platform
 instead of this host's: each LLM stage's ``engine_args`` line is what its engine really
 gets there (:mod:`vllm_kvbridge.config.platform`).
+
+A diffusion stage fed KV by an LLM stage takes its KV geometry (``kv_heads``,
+``kv_head_dim``) from that stage's model (:mod:`vllm_kvbridge.config.kv_geometry`); the
+plan says which model and what it gave. An LLM stage naming no model is resolved against
+``--model``, ``--arch`` or the tiny Llama, as ``run`` and ``serve`` would (the tiny model is
+built once into the cache).
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from typing import Any
 
 import msgspec
 
+from vllm_kvbridge.cli.model_args import add_model_arguments, tiny_model_name
+from vllm_kvbridge.config.kv_geometry import describe_geometry, fill_kv_geometry
 from vllm_kvbridge.config.locality import bind_auto_edges, describe_auto, local_node
 from vllm_kvbridge.config.platform import CPU, PLATFORMS
 from vllm_kvbridge.config.resolve import (
@@ -43,6 +51,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="resolve for this platform (default: this host's): each LLM stage's engine_args are "
         "what its engine really gets there (cpu: eager, float32, 512 tokens; cuda: vLLM's defaults)",
+    )
+    add_model_arguments(
+        p,
+        "resolve LLM stages that name no model against this one (default: the tiny offline model); "
+        "the DiT's KV geometry is read from it",
     )
     p.set_defaults(func=_run)
 
@@ -98,6 +111,9 @@ def _stage_lines(s: ResolvedStage, plan: ResolvedPipeline) -> list[str]:
         )
         if d.get("kwargs"):
             lines.append(f"  kwargs: {json.dumps(d['kwargs'], sort_keys=True)}")
+        geometry = describe_geometry(s)
+        if geometry:
+            lines.append(f"  {geometry}")
         if float(d.get("guidance_scale", 1.0)) != 1.0:
             lines.append(
                 f"  guidance: scale {d['guidance_scale']}, negative prompt {d.get('negative_prompt', '')!r} "
@@ -176,6 +192,9 @@ def plan_as_json(plan: ResolvedPipeline) -> dict[str, Any]:
 def _run(args: argparse.Namespace) -> int:
     try:
         plan = resolve(args.file, platform=args.platform)
+        # LLM stages keep "no model" in the plan (run/serve fill it); their receivers' KV
+        # geometry is read from the model those commands would use.
+        plan = fill_kv_geometry(plan, default_model=args.model or tiny_model_name(args.arch))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

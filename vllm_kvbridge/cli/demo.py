@@ -8,21 +8,22 @@ from __future__ import annotations
 import argparse
 import time
 
+from vllm_kvbridge.cli.model_args import add_model_arguments, chosen_model, tiny_model
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="greedy-generate with vLLM (tiny offline model by default)")
     p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
-    p.add_argument("--model", help="model directory (default: the tiny model, built once into the cache)")
+    add_model_arguments(p, "model directory (default: the tiny model, built once into the cache)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     from vllm_kvbridge.config.platform import detect_platform, platform_engine_args
-    from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
     from vllm_kvbridge.pipeline.llm_engine import with_platform_kv_cache
 
-    model = args.model or str(ensure_tiny_model())
+    model = chosen_model(args) or tiny_model(None)
     prompts = args.prompt or ["A cute cat"]
     from vllm import LLM, SamplingParams
 

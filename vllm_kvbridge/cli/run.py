@@ -1,7 +1,11 @@
 """``vllm-kvbridge run``: run a pipeline end to end and write its outputs.
 
-    vllm-kvbridge run --stage-config FILE --prompt TEXT [--prompt ...] [--model DIR] [--output-dir DIR]
-                      [--start-mooncake-master]
+    vllm-kvbridge run --stage-config FILE --prompt TEXT [--prompt ...] [--model DIR | --arch ARCH]
+                      [--output-dir DIR] [--start-mooncake-master]
+
+``--arch qwen3`` runs LLM stages that name no model on the tiny offline model of that
+architecture (``kvbridge://tiny-qwen3``); the default is the tiny Llama. A diffusion stage
+fed KV takes its KV geometry from that model (``config/kv_geometry.py``).
 
 Prints one progress line per stage event and a final table (per stage wall time; per
 edge bytes moved, transfer seconds, GB/s, the receiver's whole wait and the handoff from the
@@ -28,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_kvbridge.cli.model_args import add_model_arguments, chosen_model, describe_tiny, tiny_model
 from vllm_kvbridge.errors import ConfigError
 
 
@@ -37,7 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--stage-config", required=True, help="stage config YAML (see stage_configs/)")
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
-    p.add_argument("--model", help="model for LLM stages that name none (default: the tiny offline model)")
+    add_model_arguments(p)
     p.add_argument("--output-dir", default="kvbridge-output", help="where outputs go (default: %(default)s)")
     p.add_argument(
         "--ray-address",
@@ -226,7 +231,7 @@ def _run(args: argparse.Namespace) -> int:
     from vllm_kvbridge.config.resolve import resolve
 
     try:
-        plan = resolve(args.stage_config)
+        plan = _with_default_model(args, resolve(args.stage_config))
         if args.start_mooncake_master and not uses_mooncake(plan):
             raise ConfigError(f"--start-mooncake-master: the config uses no {MOONCAKE}")
     except ConfigError as exc:
@@ -259,6 +264,21 @@ def _run(args: argparse.Namespace) -> int:
         print(f"mooncake_master: stopped, {left} keys left in the store", flush=True)
 
 
+def _with_default_model(args: argparse.Namespace, plan: Any) -> Any:
+    """``plan`` with ``--model`` / ``--arch`` (else the tiny Llama) for LLM stages that name
+    none; resolved before anything starts, so a diffusion stage's KV geometry that the model
+    contradicts is a config error (exit 2)."""
+    if not any(s.is_llm and not s.model for s in plan.stages):
+        if args.model or args.arch:
+            print("note: every LLM stage names its model; --model / --arch is not used", flush=True)
+        return plan
+    model = chosen_model(args)
+    if model is None or args.arch:
+        model = model or tiny_model(None)
+        print(describe_tiny(args.arch, model), flush=True)
+    return plan.with_model(model)
+
+
 def _run_plan(args: argparse.Namespace, plan: Any) -> int:
     from vllm_kvbridge.pipeline.orchestrator import Pipeline, PipelineError, RequestError, StageError
 
@@ -272,13 +292,6 @@ def _run_plan(args: argparse.Namespace, plan: Any) -> int:
             debug_dump_dir=dump,
             stages=[msgspec.structs.replace(s, debug_dump_dir=dump) for s in plan.stages],
         )
-    model = args.model
-    if model is None and any(s.is_llm and not s.model for s in plan.stages):
-        from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
-
-        model = str(ensure_tiny_model())
-        print(f"model: tiny offline Llama at {model}", flush=True)
-    plan = plan.with_model(model)
     out_dir = Path(args.output_dir)
     params = {"max_tokens": args.max_tokens} if args.max_tokens else None
 

@@ -1,6 +1,6 @@
 """``vllm-kvbridge serve``: serve a pipeline over HTTP (see :mod:`vllm_kvbridge.server.app`).
 
-    vllm-kvbridge serve --stage-config FILE [--host 127.0.0.1] [--port 8000] [--model DIR]
+    vllm-kvbridge serve --stage-config FILE [--host 127.0.0.1] [--port 8000] [--model DIR | --arch ARCH]
                         [--served-model-name NAME] [--output-dir DIR] [--log-dir DIR]
                         [--drain-timeout S]
                         [--api-key KEY] [--unauthenticated-paths P,...] [--max-in-flight N]
@@ -12,6 +12,9 @@ until SIGTERM/SIGINT: uvicorn stops accepting connections, lets in-flight reques
 for up to ``--drain-timeout`` seconds, aborts the rest (each answered 503), then the pipeline is closed (every
 stage process stopped, every shared-memory segment of the run removed). Exit status: 0
 after a clean shutdown, 2 for a bad config, 3 when a stage failed to start.
+
+``--arch ARCH`` serves LLM stages that name no model with the tiny offline model of that
+architecture (``kvbridge://tiny-ARCH``; default: the tiny Llama).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from vllm_kvbridge.cli.model_args import add_model_arguments, chosen_model, describe_tiny, tiny_model
 from vllm_kvbridge.errors import ConfigError
 from vllm_kvbridge.server.auth import API_KEY_ENV, api_key_from, open_paths_from
 from vllm_kvbridge.server.limits import DEFAULT_MAX_BODY_BYTES
@@ -44,7 +48,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="run the stages on this Ray cluster (auto | HOST:PORT): one actor per stage, placed by"
         " stages[].placement (default: the config's runtime.ray_address, else local processes)",
     )
-    p.add_argument("--model", help="model for LLM stages that name none (default: the tiny offline model)")
+    add_model_arguments(p)
     p.add_argument("--served-model-name", help="model name clients use (default: the pipeline's name)")
     p.add_argument(
         "--output-dir", help="where images returned as URLs are written (enables response_format=url)"
@@ -116,13 +120,22 @@ def _print_vllm_serve(args: argparse.Namespace) -> int:
     import shlex
     from urllib.parse import urlparse
 
+    import msgspec
+
     from vllm_kvbridge.config.locality import bind_auto_edges, local_node
     from vllm_kvbridge.config.resolve import resolve
     from vllm_kvbridge.pipeline.http_engine import vllm_serve_argv
 
     try:
-        plan = resolve(args.stage_config).with_model(args.model)
+        plan = resolve(args.stage_config)
         stage = plan.stage(args.print_vllm_serve)
+        if stage.is_llm and not stage.model:
+            # This one stage's model only: the server may run where the model is, so the
+            # DiT geometry check of with_model (it reads the model here) is not for this.
+            stage = msgspec.structs.replace(stage, model=chosen_model(args))
+            plan = msgspec.structs.replace(
+                plan, stages=[stage if s.stage_id == stage.stage_id else s for s in plan.stages]
+            )
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -167,7 +180,9 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     # Until uvicorn installs its own handlers, SIGTERM stops the stages being started.
     old = signal.signal(signal.SIGTERM, stop)
-    model = args.model
+    model = chosen_model(args)
+    if args.arch:
+        print(describe_tiny(args.arch, str(model)), flush=True)
 
     def open_pipeline(model: str | None) -> Pipeline:
         return Pipeline.from_config(
@@ -186,10 +201,12 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
         except Exception as exc:
             if model is None and "no model for LLM stage" in str(exc):
-                from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
-
-                model = str(ensure_tiny_model())
-                pipe = open_pipeline(model)
+                model = tiny_model(None)
+                try:
+                    pipe = open_pipeline(model)
+                except ConfigError as err:  # e.g. a DiT's kwargs the tiny model contradicts
+                    print(f"error: {err}", file=sys.stderr)
+                    return 2
             else:
                 raise
         if args.max_in_flight is not None and args.max_in_flight < 1:

@@ -111,6 +111,9 @@ class ResolvedStage(msgspec.Struct):
     placement: dict[str, Any] = {}
     #: The platform its engine arguments were resolved for (``cpu`` or ``cuda``).
     platform: str = CPU
+    #: A diffusion stage receiving KV: where its module's KV geometry came from (the
+    #: sender's model, or the stage config's kwargs), see ``config/kv_geometry.py``.
+    kv_geometry: dict[str, Any] | None = None
 
     @property
     def is_llm(self) -> bool:
@@ -166,9 +169,13 @@ class ResolvedPipeline(msgspec.Struct):
         return self.stages[-1]
 
     def with_model(self, model: str | None) -> ResolvedPipeline:
-        """A copy where every LLM stage without an explicit model uses ``model``."""
+        """A copy where every LLM stage without an explicit model uses ``model``; the
+        diffusion stages they send KV to take their KV geometry from it (ConfigError when
+        it contradicts their kwargs, see :mod:`vllm_kvbridge.config.kv_geometry`)."""
+        from vllm_kvbridge.config.kv_geometry import fill_kv_geometry
+
         stages = [msgspec.structs.replace(s, model=s.model or model) if s.is_llm else s for s in self.stages]
-        return msgspec.structs.replace(self, stages=stages)
+        return fill_kv_geometry(msgspec.structs.replace(self, stages=stages))
 
 
 def _known_connector_names() -> set[str]:
