@@ -31,6 +31,9 @@ RANK = {name: i for i, name in enumerate(ORDER)}
 KNOWN_UP = {
     # The resolver checks connector names against the registry (lazy import).
     ("vllm_kvbridge/config/resolve.py", "vllm_kvbridge.connectors.registry"),
+    # The DiT's KV geometry is read from its sender's config.json; a `kvbridge://` sender
+    # is built first (lazy import; its stage would build it anyway).
+    ("vllm_kvbridge/config/kv_geometry.py", "vllm_kvbridge.models.builtin"),
 }
 #: Connector internals nothing above the connector layer may import.
 PRIVATE = ("vllm_kvbridge.connectors.shm_segments",)

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from vllm_kvbridge.cli.model_args import add_model_arguments, chosen_model
+from vllm_kvbridge.models.model_args import add_model_arguments, chosen_model
 
 #: Width of the payload's rows (the tiny model's hidden size, float32): 512 bytes a row.
 ROW_DIM = 128

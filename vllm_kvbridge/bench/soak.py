@@ -47,7 +47,7 @@ from typing import Any
 import httpx
 
 from vllm_kvbridge.bench.soak_faults import FAULTS, FaultOutcome, FaultRunner, parse_faults, wait_healthy
-from vllm_kvbridge.cli.model_args import add_model_arguments, chosen_model
+from vllm_kvbridge.models.model_args import add_model_arguments, chosen_model
 
 #: Tries again of one request answered 429 / 503 with Retry-After, at most.
 MAX_RETRIES = 20

@@ -22,7 +22,6 @@ from typing import Any
 
 import msgspec
 
-from vllm_kvbridge.cli.model_args import add_model_arguments, tiny_model_name
 from vllm_kvbridge.config.kv_geometry import describe_geometry, fill_kv_geometry
 from vllm_kvbridge.config.locality import bind_auto_edges, describe_auto, local_node
 from vllm_kvbridge.config.platform import CPU, PLATFORMS
@@ -35,6 +34,7 @@ from vllm_kvbridge.config.resolve import (
 )
 from vllm_kvbridge.config.runner_settings import runner_settings
 from vllm_kvbridge.errors import ConfigError
+from vllm_kvbridge.models.model_args import add_model_arguments, tiny_model_name
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from vllm_kvbridge.cli.model_args import add_model_arguments, chosen_model, tiny_model
+from vllm_kvbridge.models.model_args import add_model_arguments, chosen_model, tiny_model
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

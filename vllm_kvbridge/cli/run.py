@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_kvbridge.cli.model_args import add_model_arguments, chosen_model, describe_tiny, tiny_model
 from vllm_kvbridge.errors import ConfigError
+from vllm_kvbridge.models.model_args import add_model_arguments, chosen_model, describe_tiny, tiny_model
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

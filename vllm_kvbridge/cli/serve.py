@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_kvbridge.cli.model_args import add_model_arguments, chosen_model, describe_tiny, tiny_model
 from vllm_kvbridge.errors import ConfigError
+from vllm_kvbridge.models.model_args import add_model_arguments, chosen_model, describe_tiny, tiny_model
 from vllm_kvbridge.server.auth import API_KEY_ENV, api_key_from, open_paths_from
 from vllm_kvbridge.server.limits import DEFAULT_MAX_BODY_BYTES
 
