@@ -26,9 +26,12 @@ def make_scheduler(
     num_blocks: int,
     block_size: int = BLOCK,
     scheduler_cls: type | None = None,
+    kv_cache_groups: list[Any] | None = None,
     **engine_args: Any,
 ) -> Any:
-    """vLLM's ``Scheduler`` (or ``scheduler_cls``, e.g. ``AsyncScheduler``) for the tiny model."""
+    """vLLM's ``Scheduler`` (or ``scheduler_cls``, e.g. ``AsyncScheduler``) for the tiny model,
+    with one full-attention KV cache group (or ``kv_cache_groups``, vLLM ``KVCacheGroupSpec`` s:
+    several make vLLM's hybrid allocator keep one block table per group)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -49,7 +52,7 @@ def make_scheduler(
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
+        kv_cache_groups=kv_cache_groups or [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
     )
     cls = scheduler_cls or Scheduler
     return cls(config, kv_cache_config, StructuredOutputManager(config), block_size=block_size)
