@@ -11,7 +11,9 @@ Contract the diffusion runner relies on (users replace this class by dotted path
 
 * ``latent_shape`` -> ``(channels, height, width)`` of the latent the loop starts from,
 * ``forward(latents [B, C, H, W], t [B] in [0, 1], kv: list of (K, V) per LLM layer, each
-  [seq, kv_heads, head_dim], payload: dict | None) -> velocity [B, C, H, W]``: one branch,
+  [seq, kv_heads, head_dim], payload: dict | None) -> velocity [B, C, H, W]``: one branch;
+  ``seq`` may differ between layers (a sliding-window layer of the LLM sends only its
+  window, ``KVCacheTransferData.layer_starts``), so attend per layer, never stack them,
 * optional ``decode(latents) -> image [B, 3, H', W']`` with values in [0, 1],
 * optional ``forward_batch(latents [B, C, H, W], t [B], kvs, payloads) -> velocity [B, C, H, W]``:
   several requests at once, ``kvs`` one KV per row (each a list of (K, V) per LLM layer; the

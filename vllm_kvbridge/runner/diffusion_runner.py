@@ -129,7 +129,8 @@ def build_module(
 
 
 def kv_layers(kv: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A received :class:`KVCacheTransferData` -> ``[(K, V)]`` per layer ([seq, heads, dim])."""
+    """A received :class:`KVCacheTransferData` -> ``[(K, V)]`` per layer ([seq, heads, dim]; a
+    sliding-window layer's ``seq`` is its window, ``kv.layer_start(layer)`` its first token)."""
     keys, values = list(kv.key_cache), list(kv.value_cache)
     if not keys or len(keys) != len(values) or any(k is None or v is None for k, v in zip(keys, values)):
         raise TransferError(
