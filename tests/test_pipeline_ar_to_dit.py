@@ -186,15 +186,16 @@ def test_ar_to_dit_zmq_through_the_cli() -> None:
     assert processes_using(out_dir) == []
 
 
-def _run_cli(out_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _run_cli(out_dir: Path, *args: str, prompt: str = "A cute cat") -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "vllm_kvbridge.cli.main", "run", "--stage-config"]
-    argv += [str(ROOT / "stage_configs/ar_to_dit_shm.yaml"), "--prompt", "A cute cat"]
+    argv += [str(ROOT / "stage_configs/ar_to_dit_shm.yaml"), "--prompt", prompt]
     argv += ["--output-dir", str(out_dir), "--debug-dump-dir", str(out_dir / "dump"), *args]
     return subprocess.run(argv, capture_output=True, text=True, timeout=280)
 
 
-def _check_image_of_its_kv(out_dir: Path, heads: int, head_dim: int) -> None:
-    """The run wrote one PNG, painted by a DiT of the sender's geometry from the KV it got."""
+def _check_image_of_its_kv(out_dir: Path, heads: int, head_dim: int) -> list[int]:
+    """The run wrote one PNG, painted by a DiT of the sender's geometry from the KV it got;
+    returns the tokens each layer's KV held."""
     req = json.loads((out_dir / "result.json").read_text())["requests"][0]
     assert req["error"] is None and req["image_shape"] == [3, 32, 32]
     png = Path(req["outputs"][0]).read_bytes()
@@ -209,6 +210,7 @@ def _check_image_of_its_kv(out_dir: Path, heads: int, head_dim: int) -> None:
 
     dit = TinyKVDiT(**{**DIT_KWARGS, "kv_heads": heads, "kv_head_dim": head_dim}).eval()
     assert png == encode_png(np.asarray(denoise(dit, kv, num_steps=8, seed=0)[0]))
+    return [int(k.shape[0]) for k, _ in kv]
 
 
 @pytest.mark.forked
@@ -227,13 +229,17 @@ def test_run_with_arch_qwen3() -> None:
 
 @pytest.mark.forked
 @pytest.mark.timeout(300)
-def test_run_adapts_the_dit_to_a_model_of_other_geometry(tmp_path: Path) -> None:
-    """Issue 39, item 4: the same shipped config runs a model with 4 KV heads of 64 (the tiny
-    Llama has 2 of 32) without editing the DiT's kwargs."""
-    from vllm_kvbridge.models.tiny_lm import make_tiny_model
+def test_run_adapts_the_dit_to_a_model_of_other_geometry_and_sliding_windows(tmp_path: Path) -> None:
+    """Issue 39, items 3 and 4: the same shipped config runs a Gemma 3 with 4 KV heads of 64
+    (the tiny Llama has 2 of 32) without editing the DiT's kwargs, and its sliding-window
+    layer sends only its window (vLLM's hybrid allocator on), the full layer every token."""
+    from vllm_kvbridge.models.tiny_lm import TINY_SLIDING_WINDOW, make_tiny_model
 
-    model = make_tiny_model(tmp_path / "qwen3-4x64", arch="qwen3", kv_heads=4, heads=8, hidden=512)
+    model = make_tiny_model(tmp_path / "gemma3-4x64", arch="gemma3", kv_heads=4, heads=8, hidden=512)
     out_dir = tmp_path / "out"
-    proc = _run_cli(out_dir, "--model", str(model))
+    prompt = "The quick brown fox jumps over the lazy dog. " * 4  # longer than the window
+    proc = _run_cli(out_dir, "--model", str(model), prompt=prompt)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    _check_image_of_its_kv(out_dir, heads=4, head_dim=64)
+    sliding, full = _check_image_of_its_kv(out_dir, heads=4, head_dim=64)
+    assert full > TINY_SLIDING_WINDOW and sliding == TINY_SLIDING_WINDOW - 1, (sliding, full)
+    assert processes_using(out_dir) == []
