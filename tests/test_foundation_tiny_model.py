@@ -86,7 +86,7 @@ def test_ensure_tiny_model_builds_once(tmp_path: Path) -> None:
     second = ensure_tiny_model(seed=3, cache_dir=tmp_path)
     assert first == second
     assert (second / "model.safetensors").stat().st_mtime_ns == mtime
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama-seed3-v2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama-seed3"]
 
 
 def test_tokenizer_and_weights_load_in_transformers(tiny_model_dir: Path) -> None:

@@ -4,8 +4,8 @@ Nothing can be downloaded in CI, yet the tests must run *real* vLLM engines and 
 them against transformers. So we write complete Hugging Face model directories
 ourselves, for each architecture in :data:`ARCHS` (Llama, Qwen2, Qwen3, Qwen3-MoE,
 Gemma 2/3, Mistral, Phi-3): transformers builds the architecture from a small config
-(``from_config``), every weight is drawn from ``torch.Generator(seed)`` in sorted
-parameter order, and ``save_pretrained`` writes it; the tokenizer is a real byte-level
+(``from_config``), every weight is drawn from ``torch.Generator(seed)`` in the
+model's parameter order, and ``save_pretrained`` writes it; the tokenizer is a real byte-level
 BPE trained by ``tokenizers`` on a fixed built-in corpus, the same for every
 architecture.
 
@@ -179,14 +179,16 @@ def _config(spec: TinyLMSpec) -> Any:
 
 
 def _fill_weights(model: Any, seed: int) -> None:
-    """Every matrix and bias from ``Generator(seed)`` in sorted name order; norm weights keep
-    the constant transformers gives them (1, or 0 where the norm scales by ``1 + w``)."""
+    """Every matrix and bias from ``Generator(seed)`` in the model's parameter (definition)
+    order; norm weights keep the constant transformers gives them (1, or 0 where the norm
+    scales by ``1 + w``). For Llama that is the draw order of the hand-written generator this
+    replaced, so the default model's weights did not change."""
     gen = torch.Generator().manual_seed(seed)
     # Larger-than-usual std keeps logits from being flat, so greedy decoding is not
     # a sequence of near-ties that float reordering could flip.
     std = 0.15
     with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
+        for name, param in model.named_parameters():  # definition order: fixed per architecture
             if param.dim() == 1 and "norm" in name:
                 continue
             param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
@@ -297,7 +299,5 @@ def ensure_tiny_model(seed: int = 0, cache_dir: str | Path | None = None, arch: 
     cache dir (:func:`build_once`)."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r} (known: {', '.join(ARCHS)})")
-    # "-v2": the weights transformers' layout gives; a cache written by the hand-made
-    # Llama of earlier releases keeps its own name and is never mistaken for this one.
-    target = Path(cache_dir or default_cache_dir()) / f"tiny-{arch}-seed{seed}-v2"
+    target = Path(cache_dir or default_cache_dir()) / f"tiny-{arch}-seed{seed}"
     return build_once(target, lambda tmp: make_tiny_model(tmp, seed=seed, arch=arch))
