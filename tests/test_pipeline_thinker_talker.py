@@ -53,11 +53,11 @@ def _config(name: str, thinker_tokens: int, talker_tokens: int) -> Path:
     return path
 
 
-def _run_cli(config: Path, model: Path) -> tuple[dict, Path]:  # type: ignore[type-arg]
+def _run_cli(config: Path, model: Path, prompts: list[str] = PROMPTS) -> tuple[dict, Path]:  # type: ignore[type-arg]
     out_dir = Path(tempfile.mkdtemp(prefix="kvb-tt-run-"))
     argv = [sys.executable, "-m", "vllm_kvbridge.cli.main", "run", "--stage-config"]
     argv += [str(config), "--model", str(model), "--output-dir", str(out_dir)]
-    for prompt in PROMPTS:
+    for prompt in prompts:
         argv += ["--prompt", prompt]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=380)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -164,4 +164,49 @@ def test_vocoder_streams_the_talkers_codes_through_the_cli() -> None:
         assert np.abs(got - want).max() <= 1
         [edge] = [t for t in req["transfers"] if t["from_stage"] == 1]
         assert (edge["to_stage"], edge["what"]) == (2, "chunks") and edge["bytes"] == len(codes) * 8
+    assert processes_using(out_dir) == []
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(500)
+def test_a_talker_fed_per_step_streams_its_codes_to_the_vocoder() -> None:
+    """Issue 40, item 1: thinker -> talker fed per step -> vocoder (the vocoder config with
+    the async-chunk config's talker). Several requests, so that later ones arrive while the
+    talker runs earlier ones: each request's codes are what transformers says for its own
+    thinker rows, and its audio is the vocoder's of those codes."""
+    import wave
+
+    from transformers import AutoTokenizer
+
+    from vllm_kvbridge.models.tiny_vocoder import TinyVocoder
+    from vllm_kvbridge.pipeline.audio import encode_pcm16
+
+    thinker_tokens, talker_tokens = 24, 16
+    prompts = [*PROMPTS, "The quick brown fox", "Hello there, how are you today?"]
+    model, talker = ensure_tiny_model(), ensure_tiny_talker()
+    path = _config("thinker_talker_vocoder.yaml", thinker_tokens, talker_tokens)
+    config = yaml.safe_load(path.read_text())
+    config["stages"][1]["model"] = "kvbridge://tiny-talker"
+    config["stages"][1]["payload"]["feed"] = "per_step"
+    path.write_text(yaml.safe_dump(config))
+    result, out_dir = _run_cli(path, model, prompts)
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    bos = int(json.loads((talker / "config.json").read_text())["bos_token_id"])
+    vocoder = TinyVocoder()
+    assert len(result["requests"]) == len(prompts)
+    for req, prompt in zip(result["requests"], prompts):
+        assert req["error"] is None, req["error"]
+        thinker, talker_stage, vocoder_stage = req["stages"]
+        prompt_ids = tokenizer(prompt).input_ids
+        generated = hf_greedy(model, prompt_ids, thinker_tokens, ignore_eos=True)
+        assert thinker["token_ids"] == generated, prompt
+        _, hidden = hf_reference(model, (prompt_ids + generated)[:-1])
+        codes = talker_stage["token_ids"]
+        assert codes == reference_greedy(talker, hidden, [bos], talker_tokens), prompt
+        assert vocoder_stage["chunks"] == talker_tokens // 4, vocoder_stage
+        [wav] = [Path(p) for p in req["outputs"] if p.endswith(".wav")]
+        with wave.open(str(wav)) as w:
+            got = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.int32)
+        want = np.frombuffer(encode_pcm16(vocoder(torch.tensor(codes))), "<i2").astype(np.int32)
+        assert len(got) == len(want) and np.abs(got - want).max() <= 1, prompt
     assert processes_using(out_dir) == []

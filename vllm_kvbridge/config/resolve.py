@@ -365,14 +365,6 @@ def resolve_spec(
                 f"(stage {s.stage_id} has an incoming edge)"
             )
         sends = [e.to_stage for e in outputs[s.stage_id] if e.payload_mode != "none"]
-        if s.payload.feed == "per_step" and inputs[s.stage_id] and sends:
-            # Seen in a thinker -> talker -> vocoder pipeline: a talker fed per step that also
-            # captured its codes conditioned later requests on wrong rows and stalled;
-            # refused until that combination is understood and tested.
-            raise ConfigError(
-                f"{p}.payload.feed: a stage fed per step cannot send payloads of its own yet "
-                f"(stage {s.stage_id} sends to {sends}); use feed: prompt_embeds there"
-            )
         if s.kind in LLM_KINDS:
             check_engine_supported(
                 EngineFeatures.from_engine_args(s.engine_args),

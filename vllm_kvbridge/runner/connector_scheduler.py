@@ -180,6 +180,14 @@ class KVBridgeConnectorScheduler:
         opts = request_options(request.sampling_params)
         if self._feeds is not None and opts.get(CONDITION_OPTION) is not None:
             self._expect_feed(request, opts[CONDITION_OPTION])
+            # vLLM drops the connector's "ask again later" (get_num_new_matched_tokens ->
+            # None) for a request that skips reading the prefix cache, so such a fed
+            # request would start, or resume after a preemption, before its rows arrived
+            # and run those positions on zeros. The pipeline sets the flag on every
+            # request of a stage that sends payloads (a talker that streams its codes:
+            # issue 40). A fed stage runs without prefix caching (worker.engine_kwargs),
+            # so the flag has nothing else to do here.
+            request.skip_reading_prefix_cache = False
         if self.settings.payload.captures and opts.get("capture") is not False:
             tid = transfer_id_for(request.request_id, request.sampling_params)
             self._capturing[request.request_id] = CapturingRequest(request, tid)
