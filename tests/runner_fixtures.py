@@ -182,29 +182,59 @@ def engine_cores_killed(procs: list[Any], cores: list[Any]) -> bool:
 
 
 class HFReference:
-    """transformers' view of the same model: past_key_values and final hidden states."""
+    """transformers' view of the same model: past_key_values and final hidden states
+    (computed in ``dtype``: float32 unless the engine it is compared with runs in another)."""
 
-    def __init__(self, model_dir: Path) -> None:
-        from transformers import AutoModelForCausalLM
+    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.float32) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        # transformers' default attention (sdpa) silently leaves out attention logit
+        # soft-capping (Gemma 2): its reference differed from vLLM, which applies it, by
+        # 0.02 from the second position on. Only eager attention computes the model.
+        softcap = getattr(AutoConfig.from_pretrained(model_dir), "attn_logit_softcapping", None)
+        attn = {"attn_implementation": "eager"} if softcap else {}
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **attn).eval()
 
     @torch.no_grad()
     def kv(self, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (K, V) as ``[seq, kv_heads, head_dim]`` (keys post-RoPE)."""
-        pkv = self.model(torch.tensor([ids]), use_cache=True).past_key_values
-        out = []
-        for layer in pkv.layers:
-            out.append(
-                (layer.keys[0].permute(1, 0, 2).contiguous(), layer.values[0].permute(1, 0, 2).contiguous())
-            )
-        return out
+        return _kv_layers(self.model(torch.tensor([ids]), use_cache=True).past_key_values)
 
     @torch.no_grad()
     def hidden(self, ids: list[int]) -> torch.Tensor:
         """Final-norm hidden states ``[seq, hidden]`` (what feeds lm_head)."""
         out = self.model(torch.tensor([ids]), output_hidden_states=True)
         return out.hidden_states[-1][0]
+
+    @torch.no_grad()
+    def kv_and_hidden(self, ids: list[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """:meth:`kv` and :meth:`hidden` from one forward. A sliding-window layer's cache
+        holds only the positions transformers keeps (the last ``window - 1``)."""
+        out = self.model(torch.tensor([ids]), use_cache=True, output_hidden_states=True)
+        return _kv_layers(out.past_key_values), out.hidden_states[-1][0]
+
+    @torch.no_grad()
+    def routing_margins(self, ids: list[int]) -> torch.Tensor | None:
+        """Per position, the smallest gap over the layers between the router probabilities
+        of the last expert chosen and the first left out (``[seq]``); None for a dense model.
+        A small gap is a near-tie: rounding can flip which experts the position runs."""
+        k = getattr(self.model.config, "num_experts_per_tok", None)
+        if not k:
+            return None
+        out = self.model(torch.tensor([ids]), output_router_logits=True)
+        gaps = []
+        for logits in out.router_logits:  # per layer, [seq, experts]
+            probs = torch.softmax(logits.float(), dim=-1).sort(dim=-1, descending=True).values
+            gaps.append(probs[:, k - 1] - probs[:, k])
+        return torch.stack(gaps).amin(dim=0)
+
+
+def _kv_layers(pkv: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A transformers cache as per layer (K, V) ``[seq, kv_heads, head_dim]``."""
+    return [
+        (layer.keys[0].permute(1, 0, 2).contiguous(), layer.values[0].permute(1, 0, 2).contiguous())
+        for layer in pkv.layers
+    ]
 
 
 def assert_kv_equal(data: Any, ref: list[tuple[torch.Tensor, torch.Tensor]], tol: float = 1e-4) -> None:
