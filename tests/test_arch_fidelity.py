@@ -22,12 +22,14 @@ final norm's output from their forward (soft-capping is in ``compute_logits``), 
 what the runner captures. So one comparison serves all archs.
 
 Sliding-window rows (gemma2, gemma3; layer 0 slides over 48 tokens): transformers keeps
-only the last ``window - 1`` positions of a sliding layer. The KV check is written to the
-hybrid-allocator connector's contract (``KVCacheTransferData.layer_starts``, see
-arch_fixtures.assert_kv_matches), which the connector does not implement yet: until it
-does, those rows fail the start check (values inside the window are compared first and
-reported apart), and so does ``test_hybrid_allocator_stays_on`` (the connector makes vLLM
-turn the hybrid allocator off).
+only the last ``window - 1`` positions of a sliding layer, and so does vLLM's hybrid
+allocator, which the connector keeps on (``SupportsHMA``): the sliding layer's KV arrives
+as its window (``KVCacheTransferData.layer_starts``, see arch_fixtures.assert_kv_matches),
+the full layer's whole; ``test_hybrid_allocator_stays_on`` checks the allocator.
+
+bfloat16 rows run kvbridge's own worker, which asks Linux for the AMX tile state before
+the first forward (``runner/vllm_compat.request_amx_tiles``): without it a bf16 engine dies
+with SIGILL on this machine.
 """
 
 from __future__ import annotations

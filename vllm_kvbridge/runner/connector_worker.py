@@ -41,6 +41,14 @@ class KVBridgeConnectorWorker:
     def __init__(
         self, settings: RunnerSettings, vllm_config: Any, kv_cache_config: Any, block_size: int
     ) -> None:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            # A KV-only stage runs vLLM's stock CPU worker; this is its first kvbridge code,
+            # before the engine's first forward with the KV cache (vllm_compat.py says why).
+            from vllm_kvbridge.runner.vllm_compat import request_amx_tiles
+
+            request_amx_tiles()
         self.settings = settings
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config

