@@ -110,6 +110,8 @@ def request_block_index(
     k = layout.blocks_per_block
     if k > 1:
         index = (index[:, None] * k + torch.arange(k)[None, :]).reshape(-1)
+        # vLLM split each manager block into k tensor blocks: start at start's own one
+        index = index[(start % per) // layout.block_size :]
     return to_device(index, device) if device is not None else index
 
 
@@ -191,8 +193,7 @@ class RequestGather:
         self.kv_caches, self.layout, self.seq_len = list(kv_caches), layout, seq_len
         self.tables: list[BlockTable] = list(tables)  # type: ignore[arg-type]
         self.layer_tables = list(layer_tables)
-        #: per table: its first token, and its blocks' index on the host and on the device
-        self._starts = [t.start for t in self.tables]
+        #: per table: its blocks' index on the host and on the device
         self._host_index = [
             request_block_index(t.block_ids, seq_len, layout, num_blocks, start=t.start) for t in self.tables
         ]
@@ -203,12 +204,16 @@ class RequestGather:
     @property
     def layer_starts(self) -> list[int]:
         """Per layer, the first token its K/V holds."""
-        return [self._starts[g] for g in self.layer_tables]
+        return [self.tables[g].start for g in self.layer_tables]
 
     def shape(self, layer: int, kind: int) -> tuple[int, int, int]:
         """Destination shape of one layer's ``kind``: ``[tokens, heads, head_size(_v)]``."""
         dim = self.layout.head_size if kind == KEY else self.layout.head_size_v
-        return (self.seq_len - self._starts[self.layer_tables[layer]], self.head_end - self.head_start, dim)
+        return (
+            self.seq_len - self.tables[self.layer_tables[layer]].start,
+            self.head_end - self.head_start,
+            dim,
+        )
 
     def empty(self, layer: int, kind: int) -> torch.Tensor:
         """A new destination for one layer's ``kind``."""
@@ -234,18 +239,11 @@ class RequestGather:
             host_index = torch.arange(index.numel())
             index = to_device(host_index, index.device)
             views = token_views(src, self.layout)
-        start = self._starts[g]
-        # The index lists tensor blocks from start's manager block on: skip the tensor blocks
-        # of that manager block before start (vLLM may split a manager block, layout.py).
-        skip, first = divmod(start % self.layout.tokens_per_block, self.layout.block_size)
-        if skip:
-            index, host_index = index[skip:], host_index[skip:]
-        _gather_blocks(views[kind], index, host_index, out, self.seq_len - start, first)
+        start = self.tables[g].start  # the index begins at the tensor block holding it
+        _gather_blocks(
+            views[kind], index, host_index, out, self.seq_len - start, start % self.layout.block_size
+        )
         return out
-
-    def table_of(self, layer: int) -> BlockTable:
-        """The block table layer ``layer`` reads."""
-        return self.tables[self.layer_tables[layer]]
 
     def device_indexes(self) -> list[torch.Tensor]:
         """Every table's block index on the cache's device."""

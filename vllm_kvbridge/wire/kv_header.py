@@ -120,11 +120,11 @@ def validate_header(h: KVHeader, limits: Limits) -> list[tuple[tuple[int, ...], 
     """
     validate_fields(h, limits)
     checked = _validate_descs(h, limits)
-    if h.seq_len is not None:
-        starts = h.layer_starts
+    starts = h.layer_starts
+    if h.seq_len is not None and starts is not None:  # (most KV has no windows: no loop)
         for d, (shape, _) in zip(h.tensors, checked):
-            rows = h.seq_len - (starts[d.layer] if starts is not None else 0)
-            if starts is not None and (not shape or shape[0] != rows):
+            rows = h.seq_len - starts[d.layer]
+            if not shape or shape[0] != rows:
                 raise PayloadError(
                     f"{KINDS[d.kind]}[{d.layer}]: {shape[0] if shape else 0} tokens, but layer_starts "
                     f"says {rows} (seq_len {h.seq_len}, start {starts[d.layer]})"
