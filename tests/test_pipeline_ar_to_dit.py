@@ -215,10 +215,10 @@ def _check_image_of_its_kv(out_dir: Path, heads: int, head_dim: int) -> list[int
 
 @pytest.mark.forked
 @pytest.mark.timeout(300)
-def test_run_with_arch_qwen3() -> None:
+def test_run_with_arch_qwen3(tmp_path: Path) -> None:
     """Issue 39, item 5: `run --arch qwen3` runs the LLM stage on the tiny Qwen3, and the DiT
     (its kwargs name no KV geometry) takes the geometry from it."""
-    out_dir = Path(tempfile.mkdtemp(prefix="kvb-arch-"))
+    out_dir = tmp_path / "out"
     proc = _run_cli(out_dir, "--arch", "qwen3")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "model: tiny offline Qwen3 (kvbridge://tiny-qwen3) at " in proc.stdout
