@@ -18,10 +18,10 @@ Parts:
   GPUs where there are two), pinned and device memory bounded over 1,000 sends, the model
   thread's time with a full budget, the gather on every CUDA layout.
 * the connector contract suite on the CUDA IPC connector.
-* with vLLM installed (``--pipelines``, the default for ``gpu-check``): an AR -> DiT and a
-  thinker -> talker pipeline at vLLM's GPU defaults (bf16, CUDA graphs, Model Runner V2,
-  async scheduling), with ``VLLM_GPU_SYNC_CHECK=warn``; the host syncs it reports in
-  kvbridge's own code are counted.
+* with vLLM installed (``--pipelines``, the default for ``gpu-check``): an AR -> DiT and two
+  thinker -> talker pipelines (full payload; async chunks fed per step) at vLLM's GPU
+  defaults (bf16, CUDA graphs, Model Runner V2, async scheduling), with
+  ``VLLM_GPU_SYNC_CHECK=warn``; the host syncs it reports in kvbridge's own code are counted.
 """
 
 from __future__ import annotations
@@ -52,6 +52,9 @@ SYNC_WARNING = "called a synchronizing CUDA operation"
 PIPELINES = (
     ("ar_to_dit", "stage_configs/ar_to_dit_shm.yaml", ["A cute cat", "A red fox"]),
     ("thinker_talker", "stage_configs/thinker_talker_full_payload.yaml", ["Hello there"]),
+    # The talker fed per step: its rows go to the model in Model Runner V2's prepare_inputs,
+    # before CUDA-graph replays (runner/ar_runner_v2.py).
+    ("thinker_talker_per_step", "stage_configs/thinker_talker_async_chunk.yaml", ["Hello there"]),
 )
 
 

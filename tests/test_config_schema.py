@@ -363,11 +363,12 @@ def test_model_override_and_empty_env_model(tiny_model_dir: Path) -> None:
     assert plan.with_model(m).stage(0).model == "kvbridge://tiny-llama"
 
 
-def test_workers_per_stage_and_only_fed_stages_adapted_on_gpu() -> None:
+def test_workers_per_stage_and_every_gpu_stage_keeps_vllms_runner() -> None:
     """Issue 12: a KV-only stage runs vLLM's stock worker (worker_cls None), a payload stage the
-    kvbridge worker. On GPU a capture stage keeps vLLM's defaults (Model Runner V2, async
-    scheduling: capture works on both); a stage fed per step gets V1 (V2 has no hook to feed
-    its model), a setting its config makes itself wins, and other stages are left alone."""
+    kvbridge worker. On GPU every stage keeps vLLM's defaults (Model Runner V2, async
+    scheduling): capture works on both runners, and since issue 40 a stage fed per step too
+    (V2's ``prepare_inputs`` hook, tests/test_runner_fed_capture.py), so the resolver no
+    longer starts it on V1; a runner its config picks itself is left as it says."""
     import yaml
 
     kv_only = resolve_spec(spec_from_dict(copy.deepcopy(BASE)))
@@ -381,7 +382,10 @@ def test_workers_per_stage_and_only_fed_stages_adapted_on_gpu() -> None:
     kv_only = on_gpu(spec_from_dict(copy.deepcopy(BASE)))
     assert kv_only.stages[0].worker_cls is None and "async_scheduling" not in kv_only.stages[0].engine_args
     fed = yaml.safe_load((ROOT / "stage_configs/thinker_talker_async_chunk.yaml").read_text())
+    assert fed["stages"][1]["payload"]["feed"] == "per_step"  # what this checks
     thinker, talker = on_gpu(spec_from_dict(copy.deepcopy(fed))).stages[:2]
-    assert talker.env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and "VLLM_USE_V2_MODEL_RUNNER" not in thinker.env
-    fed["stages"][1]["env"] = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
-    assert on_gpu(spec_from_dict(fed)).stages[1].env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert talker.worker_cls == "vllm_kvbridge.runner.worker.KVBridgeGPUWorker"
+    for stage in (thinker, talker):
+        assert "VLLM_USE_V2_MODEL_RUNNER" not in stage.env and "async_scheduling" not in stage.engine_args
+    fed["stages"][1]["env"] = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert on_gpu(spec_from_dict(fed)).stages[1].env["VLLM_USE_V2_MODEL_RUNNER"] == "0"

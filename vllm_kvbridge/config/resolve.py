@@ -443,19 +443,6 @@ def resolve_spec(
     ).with_model(spec.model or None)
 
 
-def _adapt_fed_stage(s: StageSpec, env: dict[str, str]) -> None:
-    """A GPU stage fed per step runs vLLM's V1 runner (Model Runner V2 has no hook that
-    gives the model its rows before the forward, see runner/ar_runner_v2.py) unless its
-    config says otherwise (and then that runner refuses with the reason)."""
-    if "VLLM_USE_V2_MODEL_RUNNER" not in env:
-        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-        logger.info(
-            "stage %s is fed per step (payload.feed: per_step), which hooks vLLM's V1 model "
-            "runner: set VLLM_USE_V2_MODEL_RUNNER=0",
-            s.stage_id,
-        )
-
-
 def _resolve_stage(
     s: StageSpec,
     inputs: list[ResolvedEdge],
@@ -482,9 +469,6 @@ def _resolve_stage(
         if worker_cls is None and (s.runner_cls or captures or any(e.payload_mode != "none" for e in inputs)):
             # Payload capture hooks the model runner; KV alone runs on vLLM's stock worker.
             worker_cls = DEFAULT_WORKER_CLS[platform]
-        fed = any(e.payload_mode != "none" for e in inputs) and s.payload.feed == "per_step"
-        if fed and platform == CUDA:
-            _adapt_fed_stage(s, env)
     diffusion = vocoder = None
     if s.kind == "diffusion":
         diffusion = msgspec.structs.asdict(s.diffusion or DiffusionSpec())

@@ -29,6 +29,11 @@ What it adds to vLLM's runner:
   takes from vLLM's prefix cache are never computed, so a request scheduled past
   positions it has not captured fails its payload loudly (the pipeline sends capturing
   requests with ``skip_reading_prefix_cache=True``, so it never hits that).
+* **Per-step conditioning** (a stage fed per step, :mod:`vllm_kvbridge.runner.conditioning`):
+  before every forward the model gets the step's rows through its hook
+  (:meth:`_VLLMRunnerHooks._kvbridge_feed_model`, one implementation), in the forward's
+  request order: V1 from ``_model_forward`` (``input_batch.req_ids``), V2 from
+  ``prepare_inputs`` (its sorted ``InputBatch``).
 
 Capture is on for every request when ``payload.outputs`` is set and
 ``capture_hidden_states`` / ``capture_token_ids`` ask for it; a request opts out with
@@ -51,7 +56,7 @@ it instead of its own and refuses a class that is not such a subclass. What to o
   can serve all three. ``examples/custom_runner.py`` adds per-position logits.
 * vLLM's own runner methods, calling ``super()``: ``__init__`` (call ``super().__init__``
   first: it sets up kvbridge), ``initialize_kv_cache``, ``execute_model``, ``shutdown``;
-  V1: ``_model_forward``; V2: ``sample_tokens``.
+  V1: ``_model_forward``; V2: ``prepare_inputs``, ``sample_tokens``.
 
 What to call, from the model thread: ``kvbridge_add_step_output(id, outputs, num_tokens=)``
 to add tensors outside the forward hook, ``kvbridge_fail_capture(id, why)`` to fail a
@@ -61,6 +66,7 @@ request's payload. KV needs nothing from a runner: the KV connector sends it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -68,6 +74,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_kvbridge.errors import ConfigError
+from vllm_kvbridge.runner.conditioning import step_rows
 from vllm_kvbridge.runner.connector_worker import KVBridgeConnectorWorker
 from vllm_kvbridge.runner.mixin import KVBridgeModelRunnerMixin, RunnerHost
 from vllm_kvbridge.runner.settings import RunnerSettings
@@ -80,8 +87,9 @@ logger = logging.getLogger(__name__)
 
 class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
     """vLLM glue shared by every AR runner (V1 GPU, CPU, V2 GPU): set-up, the step's
-    scheduler output and the connector's step events, and capture from a step's rows (the
-    runner-specific hook says where each request's rows are)."""
+    scheduler output and the connector's step events, capture from a step's rows, and a
+    fed stage's conditioning rows (the runner-specific hooks say where each request's rows
+    are, and call the feed before the forward with the forward's request order)."""
 
     _kvb_capture: StepCapture
     #: the KV connector's worker side, once vLLM created it (None: no KVBridgeConnector)
@@ -100,6 +108,21 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
             raise ConfigError(f"{type(self).__name__} lacks what the kvbridge hooks read (RunnerHost)")
 
     # -- vLLM overrides ----------------------------------------------------------------------
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)
+        settings = self.kvbridge_runtime.settings
+        if settings.payload.per_step_inputs:
+            model = self.get_model()
+            dim = getattr(model, "kvbridge_conditioning_dim", None)
+            if not callable(getattr(model, "kvbridge_set_conditioning", None)) or not dim:
+                raise ConfigError(
+                    f"stage {settings.stage_id} feeds its payload per step "
+                    f"(payload.feed: per_step), but its model {type(model).__name__} lacks the hook "
+                    "(kvbridge_conditioning_dim and kvbridge_set_conditioning; see "
+                    "vllm_kvbridge.runner.conditioning)"
+                )
+            self._kvb_capture.feed_dim = int(dim)
+
     def initialize_kv_cache(self, kv_cache_config: Any, is_profiling: bool = False, **kwargs: Any) -> None:
         super().initialize_kv_cache(kv_cache_config, is_profiling, **kwargs)
         if is_profiling:
@@ -154,6 +177,19 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
         forward; ``batch``: where each scheduled request's rows are in ``hidden``)."""
         self._kvb_capture.capture_rows(hidden, batch)
 
+    def _kvbridge_feed_model(self, req_ids: list[str], num_scheduled_tokens: Mapping[str, int]) -> None:
+        """Give the model this step's conditioning rows, before its forward: ``req_ids`` in the
+        order of the forward's tokens (the runner's batch order), ``num_scheduled_tokens``
+        each one's token count. Every step: zeros when no fed request runs, so no row of an
+        earlier step is ever reused. The rows come with the step's scheduler output (its
+        ``KVConnectorMetadata.conditioning``, built by the connector's scheduler half)."""
+        so = self._kvb_capture.scheduler_output
+        meta = getattr(so, "kv_connector_metadata", None)
+        conditioning = getattr(meta, "conditioning", None) or {}
+        assert self._kvb_capture.feed_dim is not None
+        rows = step_rows(conditioning, req_ids, num_scheduled_tokens, self._kvb_capture.feed_dim)
+        self.get_model().kvbridge_set_conditioning(to_device(rows, self.device))  # no sync per step
+
     # -- the subclassing hook ----------------------------------------------------------------
     def kvbridge_step_extras(self, req_id: str, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
         """Extra tensors for this step of a captured request's payload (override; see the
@@ -166,28 +202,14 @@ class _VLLMRunnerHooks(KVBridgeModelRunnerMixin):
 
 class _V1RunnerHooks(_VLLMRunnerHooks):
     """Model Runner V1 (``GPUModelRunner``, ``CPUModelRunner``): ``_model_forward`` returns
-    the step's hidden states in ``input_batch.req_ids`` order; per-step conditioning."""
-
-    def load_model(self, *args: Any, **kwargs: Any) -> None:
-        super().load_model(*args, **kwargs)
-        settings = self.kvbridge_runtime.settings
-        if settings.payload.per_step_inputs:
-            model = self.get_model()
-            dim = getattr(model, "kvbridge_conditioning_dim", None)
-            if not callable(getattr(model, "kvbridge_set_conditioning", None)) or not dim:
-                raise ConfigError(
-                    f"stage {settings.stage_id} feeds its payload per step "
-                    f"(payload.feed: per_step), but its model {type(model).__name__} lacks the hook "
-                    "(kvbridge_conditioning_dim and kvbridge_set_conditioning; see "
-                    "vllm_kvbridge.runner.conditioning)"
-                )
-            self._kvb_capture.feed_dim = int(dim)
+    the step's hidden states in ``input_batch.req_ids`` order, which is also the order of
+    its tokens: the model gets its conditioning rows there, right before the forward."""
 
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._kvb_capture.feed_dim is not None:
-            self._kvbridge_feed_model()
-        output = super()._model_forward(*args, **kwargs)
         so = self._kvb_capture.scheduler_output
+        if self._kvb_capture.feed_dim is not None:
+            self._kvbridge_feed_model(list(self.input_batch.req_ids), so.num_scheduled_tokens if so else {})
+        output = super()._model_forward(*args, **kwargs)
         if self._kvb_capture.on and isinstance(output, torch.Tensor) and so is not None:
             batch: list[BatchSpan] = []
             offset = 0
@@ -199,23 +221,6 @@ class _V1RunnerHooks(_VLLMRunnerHooks):
                 offset += n
             self._kvbridge_capture_rows(output, batch)
         return output
-
-    def _kvbridge_feed_model(self) -> None:
-        """Give the model this step's conditioning rows (every step: zeros when no fed
-        request runs, so no row of an earlier step is ever reused)."""
-        from vllm_kvbridge.runner.conditioning import step_rows
-
-        so = self._kvb_capture.scheduler_output
-        meta = getattr(so, "kv_connector_metadata", None)
-        conditioning = getattr(meta, "conditioning", None) or {}
-        assert self._kvb_capture.feed_dim is not None
-        rows = step_rows(
-            conditioning,
-            list(self.input_batch.req_ids),
-            so.num_scheduled_tokens if so is not None else {},
-            self._kvb_capture.feed_dim,
-        )
-        self.get_model().kvbridge_set_conditioning(to_device(rows, self.device))  # no sync per step
 
 
 class KVBridgeARModelRunner(_V1RunnerHooks, GPUModelRunner):

@@ -12,11 +12,25 @@ Token ids come from the scheduler and rows leave the device in one non-blocking 
 step, as on every runner (:mod:`vllm_kvbridge.runner.capture`), so this works under
 async scheduling: nothing here waits for the step's sampled ids.
 
-Not on V2: a stage fed per step (``payload.feed: per_step``; its model is given rows
-before the forward, which V2 offers no hook for): the config resolver starts such a GPU
-stage on V1 (``VLLM_USE_V2_MODEL_RUNNER=0``, logged), and this runner refuses it with
-that reason. Prefill context parallelism shards a step's rows across ranks: refused for
-capture stages.
+A stage fed per step (``payload.feed: per_step``; :mod:`vllm_kvbridge.runner.conditioning`)
+runs on V2 as on V1: the model is given the step's rows before the forward, in the
+forward's token order. V2's hook for that is ``prepare_inputs(scheduler_output, ...)``:
+``execute_model`` calls it on every real step (never on dummy runs) and gets back the
+``InputBatch`` that fixes the token layout (``req_ids`` in ``sort_batch_req_ids`` order,
+not the scheduler's; ``num_scheduled_tokens``; ``query_start_loc_np``), before the
+model's own ``model_state.prepare_inputs``, before ``kv_connector.pre_forward`` and before
+the forward in all three of V2's modes (eager, PIECEWISE through
+``cudagraph_manager.run_pw_graph``, FULL through ``run_fullgraph``'s replay). The override
+hands the model ``step_rows`` in that order (the code V1 runs in ``_model_forward``). The
+rows come in the step's ``scheduler_output.kv_connector_metadata`` (``conditioning``),
+the object ``pre_forward`` binds a moment later: binding changes nothing the feed reads.
+A FULL graph replays kernels reading the model's fixed buffer, written (stream-ordered)
+before the replay; tokens padded past ``input_batch.num_tokens`` read zeros there (the
+model's hook contract). vLLM 0.32 and 0.33 have the same ``prepare_inputs`` signature and
+call site. Two V2 features move tokens on the device after ``prepare_inputs`` laid them
+out and are refused for a fed stage at ``initialize_kv_cache``: prefill context
+parallelism and adaptive draft verification. Prefill context parallelism is refused for
+capture stages too (it shards a step's rows across ranks).
 """
 
 from __future__ import annotations
@@ -32,27 +46,53 @@ from vllm_kvbridge.runner.step_capture import BatchSpan
 
 
 class KVBridgeV2ARModelRunner(_VLLMRunnerHooks, GPUModelRunnerV2):
-    """vLLM's Model Runner V2 ``GPUModelRunner`` with kvbridge payload capture."""
+    """vLLM's Model Runner V2 ``GPUModelRunner`` with kvbridge payload capture and per-step
+    conditioning (see the module docstring)."""
 
     def __init__(self, vllm_config: Any, device: torch.device) -> None:
         super().__init__(vllm_config, device)
         self._kvbridge_setup_from_vllm()
-        settings = self.kvbridge_runtime.settings
-        if settings.payload.per_step_inputs:
-            raise ConfigError(
-                f"stage {settings.stage_id} feeds its payload per step "
-                "(payload.feed: per_step), which needs vLLM's V1 model runner: start it with "
-                "VLLM_USE_V2_MODEL_RUNNER=0 (the pipeline's config resolver does)"
-            )
 
     def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> None:
         super().initialize_kv_cache(*args, **kwargs)
-        # pcp_manager: built here by vLLM 0.32, in __init__ by 0.33; set on both by now.
+        # pcp_manager: built here by vLLM 0.32, in __init__ by 0.33; adaptive_verification:
+        # here by both. Set on both by now.
         if self._kvb_capture.on and getattr(self, "pcp_manager", None) is not None:
             raise ConfigError(
                 "kvbridge hidden-state capture does not support prefill context parallelism "
                 "(a step's rows are split across ranks); start this stage without it"
             )
+        if self._kvb_capture.feed_dim is not None:
+            # The feed lays a step's rows out on the host, one run per request in batch
+            # order; these two move tokens on the device after prepare_inputs laid them out.
+            for name, what in (
+                ("pcp_manager", "prefill context parallelism (a step's tokens are split across ranks)"),
+                (
+                    "adaptive_verification",
+                    "adaptive draft verification (the device re-deals a step's draft tokens)",
+                ),
+            ):
+                if getattr(self, name, None) is not None:
+                    raise ConfigError(
+                        f"stage {self.kvbridge_runtime.settings.stage_id} feeds its payload per step "
+                        f"(payload.feed: per_step), which does not support {what}; start it without it"
+                    )
+
+    def prepare_inputs(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        input_batch = super().prepare_inputs(scheduler_output, *args, **kwargs)
+        if self._kvb_capture.feed_dim is not None:
+            self._kvbridge_feed_v2(input_batch)
+        return input_batch
+
+    def _kvbridge_feed_v2(self, input_batch: Any) -> None:
+        """Give the model the rows of the step ``input_batch`` lays out (V2's sorted order;
+        request ``i``'s tokens start at ``query_start_loc_np[i]``, contiguous, so the rows of
+        ``step_rows`` in that order line up with them). Padded tokens past
+        ``input_batch.num_tokens`` get no row: the model's buffer holds zeros there."""
+        num_reqs = input_batch.num_reqs
+        req_ids = list(input_batch.req_ids[:num_reqs])
+        counts = dict(zip(req_ids, (int(n) for n in input_batch.num_scheduled_tokens[:num_reqs])))
+        self._kvbridge_feed_model(req_ids, counts)
 
     def sample_tokens(self, grammar_output: Any) -> Any:
         self._kvbridge_before_sampling()
