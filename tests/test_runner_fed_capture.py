@@ -25,7 +25,9 @@ it read there plus ``p``.
 
 Several requests, some added while others are mid-stream and before any of their rows
 arrived, a long prompt split by chunked prefill, few KV blocks (preemption: recomputed
-positions), a stream shorter than the request (zeros past its end). Requests are sent the
+positions) or enough for requests to run side by side (a prefill chunk ahead of a decode
+in the scheduler's order, which V2 sorts the other way round), a stream shorter than the
+request (zeros past its end). Requests are sent the
 way the pipeline sends them to a stage that sends payloads (``skip_reading_prefix_cache``)
 and as a stock client would. What must hold: every position of every forward (recomputed
 ones too) was conditioned on its own request's row of that position (zeros only past the
