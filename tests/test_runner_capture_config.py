@@ -74,6 +74,18 @@ def test_the_features_of_a_real_engine_config(tiny_model_dir: Path) -> None:
     check_engine_supported(features, sends_kv=False, captures=False, where="engine")  # moves nothing
 
 
+def test_a_fed_stage_refuses_microbatching_from_a_real_parallel_config() -> None:
+    """The model runs once per microbatch, the feed's rows cover the whole step."""
+    from vllm.config import ParallelConfig
+
+    parallel = ParallelConfig(ubatch_size=2)
+    features = EngineFeatures.from_vllm_config(type("C", (), {"parallel_config": parallel})())
+    assert features.microbatches == 2
+    with pytest.raises(ConfigError, match=r"engine\.enable_dbo/ubatch_size: microbatching \(2 "):
+        check_engine_supported(features, sends_kv=False, captures=False, where="engine", fed=True)
+    check_engine_supported(features, sends_kv=True, captures=True, where="engine")  # not fed: fine
+
+
 @pytest.mark.parametrize(
     ("config", "stage", "args", "match"),
     [
@@ -94,6 +106,8 @@ def test_the_features_of_a_real_engine_config(tiny_model_dir: Path) -> None:
         ),
         ("thinker_talker_full_payload.yaml", 0, {"speculative_config": NGRAM}, r"capture .*speculative"),
         ("thinker_talker_full_payload.yaml", 0, {"pipeline_parallel_size": 2}, r"captures hidden states"),
+        ("thinker_talker_async_chunk.yaml", 1, {"enable_dbo": True}, r"microbatching \(2 .*fed per step"),
+        ("thinker_talker_vocoder.yaml", 1, {"ubatch_size": 3}, r"microbatching \(3 .*fed per step"),
     ],
 )
 def test_the_resolver_refuses_them_naming_the_key(config: str, stage: int, args: dict, match: str) -> None:
@@ -109,6 +123,8 @@ def test_what_stays_allowed() -> None:
     resolve_spec(spec_from_dict(copy.deepcopy(kv), env={}), platform="cuda")
     talk = yaml.safe_load((ROOT / "stage_configs/thinker_talker_full_payload.yaml").read_text())
     talk["stages"][1]["engine_args"] = {"pipeline_parallel_size": 2}  # the talker sends nothing
+    resolve_spec(spec_from_dict(copy.deepcopy(talk), env={}), platform="cuda")
+    talk["stages"][1]["engine_args"] = {"enable_dbo": True}  # fed its prompt embeddings, not per step
     resolve_spec(spec_from_dict(copy.deepcopy(talk), env={}), platform="cuda")
 
 

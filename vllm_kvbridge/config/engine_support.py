@@ -15,6 +15,10 @@ when vLLM builds the connector (from its ``VllmConfig``: a stock ``vllm serve`` 
   a draft model) registers them beside the model's, so they would travel as extra layers.
   Drafters without KV (``ngram``, ``suffix``) are fine for KV: what is sent stops at the
   request's last accepted token (``KVBridgeConnector.request_finished``).
+* **Microbatching** (dual-batch overlap, ``ubatch_size``) on a stage fed per step: the
+  model runs once per slice of the step's tokens, while the feed hands it one row per token
+  of the whole step (``runner/conditioning.py``'s model contract), so every slice after the
+  first would read the first slice's rows.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class EngineFeatures:
     speculative_method: str | None = None
     #: the drafter keeps a KV cache of its own layers
     draft_kv_cache: bool = False
+    #: microbatches per step (dual-batch overlap or ``ubatch_size``; 1: none)
+    microbatches: int = 1
 
     @classmethod
     def from_engine_args(cls, args: Mapping[str, Any]) -> EngineFeatures:
@@ -55,6 +61,7 @@ class EngineFeatures:
             prefill_context_parallel_size=int(args.get("prefill_context_parallel_size") or 1),
             speculative_method=method,
             draft_kv_cache=method is not None and method not in NO_DRAFT_KV_METHODS,
+            microbatches=2 if args.get("enable_dbo") else int(args.get("ubatch_size") or 1),
         )
 
     @classmethod
@@ -67,12 +74,22 @@ class EngineFeatures:
             prefill_context_parallel_size=int(getattr(parallel, "prefill_context_parallel_size", 1) or 1),
             speculative_method=str(getattr(spec, "method", None)) if spec is not None else None,
             draft_kv_cache=spec is not None and bool(spec.uses_draft_kv_cache()),
+            microbatches=int(getattr(parallel, "num_ubatches", 1) or 1),
         )
 
 
-def check_engine_supported(features: EngineFeatures, *, sends_kv: bool, captures: bool, where: str) -> None:
+def check_engine_supported(
+    features: EngineFeatures, *, sends_kv: bool, captures: bool, where: str, fed: bool = False
+) -> None:
     """Raise :class:`ConfigError` (``where``: the key path or the stage) when ``features``
-    would make this stage's KV (``sends_kv``) or captured rows (``captures``) wrong."""
+    would make this stage's KV (``sends_kv``), captured rows (``captures``) or per-step
+    conditioning (``fed``) wrong."""
+    if fed and features.microbatches > 1:
+        raise ConfigError(
+            f"{where}.enable_dbo/ubatch_size: microbatching ({features.microbatches} microbatches per "
+            "step) is not supported on a stage fed per step (payload.feed: per_step): the model "
+            "runs once per slice while its conditioning rows cover the whole step; start it without it"
+        )
     if not (sends_kv or captures):
         return
     what = " and ".join(x for x, on in (("sends KV", sends_kv), ("captures hidden states", captures)) if on)

@@ -371,6 +371,7 @@ def resolve_spec(
                 sends_kv=s.kv_transfer.need_send_cache,
                 captures=bool(sends),
                 where=f"{p}.engine_args",
+                fed=s.payload.feed == "per_step" and bool(inputs[s.stage_id]),
             )
         if s.kind == "vocoder" and not inputs[s.stage_id]:
             raise ConfigError(

@@ -164,7 +164,13 @@ class KVBridgeConnector(SleepModeRefusal, KVConnectorBase_V1, SupportsHMA):
         self.settings = s = RunnerSettings.from_vllm_config(vllm_config)
         # Also for a stock `vllm serve`, which never passes through our resolver.
         features = EngineFeatures.from_vllm_config(vllm_config)
-        check_engine_supported(features, sends_kv=s.sends_kv, captures=s.payload.captures, where="engine")
+        check_engine_supported(
+            features,
+            sends_kv=s.sends_kv,
+            captures=s.payload.captures,
+            where="engine",
+            fed=bool(s.payload.per_step_inputs),
+        )
         block_size = vllm_config.cache_config.block_size
         progress.open_from_env()  # every step of either role is proof of the engine's progress
         self.connector_scheduler: KVBridgeConnectorScheduler | None = None
