@@ -56,22 +56,28 @@ WHOLE_CHUNK = 1024
 RECV_TIMEOUT_S = 240
 
 
-def _config(name: str, thinker_tokens: int, talker_tokens: int) -> Path:
+def _config(tmp: Path, name: str, thinker_tokens: int, talker_tokens: int) -> Path:
     """A shipped config with more tokens in both LLM stages (greedy, EOS ignored)."""
     config = yaml.safe_load((ROOT / "stage_configs" / name).read_text())
     config["stages"][0]["default_sampling_params"].update(max_tokens=thinker_tokens, ignore_eos=True)
     config["stages"][1]["default_sampling_params"].update(max_tokens=talker_tokens, ignore_eos=True)
-    path = Path(tempfile.mkdtemp(prefix="kvb-tt-ac-")) / name
+    path = Path(tempfile.mkdtemp(prefix="config-", dir=tmp)) / name
     path.write_text(yaml.safe_dump(config))
     return path
 
 
 def _run_cli(
-    config: Path, model: Path, prompts: list[str] = PROMPTS, *, rc: int = 0, env: dict[str, str] | None = None
+    tmp: Path,
+    config: Path,
+    model: Path,
+    prompts: list[str] = PROMPTS,
+    *,
+    rc: int = 0,
+    env: dict[str, str] | None = None,
 ) -> tuple[dict, Path]:  # type: ignore[type-arg]
     """``vllm-kvbridge run`` of ``prompts`` (request ids req-1, req-2, ...): its result.json
     and output directory; ``rc``: the exit status it must have (1: some request failed)."""
-    out_dir = Path(tempfile.mkdtemp(prefix="kvb-tt-run-"))
+    out_dir = Path(tempfile.mkdtemp(prefix="run-", dir=tmp))
     argv = [sys.executable, "-m", "vllm_kvbridge.cli.main", "run", "--stage-config"]
     argv += [str(config), "--model", str(model), "--output-dir", str(out_dir)]
     for prompt in prompts:
@@ -96,9 +102,9 @@ def _run(config: str | Path, dump: Path) -> tuple[list, str]:
 
 @pytest.mark.forked
 @pytest.mark.timeout(400)
-def test_thinker_talker_full_payload() -> None:
+def test_thinker_talker_full_payload(tmp_path: Path) -> None:
     model = ensure_tiny_model()
-    dump = Path(tempfile.mkdtemp(prefix="kvb-tt-"))
+    dump = tmp_path
     results, run_id = _run("thinker_talker_full_payload.yaml", dump)
     for r in results:
         assert r.error is None, r.error
@@ -125,12 +131,12 @@ def test_thinker_talker_full_payload() -> None:
 
 @pytest.mark.forked
 @pytest.mark.timeout(400)
-def test_async_chunk_talker_follows_the_thinkers_stream_through_the_cli() -> None:
+def test_async_chunk_talker_follows_the_thinkers_stream_through_the_cli(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     model, talker = ensure_tiny_model(), ensure_tiny_talker()
-    config = _config("thinker_talker_async_chunk.yaml", THINKER_TOKENS, TALKER_TOKENS)
-    result, out_dir = _run_cli(config, model)
+    config = _config(tmp_path, "thinker_talker_async_chunk.yaml", THINKER_TOKENS, TALKER_TOKENS)
+    result, out_dir = _run_cli(tmp_path, config, model)
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     bos = int(json.loads((talker / "config.json").read_text())["bos_token_id"])
     for req, prompt in zip(result["requests"], PROMPTS):
@@ -161,7 +167,7 @@ def _wav(req: dict) -> np.ndarray:  # type: ignore[type-arg]
 
 @pytest.mark.forked
 @pytest.mark.timeout(900)
-def test_the_shipped_speech_pipeline_streams_end_to_end_and_equals_the_whole_stream_run() -> None:
+def test_the_shipped_speech_pipeline_streams_end_to_end(tmp_path: Path) -> None:
     """Issue 40: thinker -> talker fed per step -> vocoder, the shipped config as it is (more
     tokens, a longer ``recv_timeout`` for a first chunk), several requests through the CLI,
     so that later ones arrive while the stages run earlier ones.
@@ -192,7 +198,7 @@ def test_the_shipped_speech_pipeline_streams_end_to_end_and_equals_the_whole_str
     model, talker = ensure_tiny_model(), ensure_tiny_talker()
 
     def config(chunk_size: int | None) -> Path:
-        path = _config("thinker_talker_vocoder.yaml", thinker_tokens, talker_tokens)
+        path = _config(tmp_path, "thinker_talker_vocoder.yaml", thinker_tokens, talker_tokens)
         config = yaml.safe_load(path.read_text())
         for stage in config["stages"]:
             if stage["stage_id"] > 0:  # a consumer: its first chunk may take long here
@@ -202,8 +208,8 @@ def test_the_shipped_speech_pipeline_streams_end_to_end_and_equals_the_whole_str
         path.write_text(yaml.safe_dump(config))
         return path
 
-    streamed, out_dir = _run_cli(config(None), model, prompts)
-    whole, whole_dir = _run_cli(config(WHOLE_CHUNK), model, prompts)
+    streamed, out_dir = _run_cli(tmp_path, config(None), model, prompts)
+    whole, whole_dir = _run_cli(tmp_path, config(WHOLE_CHUNK), model, prompts)
 
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     bos = int(json.loads((talker / "config.json").read_text())["bos_token_id"])
@@ -242,7 +248,7 @@ def test_the_shipped_speech_pipeline_streams_end_to_end_and_equals_the_whole_str
 
 @pytest.mark.forked
 @pytest.mark.timeout(500)
-def test_a_stalled_thinker_or_talker_fails_its_request_alone_and_leaves_nothing() -> None:
+def test_a_stalled_thinker_or_talker_fails_its_request_alone_and_leaves_nothing(tmp_path: Path) -> None:
     """The shipped three-stage config, both LLM stages on
     ``kv_fault_fixtures.StallPayloadWorker``: the thinker's stream of req-2 and the talker's
     stream of req-3 stop after their first chunk (no more chunks, no end), as from a
@@ -252,7 +258,7 @@ def test_a_stalled_thinker_or_talker_fails_its_request_alone_and_leaves_nothing(
     Nothing of the run is left in /dev/shm on either edge, and no process."""
     thinker_tokens, talker_tokens, stall_s = 24, 16, 5
     prompts = [*PROMPTS, "The quick brown fox", "Hello there, how are you today?"]
-    path = _config("thinker_talker_vocoder.yaml", thinker_tokens, talker_tokens)
+    path = _config(tmp_path, "thinker_talker_vocoder.yaml", thinker_tokens, talker_tokens)
     config = yaml.safe_load(path.read_text())
     for stage, stalled in zip(config["stages"][:2], ("req-2", "req-3")):
         stage["worker_cls"] = "kv_fault_fixtures.StallPayloadWorker"
@@ -260,7 +266,7 @@ def test_a_stalled_thinker_or_talker_fails_its_request_alone_and_leaves_nothing(
     for stage in config["stages"][1:]:
         stage["payload"]["stall_timeout"] = stall_s
     path.write_text(yaml.safe_dump(config))
-    result, out_dir = _run_cli(path, ensure_tiny_model(), prompts, rc=1, env=STAGE_ENV)
+    result, out_dir = _run_cli(tmp_path, path, ensure_tiny_model(), prompts, rc=1, env=STAGE_ENV)
     requests = {r["request_id"]: r for r in result["requests"]}
     assert sorted(requests) == ["req-1", "req-2", "req-3", "req-4"]
     for rid in ("req-1", "req-4"):
