@@ -9,6 +9,12 @@ through the stage's real connector, except that:
   "unknown", as when vLLM runs the status RPC before the step that gathers an ``on_finish``
   send (the worker has not heard of the send yet).
 
+``kv_fault_fixtures.StallPayloadWorker`` is the kvbridge CPU worker whose async-chunk
+payload streams go through the stage's real connector, except that the stream of each
+request named in ``KVB_TEST_STALL_PAYLOAD`` stops after its first chunk: its later chunks
+and its end are never put (reported as put, as a producer that hangs or loses them would
+never say), so its consumer hears nothing more, as from a stalled producer.
+
 The stage process imports this module by its dotted path, so ``tests/`` must be on the
 stage's ``PYTHONPATH``.
 """
@@ -19,7 +25,7 @@ import os
 from typing import Any
 
 from vllm_kvbridge.connectors.base import Connector, PutResult
-from vllm_kvbridge.connectors.keys import encode_request_id
+from vllm_kvbridge.connectors.keys import encode_request_id, parse_key
 from vllm_kvbridge.runner.ar_runner import KVBridgeCPUModelRunner
 from vllm_kvbridge.runner.worker import KVBridgeCPUWorker
 
@@ -48,6 +54,9 @@ class WrappedConnector(Connector):
 
     def health(self) -> dict[str, Any]:
         return self.inner.health()
+
+    def receiver_metadata(self) -> dict[str, Any]:
+        return self.inner.receiver_metadata()
 
     def _close(self) -> None:
         self.inner.close()
@@ -98,3 +107,44 @@ class FaultyKVRunner(WrappedKVConnectorRunner):
 
 class FaultyKVWorker(KVBridgeCPUWorker):
     runner_cls = FaultyKVRunner
+
+
+class StallPayloadStream(WrappedConnector):
+    """Puts a named request's first chunk and drops the rest of its stream (see above)."""
+
+    name = "StallPayloadStream"
+
+    def __init__(self, inner: Connector, stalled: set[str]) -> None:
+        super().__init__(inner)
+        self.stalled = {encode_request_id(rid) for rid in stalled}
+
+    def put(self, from_stage: Any, to_stage: Any, key: str, payload: Any) -> PutResult:
+        parts = parse_key(key)
+        chunk = parts["chunk"]
+        if parts["rid"] in self.stalled and chunk is not None and int(chunk) > 0:
+            return PutResult(ok=True)
+        return super().put(from_stage, to_stage, key, payload)
+
+
+class StallPayloadRunner(KVBridgeCPUModelRunner):
+    """The kvbridge CPU runner whose outgoing payload connectors are :class:`StallPayloadStream`."""
+
+    def __init__(self, vllm_config: Any, device: Any) -> None:
+        super().__init__(vllm_config, device)
+        runtime = self.kvbridge_runtime
+        make = runtime.connector
+
+        def connector(role: str, peer: Any, name: str, config: Any) -> Connector:
+            conn = make(role, peer, name, config)  # the real one, created once and cached
+            if role != "out" or isinstance(conn, StallPayloadStream):
+                return conn
+            wrapped = StallPayloadStream(conn, _ids("KVB_TEST_STALL_PAYLOAD"))
+            with runtime.lock:  # cached in its place: closed (with the real one) at shutdown
+                runtime.connectors[f"{role}:{peer}"] = wrapped
+            return wrapped
+
+        runtime.connector = connector  # type: ignore[method-assign]
+
+
+class StallPayloadWorker(KVBridgeCPUWorker):
+    runner_cls = StallPayloadRunner

@@ -6,18 +6,18 @@ generated tokens). Async chunk fed per step (thinker_talker_async_chunk.yaml, th
 ``vllm-kvbridge run``): the talker, conditioned per position on the streamed rows, says
 what transformers says for the same rows. (That it runs each position as soon as its row
 arrived, while its producer still generates, is test_runner_conditioning_engine's, with the
-producer held: between two processes here it would be a race.) Three
-stages (thinker_talker_vocoder.yaml, through ``run``): the vocoder turns the talker's codes
-into audio chunk by chunk (one per 4 codes), and the WAV is the tiny vocoder's audio of
-those codes. That the overlapped run equals a run whose
-whole stream came first (bit-exact) is checked on one engine by
-test_runner_conditioning_engine; the async-chunk config that feeds prompt embeddings once
-the stream is complete is served by test_serve_thinker_talker.
+producer held: between two processes here it would be a race.) Three stages, the shipped
+thinker_talker_vocoder.yaml (streaming end to end, through ``run``): codes as transformers
+says, audio the vocoder's of them and equal to a run whose streams came whole, the first
+audio older than the thinker's last token; a stream stopped at either edge fails its
+request alone. The async-chunk config that feeds prompt embeddings once the stream is
+complete is served by test_serve_thinker_talker.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -28,7 +28,15 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from pipeline_fixtures import ROOT, hf_greedy, hf_reference, load_dump, processes_using, shm_segments
+from pipeline_fixtures import (
+    ROOT,
+    STAGE_ENV,
+    hf_greedy,
+    hf_reference,
+    load_dump,
+    processes_using,
+    shm_segments,
+)
 
 from vllm_kvbridge.connectors.keys import encode_request_id
 from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
@@ -39,28 +47,44 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 PROMPTS = ["A cute cat", "Once upon a time there was a tiny model"]
 #: Tokens of each LLM stage in the async-chunk run: the thinker's stream is many chunks.
 THINKER_TOKENS, TALKER_TOKENS = 320, 12
-#: The vocoder run: 16 chunks of 4 codes.
-VOCODER_TALKER_TOKENS = 64
+#: The three-stage run: the thinker's stream many chunks, the talker's 8 chunks of 4 codes.
+SPEECH_THINKER_TOKENS, SPEECH_TALKER_TOKENS = 256, 32
+#: The "delivered whole" run's chunk size: more than any stream of SPEECH_* tokens.
+WHOLE_CHUNK = 1024
+#: The consumers' wait for a first chunk there: in the "delivered whole" run it is the
+#: whole thinker (and talker); on 2 shared cores that has taken over the default 30 s.
+RECV_TIMEOUT_S = 240
 
 
-def _config(name: str, thinker_tokens: int, talker_tokens: int) -> Path:
+def _config(tmp: Path, name: str, thinker_tokens: int, talker_tokens: int) -> Path:
     """A shipped config with more tokens in both LLM stages (greedy, EOS ignored)."""
     config = yaml.safe_load((ROOT / "stage_configs" / name).read_text())
     config["stages"][0]["default_sampling_params"].update(max_tokens=thinker_tokens, ignore_eos=True)
     config["stages"][1]["default_sampling_params"].update(max_tokens=talker_tokens, ignore_eos=True)
-    path = Path(tempfile.mkdtemp(prefix="kvb-tt-ac-")) / name
+    path = Path(tempfile.mkdtemp(prefix="config-", dir=tmp)) / name
     path.write_text(yaml.safe_dump(config))
     return path
 
 
-def _run_cli(config: Path, model: Path, prompts: list[str] = PROMPTS) -> tuple[dict, Path]:  # type: ignore[type-arg]
-    out_dir = Path(tempfile.mkdtemp(prefix="kvb-tt-run-"))
+def _run_cli(
+    tmp: Path,
+    config: Path,
+    model: Path,
+    prompts: list[str] = PROMPTS,
+    *,
+    rc: int = 0,
+    env: dict[str, str] | None = None,
+) -> tuple[dict, Path]:  # type: ignore[type-arg]
+    """``vllm-kvbridge run`` of ``prompts`` (request ids req-1, req-2, ...): its result.json
+    and output directory; ``rc``: the exit status it must have (1: some request failed)."""
+    out_dir = Path(tempfile.mkdtemp(prefix="run-", dir=tmp))
     argv = [sys.executable, "-m", "vllm_kvbridge.cli.main", "run", "--stage-config"]
     argv += [str(config), "--model", str(model), "--output-dir", str(out_dir)]
     for prompt in prompts:
         argv += ["--prompt", prompt]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=380)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    env = {**os.environ, **(env or {})}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=380, env=env)
+    assert proc.returncode == rc, proc.stdout + proc.stderr
     return json.loads((out_dir / "result.json").read_text()), out_dir
 
 
@@ -78,9 +102,9 @@ def _run(config: str | Path, dump: Path) -> tuple[list, str]:
 
 @pytest.mark.forked
 @pytest.mark.timeout(400)
-def test_thinker_talker_full_payload() -> None:
+def test_thinker_talker_full_payload(tmp_path: Path) -> None:
     model = ensure_tiny_model()
-    dump = Path(tempfile.mkdtemp(prefix="kvb-tt-"))
+    dump = tmp_path
     results, run_id = _run("thinker_talker_full_payload.yaml", dump)
     for r in results:
         assert r.error is None, r.error
@@ -107,12 +131,12 @@ def test_thinker_talker_full_payload() -> None:
 
 @pytest.mark.forked
 @pytest.mark.timeout(400)
-def test_async_chunk_talker_follows_the_thinkers_stream_through_the_cli() -> None:
+def test_async_chunk_talker_follows_the_thinkers_stream_through_the_cli(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     model, talker = ensure_tiny_model(), ensure_tiny_talker()
-    config = _config("thinker_talker_async_chunk.yaml", THINKER_TOKENS, TALKER_TOKENS)
-    result, out_dir = _run_cli(config, model)
+    config = _config(tmp_path, "thinker_talker_async_chunk.yaml", THINKER_TOKENS, TALKER_TOKENS)
+    result, out_dir = _run_cli(tmp_path, config, model)
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     bos = int(json.loads((talker / "config.json").read_text())["bos_token_id"])
     for req, prompt in zip(result["requests"], PROMPTS):
@@ -133,80 +157,126 @@ def test_async_chunk_talker_follows_the_thinkers_stream_through_the_cli() -> Non
     assert processes_using(out_dir) == []
 
 
-def test_vocoder_streams_the_talkers_codes_through_the_cli() -> None:
+def _wav(req: dict) -> np.ndarray:  # type: ignore[type-arg]
     import wave
 
-    from vllm_kvbridge.models.tiny_vocoder import TinyVocoder
-    from vllm_kvbridge.pipeline.audio import encode_pcm16
-
-    model = ensure_tiny_model()
-    config = _config("thinker_talker_vocoder.yaml", 16, VOCODER_TALKER_TOKENS)
-    result, out_dir = _run_cli(config, model)
-    vocoder = TinyVocoder()
-    for req in result["requests"]:
-        assert req["error"] is None, req["error"]
-        _, talker_stage, vocoder_stage = req["stages"]
-        # The codes came as the talker made them: one chunk per 4 of its tokens, each
-        # vocoded on its own. (That a chunk's audio comes out before the next chunk was
-        # sent is test_vocoder_stage's, with the producer held; here it would be a race
-        # between the two processes.)
-        codes = talker_stage["token_ids"]
-        assert len(codes) == VOCODER_TALKER_TOKENS
-        assert vocoder_stage["chunks"] == VOCODER_TALKER_TOKENS // 4, vocoder_stage
-        assert 0 < vocoder_stage["first_token_at"] <= vocoder_stage["last_token_at"], vocoder_stage
-        # The audio is the vocoder's of the talker's codes (16-bit: one step of rounding apart).
-        [wav] = [Path(p) for p in req["outputs"] if p.endswith(".wav")]
-        with wave.open(str(wav)) as w:
-            assert w.getframerate() == vocoder.sample_rate == req["audio"]["sample_rate"]
-            got = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.int32)
-        want = np.frombuffer(encode_pcm16(vocoder(torch.tensor(codes))), "<i2").astype(np.int32)
-        assert len(got) == len(want) == len(codes) * vocoder.hop_length == req["audio"]["num_samples"]
-        assert np.abs(got - want).max() <= 1
-        [edge] = [t for t in req["transfers"] if t["from_stage"] == 1]
-        assert (edge["to_stage"], edge["what"]) == (2, "chunks") and edge["bytes"] == len(codes) * 8
-    assert processes_using(out_dir) == []
+    [wav] = [Path(p) for p in req["outputs"] if p.endswith(".wav")]
+    with wave.open(str(wav)) as w:
+        return np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.int32)
 
 
 @pytest.mark.forked
-@pytest.mark.timeout(500)
-def test_a_talker_fed_per_step_streams_its_codes_to_the_vocoder() -> None:
-    """Issue 40, item 1: thinker -> talker fed per step -> vocoder (the vocoder config with
-    the async-chunk config's talker). Several requests, so that later ones arrive while the
-    talker runs earlier ones: each request's codes are what transformers says for its own
-    thinker rows, and its audio is the vocoder's of those codes."""
-    import wave
+@pytest.mark.timeout(900)
+def test_the_shipped_speech_pipeline_streams_end_to_end(tmp_path: Path) -> None:
+    """Issue 40: thinker -> talker fed per step -> vocoder, the shipped config as it is (more
+    tokens, a longer ``recv_timeout`` for a first chunk), several requests through the CLI,
+    so that later ones arrive while the stages run earlier ones.
 
+    Each request's codes are what transformers says for its own thinker rows, they reached
+    the vocoder one chunk per 4 codes, and its audio is the vocoder's of those codes. The
+    three stages overlap: each request's first audio (the vocoder stage's
+    ``first_audio_at``) is older than its thinker's last token. Nothing makes the thinker
+    wait for its consumers, so that order is one of volume, not of causality: the first
+    audio needs the thinker's first chunk (its prompt's rows and 4 tokens), 4 talker steps
+    and one vocoder chunk; the thinker's last token needs ``SPEECH_THINKER_TOKENS`` (256)
+    decode steps after it, each of which also captures and sends its rows.
+
+    The reference run delivers every stream whole before its consumer can start: the same
+    config with each async-chunk edge's ``chunk_size`` larger than its whole stream, so the
+    sender holds the stream until its producer finished and sends it as one chunk with the
+    end (the talker, fed per step, cannot run its position 0 before that chunk landed; the
+    vocoder gets one chunk). Same codes, and the same audio within the tiny vocoder's
+    stated streaming tolerance (1e-6, below 16-bit PCM's one step: WAVs equal within 1).
+    """
     from transformers import AutoTokenizer
 
     from vllm_kvbridge.models.tiny_vocoder import TinyVocoder
     from vllm_kvbridge.pipeline.audio import encode_pcm16
 
-    thinker_tokens, talker_tokens = 24, 16
+    thinker_tokens, talker_tokens = SPEECH_THINKER_TOKENS, SPEECH_TALKER_TOKENS
     prompts = [*PROMPTS, "The quick brown fox", "Hello there, how are you today?"]
     model, talker = ensure_tiny_model(), ensure_tiny_talker()
-    path = _config("thinker_talker_vocoder.yaml", thinker_tokens, talker_tokens)
-    config = yaml.safe_load(path.read_text())
-    config["stages"][1]["model"] = "kvbridge://tiny-talker"
-    config["stages"][1]["payload"]["feed"] = "per_step"
-    path.write_text(yaml.safe_dump(config))
-    result, out_dir = _run_cli(path, model, prompts)
+
+    def config(chunk_size: int | None) -> Path:
+        path = _config(tmp_path, "thinker_talker_vocoder.yaml", thinker_tokens, talker_tokens)
+        config = yaml.safe_load(path.read_text())
+        for stage in config["stages"]:
+            if stage["stage_id"] > 0:  # a consumer: its first chunk may take long here
+                stage["payload"]["recv_timeout"] = RECV_TIMEOUT_S
+            if chunk_size and stage["stage_id"] < 2:  # a producer: its stream in one chunk
+                stage["payload"]["chunk_size"] = chunk_size
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    streamed, out_dir = _run_cli(tmp_path, config(None), model, prompts)
+    whole, whole_dir = _run_cli(tmp_path, config(WHOLE_CHUNK), model, prompts)
+
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     bos = int(json.loads((talker / "config.json").read_text())["bos_token_id"])
     vocoder = TinyVocoder()
-    assert len(result["requests"]) == len(prompts)
-    for req, prompt in zip(result["requests"], prompts):
-        assert req["error"] is None, req["error"]
+    assert len(streamed["requests"]) == len(whole["requests"]) == len(prompts)
+    for req, ref, prompt in zip(streamed["requests"], whole["requests"], prompts):
+        assert req["error"] is None and ref["error"] is None, (req["error"], ref["error"])
         thinker, talker_stage, vocoder_stage = req["stages"]
         prompt_ids = tokenizer(prompt).input_ids
+        assert len(prompt_ids) + thinker_tokens - 1 < WHOLE_CHUNK
         generated = hf_greedy(model, prompt_ids, thinker_tokens, ignore_eos=True)
         assert thinker["token_ids"] == generated, prompt
         _, hidden = hf_reference(model, (prompt_ids + generated)[:-1])
         codes = talker_stage["token_ids"]
         assert codes == reference_greedy(talker, hidden, [bos], talker_tokens), prompt
+        # The codes came as the talker made them: one chunk per 4, each vocoded on its own.
         assert vocoder_stage["chunks"] == talker_tokens // 4, vocoder_stage
-        [wav] = [Path(p) for p in req["outputs"] if p.endswith(".wav")]
-        with wave.open(str(wav)) as w:
-            got = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.int32)
+        [edge] = [t for t in req["transfers"] if t["from_stage"] == 1]
+        assert (edge["to_stage"], edge["what"]) == (2, "chunks") and edge["bytes"] == len(codes) * 8
+        # The audio is the vocoder's of those codes (16-bit: one step of rounding apart).
+        got = _wav(req)
         want = np.frombuffer(encode_pcm16(vocoder(torch.tensor(codes))), "<i2").astype(np.int32)
-        assert len(got) == len(want) and np.abs(got - want).max() <= 1, prompt
+        assert len(got) == len(want) == len(codes) * vocoder.hop_length == req["audio"]["num_samples"]
+        assert np.abs(got - want).max() <= 1, prompt
+        # Overlap: the request's first audio came out while its thinker still generated.
+        first_audio, thinker_done = vocoder_stage["first_audio_at"], thinker["last_token_at"]
+        assert first_audio == vocoder_stage["first_token_at"]
+        assert 0 < first_audio < thinker_done, (prompt, first_audio, thinker_done)
+        # The run whose streams came whole: one chunk each, the same codes and audio.
+        assert ref["stages"][0]["token_ids"] == generated, prompt
+        assert ref["stages"][1]["token_ids"] == codes, prompt
+        assert ref["stages"][2]["chunks"] == 1, ref["stages"][2]
+        assert np.abs(_wav(ref) - got).max() <= 1, prompt
+    assert processes_using(out_dir) == [] and processes_using(whole_dir) == []
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(500)
+def test_a_stalled_thinker_or_talker_fails_its_request_alone_and_leaves_nothing(tmp_path: Path) -> None:
+    """The shipped three-stage config, both LLM stages on
+    ``kv_fault_fixtures.StallPayloadWorker``: the thinker's stream of req-2 and the talker's
+    stream of req-3 stop after their first chunk (no more chunks, no end), as from a
+    producer that hangs. Each fails its request alone with the consumer's stall
+    (``stall_timeout``): req-2 at the talker, which ran the positions it had rows for, req-3
+    at the vocoder, which vocoded the codes it had; req-1 and req-4 finish with their audio.
+    Nothing of the run is left in /dev/shm on either edge, and no process."""
+    thinker_tokens, talker_tokens, stall_s = 24, 16, 5
+    prompts = [*PROMPTS, "The quick brown fox", "Hello there, how are you today?"]
+    path = _config(tmp_path, "thinker_talker_vocoder.yaml", thinker_tokens, talker_tokens)
+    config = yaml.safe_load(path.read_text())
+    for stage, stalled in zip(config["stages"][:2], ("req-2", "req-3")):
+        stage["worker_cls"] = "kv_fault_fixtures.StallPayloadWorker"
+        stage["env"] = {"KVB_TEST_STALL_PAYLOAD": stalled}
+    for stage in config["stages"][1:]:
+        stage["payload"]["stall_timeout"] = stall_s
+    path.write_text(yaml.safe_dump(config))
+    result, out_dir = _run_cli(tmp_path, path, ensure_tiny_model(), prompts, rc=1, env=STAGE_ENV)
+    requests = {r["request_id"]: r for r in result["requests"]}
+    assert sorted(requests) == ["req-1", "req-2", "req-3", "req-4"]
+    for rid in ("req-1", "req-4"):
+        req = requests[rid]
+        assert req["error"] is None, (rid, req["error"])
+        assert req["audio"]["num_samples"] == talker_tokens * 240 and req["stages"][2]["chunks"] == 4
+    for rid, stage in (("req-2", "stage 1 (llm_generation)"), ("req-3", "stage 2 (vocoder)")):
+        error = requests[rid]["error"]
+        assert error is not None and error.startswith(stage), (rid, error)
+        assert "did not arrive within 5" in error and "stream stalled" in error, (rid, error)
+        assert requests[rid]["outputs"] == []
     assert processes_using(out_dir) == []
+    assert result["run_id"] and shm_segments(f"kvbridge.{result['run_id']}") == []

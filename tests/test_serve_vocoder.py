@@ -1,19 +1,23 @@
 """``vllm-kvbridge serve`` in front of thinker -> talker -> vocoder: ``POST /v1/audio/speech``.
 
 One real server for the module (two vLLM engines and the vocoder stage, the shipped
-thinker_talker_vocoder.yaml): WAV, raw PCM and the SSE stream of one input carry the same
-audio (greedy in both LLM stages), through OpenAI's client too; the stream's first piece
-of audio leaves while the talker is still generating; the other endpoints answer 400
-naming this one.
+thinker_talker_vocoder.yaml as it is, more tokens only: streaming end to end, the talker
+fed the thinker's rows per step): WAV, raw PCM and the SSE stream of one input carry the
+same audio (greedy in both LLM stages), through OpenAI's client too; the stream's first
+piece of audio reaches the client while the thinker and the talker still generate; the
+other endpoints answer 400 naming this one.
 
-The streaming test holds the talker (SIGSTOP on its process group) the moment the client
-has read the first piece of audio, and asks the server, while it is held, which stages
-still work on the request: a server that streams audio as the vocoder makes it still has
-the talker on it (it generates ``TALKER_TOKENS`` positions, most of them after the
-thinker's stream ended, so its first chunk of codes comes long before its last), one that
-sends the audio once the request finished has nobody. A process stalled on this 2-core
-machine can let the talker finish before the first piece was read; such an attempt shows
-nothing and is repeated (``ATTEMPTS``); a server that does not stream fails every one.
+The streaming test holds the thinker and the talker (SIGSTOP on their process groups) the
+moment the client has read the first piece of audio, and asks the server, while they are
+held, which stages still work on the request: a server that streams audio as the vocoder
+makes it still has both on it (the thinker generates ``THINKER_TOKENS``, the talker
+``TALKER_TOKENS``; the first piece needs 4 of the talker's codes, which need the thinker's
+first chunk), one that sends the audio once the request finished has nobody. The server
+exposes no per-stage times to its client; which stages are still on the request while
+they are held is what it can say, and a held stage cannot finish while it is asked. A
+process stalled on this 2-core machine can let the thinker finish before the first piece
+was read; such an attempt shows nothing and is repeated (``ATTEMPTS``); a server that does
+not stream fails every one.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 CONFIG = ROOT / "stage_configs/thinker_talker_vocoder.yaml"
 MODEL_NAME = "thinker_talker_vocoder"
-TALKER_TOKENS = 64
+THINKER_TOKENS, TALKER_TOKENS = 256, 64
 HOP, RATE = 240, 24_000  # the tiny vocoder's defaults
 ATTEMPTS = 5
 
@@ -45,6 +49,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped
     tmp = tmp_path_factory.mktemp("serve-vocoder")
 
     def edit(spec: dict) -> None:  # type: ignore[type-arg]
+        spec["stages"][0]["default_sampling_params"].update(max_tokens=THINKER_TOKENS, ignore_eos=True)
         spec["stages"][1]["default_sampling_params"].update(max_tokens=TALKER_TOKENS, ignore_eos=True)
 
     with serve_edited(CONFIG, tmp, ensure_tiny_model(), edit) as srv:
@@ -97,27 +102,31 @@ def test_wav_pcm_sse_and_openai_client_carry_the_same_audio(server: Server) -> N
     assert res.content == wav.content
 
 
-def test_audio_streams_while_the_talker_still_generates(server: Server) -> None:
-    pgid = int(httpx.get(server.url + "/health").json()["stages"][1]["pid"])
+def test_audio_streams_while_the_thinker_and_the_talker_still_generate(server: Server) -> None:
+    stages = httpx.get(server.url + "/health").json()["stages"]
+    pgids = [int(stages[0]["pid"]), int(stages[1]["pid"])]  # the thinker's and the talker's
+    assert [s["kind"] for s in stages[:2]] == ["llm_ar", "llm_generation"]
     seen: list[list[int]] = []  # the stages working on the request at its first piece of audio
 
     def at_first_piece(event: dict) -> None:  # type: ignore[type-arg]
         if seen:
             return
-        os.killpg(pgid, signal.SIGSTOP)
+        for pgid in pgids:
+            os.killpg(pgid, signal.SIGSTOP)
         try:
             requests = httpx.get(server.url + "/debug/state", timeout=30).json()["requests"]
             seen.append(sorted(next(iter(requests.values()), [])))
         finally:
-            os.killpg(pgid, signal.SIGCONT)
+            for pgid in pgids:
+                os.killpg(pgid, signal.SIGCONT)
 
     for _ in range(ATTEMPTS):
         seen.clear()
         events = _sse(server, {"input": "Once upon a time"}, at_first_piece)
         assert events[-1]["type"] == "speech.audio.done", events[-1]
-        if seen and 1 in seen[0]:
+        if seen and {0, 1} <= set(seen[0]):
             break
-    assert seen and 1 in seen[0], f"stages on the request at its first audio: {seen} (in {ATTEMPTS} attempts)"
+    assert seen and {0, 1} <= set(seen[0]), f"stages on it at its first audio: {seen} ({ATTEMPTS} tries)"
 
 
 def test_other_endpoints_name_this_one_and_bad_requests_are_400(server: Server) -> None:

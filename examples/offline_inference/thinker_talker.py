@@ -6,8 +6,9 @@ python examples/offline_inference/thinker_talker.py --config stage_configs/think
 The default config hands the talker the thinker's hidden states as prompt embeddings once
 per request; thinker_talker_async_chunk.yaml streams them and the built-in tiny talker is
 conditioned on them position by position while the thinker still generates;
-thinker_talker_vocoder.yaml adds a vocoder stage that turns the talker's codes into audio
-chunk by chunk (one WAV per prompt here).
+thinker_talker_vocoder.yaml streams end to end: the tiny talker, fed per step, streams its
+codes to a vocoder stage that turns them into audio chunk by chunk while the thinker and
+the talker still generate (one WAV per prompt here).
 """
 
 from __future__ import annotations

@@ -120,7 +120,9 @@ def summary_table(results: list[Any], plan: Any) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(results: list[Any], plan: Any, out_dir: Path, started: float) -> dict[str, Any]:
+def write_outputs(
+    results: list[Any], plan: Any, out_dir: Path, started: float, run_id: str | None = None
+) -> dict[str, Any]:
     # lazy: the pipeline package is heavy
     from vllm_kvbridge.pipeline.audio import encode_wav
     from vllm_kvbridge.pipeline.images import encode_png
@@ -167,8 +169,13 @@ def write_outputs(results: list[Any], plan: Any, out_dir: Path, started: float) 
                         "last_token_at": (s.last_token_at or s.finished) or None,
                         # an LLM stage's generated tokens (a talker's codes a vocoder read)
                         **({"token_ids": s.output["token_ids"]} if "token_ids" in s.output else {}),
-                        # a vocoder's: the chunks it vocoded, each as it landed
-                        **({"chunks": s.output["chunks"]} if s.kind == "vocoder" else {}),
+                        # a vocoder's: the chunks it vocoded, each as it landed, and when its
+                        # first audio was made (its first_token_at, named for what it is)
+                        **(
+                            {"chunks": s.output.get("chunks"), "first_audio_at": s.first_token_at or None}
+                            if s.kind == "vocoder"
+                            else {}
+                        ),
                     }
                     for s in r.stages
                 ],
@@ -194,6 +201,8 @@ def write_outputs(results: list[Any], plan: Any, out_dir: Path, started: float) 
     result = {
         "pipeline": plan.name,
         "source": plan.source,
+        # the run's namespace: its shared-memory segments are named kvbridge.<run_id>...
+        "run_id": run_id,
         "total_s": round(time.time() - started, 3),
         "requests": records,
     }
@@ -319,7 +328,7 @@ def _run_plan(args: argparse.Namespace, plan: Any) -> int:
     except KeyboardInterrupt:
         print("interrupted: every stage stopped", file=sys.stderr)
         return 130
-    result = write_outputs(results, pipe.plan, out_dir, started)
+    result = write_outputs(results, pipe.plan, out_dir, started, pipe.run_id)
     print()
     print(summary_table(results, pipe.plan))
     print()
