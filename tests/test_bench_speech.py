@@ -41,9 +41,10 @@ def test_bad_arguments_are_a_usage_error_before_anything_starts(argv, message, c
 def test_the_stages_alone_config_is_the_shipped_one_with_full_edges(tmp_path):
     """The ceiling's pipeline: same stages and models, every payload edge ``full`` and the
     talker stopped after one chunk; a config that is not thinker -> talker -> vocoder is refused."""
-    path, chunk = sequential_config(shipped_config(), tmp_path)
+    path, thinker_chunk, chunk = sequential_config(shipped_config(), tmp_path)
     shipped = yaml.safe_load(shipped_config().read_text())
     alone = yaml.safe_load(path.read_text())
+    assert thinker_chunk == shipped["stages"][0]["payload"]["chunk_size"]
     assert chunk == shipped["stages"][1]["payload"]["chunk_size"]
     for a, s in zip(alone["stages"], shipped["stages"], strict=True):
         assert a["payload"]["mode"] == "full" and s["payload"]["mode"] == "async_chunk"
@@ -99,7 +100,7 @@ def test_bench_speech_end_to_end_figures_match_the_requests(tmp_path):
         fp = [r["first_packet_s"] for r in reqs]
         assert lv["first_packet_s"]["value"] == pytest.approx(percentile(fp, 0.5))
         assert lv["first_packet_s"]["spread"]["max"] == pytest.approx(max(fp))
-        ceiling = [a["thinker_first_s"] + a["talker_chunk_s"] + a["vocoder_first_s"] for a in alone]
+        ceiling = [a["thinker_chunk_s"] + a["talker_chunk_s"] + a["vocoder_first_s"] for a in alone]
         assert lv["first_packet_s"]["ceiling"] == pytest.approx(percentile(ceiling, 0.5))
         rtf = [r["audio_s"] / r["total_s"] for r in reqs]
         assert lv["rtf"]["value"] == pytest.approx(percentile(rtf, 0.5))

@@ -19,7 +19,7 @@ client records, on its own clock (``time.perf_counter``):
 The ceilings, measured in the same run, before the server starts, on the same prompts
 and models: each stage run alone with its input already whole
 (:mod:`vllm_kvbridge.bench.speech_alone`: the same config with ``full`` payload edges, in
-process, real engines). First packet's ceiling: thinker's time to its first token + the
+process, real engines). First packet's ceiling: thinker's time to its first chunk + the
 talker's time to its first code chunk + the vocoder's time to its first audio. RTF's:
 a request's audio seconds / (that first-packet ceiling + the codes after the first chunk
 x the slowest stage's time per code alone), per request, and x concurrency in aggregate.
@@ -323,7 +323,7 @@ def format_result(r: dict[str, Any]) -> str:
             )
         st = lv["stages_alone_p50_s"]
         lines.append(
-            f"{'':>2}  stages alone p50 (s): thinker first token {st['thinker_first_s']:.3f}, talker first "
+            f"{'':>2}  stages alone p50 (s): thinker first chunk {st['thinker_chunk_s']:.3f}, talker first "
             f"chunk {st['talker_chunk_s']:.3f}, vocoder first audio {st['vocoder_first_s']:.3f}; per code: "
             f"thinker {st['thinker_step_s']:.3f}, talker {st['talker_step_s']:.3f}, vocoder "
             f"{st['vocoder_step_s']:.4f}; {lv['codes_p50']:g} codes = {lv['audio_s_p50']:.2f} s of audio"

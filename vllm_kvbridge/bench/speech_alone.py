@@ -11,8 +11,10 @@ and the vocoder is handed exactly one whole chunk of codes), run as an in-proces
 :class:`~vllm_kvbridge.pipeline.orchestrator.Pipeline` with real vLLM engines. Per
 request, from the stage records (``time.time()``, one clock for the stages of a host):
 
-* thinker: its submission -> its first token (its first chunk of hidden states leaves
-  with the prefill, whose rows are the prompt's plus the first token's);
+* thinker: its submission -> its ``chunk_size``-th token, when its first chunk of hidden
+  states leaves (the prompt's rows and its first ``chunk_size`` tokens'): the first token's
+  time plus ``chunk_size - 1`` of its own decode steps (the stage records give its first
+  and last token times; a step is their gap over the tokens between);
 * talker: its submission (the thinker's rows are whole by then) -> its ``chunk_size``-th
   code (its first chunk);
 * vocoder: its submission (the chunk is whole) -> its first audio.
@@ -38,7 +40,7 @@ from typing import Any
 class StagesAlone:
     """One request's stage times (seconds) in the sequential run."""
 
-    thinker_first_s: float
+    thinker_chunk_s: float
     talker_chunk_s: float
     vocoder_first_s: float
     thinker_step_s: float
@@ -47,7 +49,7 @@ class StagesAlone:
 
     @property
     def first_packet_s(self) -> float:
-        return self.thinker_first_s + self.talker_chunk_s + self.vocoder_first_s
+        return self.thinker_chunk_s + self.talker_chunk_s + self.vocoder_first_s
 
     @property
     def step_s(self) -> float:
@@ -59,9 +61,9 @@ class StagesAlone:
         return self.first_packet_s + max(0, codes - chunk) * self.step_s
 
 
-def sequential_config(stage_config: str | Path, out_dir: Path) -> tuple[Path, int]:
+def sequential_config(stage_config: str | Path, out_dir: Path) -> tuple[Path, int, int]:
     """Write the config the stages run alone with (see the module docstring) into
-    ``out_dir``; return its path and the talker's chunk size."""
+    ``out_dir``; return its path and the thinker's and the talker's chunk sizes."""
     import yaml
 
     cfg = yaml.safe_load(Path(stage_config).read_text())
@@ -70,23 +72,27 @@ def sequential_config(stage_config: str | Path, out_dir: Path) -> tuple[Path, in
         raise ValueError(f"{stage_config}: bench speech wants a thinker -> talker -> vocoder config")
     for s in stages.values():
         s.setdefault("payload", {})["mode"] = "full"
+    thinker_chunk = int(stages[0]["payload"].get("chunk_size", 16))
     chunk = int(stages[1]["payload"].get("chunk_size", 16))
     stages[1].setdefault("default_sampling_params", {})["max_tokens"] = chunk
     path = out_dir / "stages_alone.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path, chunk
+    return path, thinker_chunk, chunk
 
 
-def _times(result: Any) -> StagesAlone:
+def _times(result: Any, thinker_chunk: int) -> StagesAlone:
     st = {s.stage_id: s for s in result.stages}
 
     def step(s: Any) -> float:
         n = len(s.output.get("token_ids") or [])
         return (s.last_token_at - s.first_token_at) / (n - 1) if n > 1 else 0.0
 
+    thinker = st[0]
+    # its first chunk leaves at its chunk_size-th token, or with the last one if it made fewer
+    chunk_at = min(thinker.first_token_at + (thinker_chunk - 1) * step(thinker), thinker.last_token_at)
     vocoder_first = st[2].first_token_at - st[2].submitted
     return StagesAlone(
-        thinker_first_s=st[0].first_token_at - st[0].submitted,
+        thinker_chunk_s=chunk_at - thinker.submitted,
         talker_chunk_s=st[1].last_token_at - st[1].submitted,
         vocoder_first_s=vocoder_first,
         thinker_step_s=step(st[0]),
@@ -111,14 +117,14 @@ def measure_stages_alone(
 
     out: dict[int, list[list[StagesAlone]]] = {c: [] for c in concurrency}
     with tempfile.TemporaryDirectory(prefix="kvbridge-speech-alone-") as tmp:
-        path, chunk = sequential_config(stage_config, Path(tmp))
+        path, thinker_chunk, chunk = sequential_config(stage_config, Path(tmp))
         with Pipeline.from_config(path, model=model, log_dir=Path(tmp) / "logs") as pipe:
             for c in concurrency:  # warm-up at every batch size, not counted
                 pipe.generate([prompt(i) for i in range(c)], params)
             for _ in range(repeats):
                 for c in concurrency:
                     results = pipe.generate([prompt(i) for i in range(c)], params)
-                    out[c].append([_times(r) for r in results])
+                    out[c].append([_times(r, thinker_chunk) for r in results])
     return out, chunk
 
 
