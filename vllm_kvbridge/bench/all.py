@@ -10,9 +10,12 @@ that owns it, run with its own defaults (its namespace is parsed through its own
 
 Figure groups (``--only``): ``connectors`` (one :func:`~vllm_kvbridge.bench.connectors.run_connector_bench`
 call for every connector at ``--size``), ``handoff`` (1 KB over shared memory),
-``kv-path`` (a vLLM engine's KV to a receiver, 2k and 8k tokens: starts an engine) and
+``kv-path`` (a vLLM engine's KV to a receiver, 2k and 8k tokens: starts an engine),
 ``serve`` (``bench soak`` at concurrency 8 without aborts on the shipped image config:
-starts a server). An engine that cannot run here (Mooncake or NIXL not installed, a bench
+starts a server) and ``speech`` (``bench speech`` at concurrency 1 and 8, its own defaults
+but ``--repeat``: the streaming speech pipeline's first packet, goal 1.3x its stages alone
+(issue 40), and its real-time factors, goal 0.8x their ceilings as the other ratios; starts
+a pipeline and a server). An engine that cannot run here (Mooncake or NIXL not installed, a bench
 that raises) gives "not run" rows with the reason; the others still run. ``--repeat`` goes
 to every bench but the handoff as is (3 by default, to keep the whole run to minutes); the
 handoff keeps its own 200 (a 1 KB handoff takes about a millisecond); its spread column
@@ -31,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-GROUPS = ("connectors", "handoff", "kv-path", "serve")
+GROUPS = ("connectors", "handoff", "kv-path", "serve", "speech")
 #: Connectors of the ``connectors`` group, in the order they are measured (registry aliases).
 CONNECTORS = ("shm", "zmq", "mooncake", "mooncake-te", "nixl")
 DEFAULT_STAGE_CONFIG = "stage_configs/ar_to_dit_shm.yaml"
@@ -298,12 +301,36 @@ def _serve(args: argparse.Namespace, res: AllResult, out: list[Figure]) -> None:
     fig.measured(eight.throughput / one.throughput, ceiling)
 
 
+def _speech(args: argparse.Namespace, res: AllResult, out: list[Figure]) -> None:
+    """``bench speech``: first packet at c=1 against the stages alone (goal of issue 40:
+    1.3x), and both real-time factors' share of their ceilings (goal: 0.8x)."""
+    from vllm_kvbridge.bench import speech
+
+    figs = {
+        ("first_packet_s", 1): Figure(
+            "speech", "speech first packet p50, c=1, vs stages alone", "<=", 1.3, "x"
+        ),
+        ("rtf", 1): Figure("speech", "speech RTF per request p50, c=1, vs stages alone", ">=", 0.8, "x"),
+        ("aggregate_rtf", 8): Figure("speech", "speech RTF aggregate, c=8, vs stages alone", ">=", 0.8, "x"),
+    }
+    out += figs.values()
+    result = speech.run(_namespace(speech.add_arguments, ["--repeats", str(args.repeat)]))
+    res.benches["speech"] = result
+    levels = {lv["concurrency"]: lv for lv in result["levels"]}
+    for (key, c), fig in figs.items():
+        f = levels[c][key]
+        unit = " s" if key == "first_packet_s" else ""
+        ceiling = f"value {f['value']:.3f}{unit}, ceiling {f['ceiling']:.3f}{unit}"
+        fig.measured(f["ratio"], ceiling, f["ratio_min"], f["ratio_max"])
+
+
 #: Each fills ``out`` with its figures ("not measured") before its bench runs, then sets them.
 _RUNNERS: dict[str, Callable[[argparse.Namespace, AllResult, list[Figure]], None]] = {
     "connectors": _connectors,
     "handoff": _handoff,
     "kv-path": _kv_path,
     "serve": _serve,
+    "speech": _speech,
 }
 
 

@@ -1,7 +1,7 @@
 """``vllm-kvbridge bench``: measurements.
 
-Sub-commands: ``connectors``, ``ar-overhead``, ``kv-path``, ``handoff``, ``soak``, ``gpu-path``, and
-``all`` (every bench, one table of ratios to ceilings measured in the same run).
+Sub-commands: ``connectors``, ``ar-overhead``, ``kv-path``, ``handoff``, ``soak``, ``gpu-path``,
+``speech``, and ``all`` (every bench, one table of ratios to ceilings measured in the same run).
 """
 
 from __future__ import annotations
@@ -89,9 +89,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             _run_gpu_path,
         ),
         (
+            "speech",
+            "the streaming speech pipeline through serve: first packet and real-time factor",
+            "Start `vllm-kvbridge serve` on the shipped thinker -> talker -> vocoder config and stream "
+            "POST /v1/audio/speech (SSE) at each --concurrency; print first-packet latency and the real-time "
+            "factor (per request and aggregate), each as a ratio to a ceiling measured in the same run: each "
+            "stage alone with its input whole (the same config with full payload edges, in process).",
+            _run_speech,
+        ),
+        (
             "all",
             "every bench, one table of ratios to same-run ceilings",
-            "Run the connectors, handoff, kv-path and serve benches in one go and print one row "
+            "Run the connectors, handoff, kv-path, serve and speech benches in one go and print one row "
             "per figure: its value (a ratio to a ceiling measured in the same run, or ms), spread over the "
             "repeats, goal, whether it is met and the ceiling. A figure whose engine cannot run here is "
             "'not run' with its reason; the exit code is 1 only when every figure failed.",
@@ -165,6 +174,13 @@ def _run_gpu_path(args: argparse.Namespace) -> int:
     from vllm_kvbridge.bench.gpu_path import format_result, run, write_json
 
     _report("gpu-path", args, run, format_result, write_json)
+    return 0
+
+
+def _run_speech(args: argparse.Namespace) -> int:
+    from vllm_kvbridge.bench.speech import format_result, run, write_json
+
+    _report("speech", args, run, format_result, write_json)
     return 0
 
 
