@@ -539,6 +539,11 @@ class Pipeline:
         ``/debug/state``): a round that meets the pump thread's changes is retried."""
         return self._requests.request_stages()
 
+    def request_replicas(self) -> dict[str, dict[int, int]]:
+        """Request id -> {stage id: the replica it was routed to} of the requests in flight."""
+        book = self._requests
+        return {rid: {x.stage_id: x.replica for x in book.results[rid].stages} for rid in book.in_flight()}
+
     def recovering(self) -> list[StageError]:
         """Why each stage that cannot take a request now was lost: every replica of it is
         being restarted (empty while each stage has a replica up)."""
