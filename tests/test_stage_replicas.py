@@ -95,3 +95,15 @@ def test_check_config_prints_each_replica_and_where_it_goes() -> None:
     assert "    replica 0: a process on this host (local backend), devices 0" in text
     assert "    replica 1: a process on this host (local backend), devices 1" in text
     assert "replica" not in format_plan(_plan(1))  # one copy: nothing new to say
+
+
+def test_replicas_are_refused_through_ray_before_anything_starts() -> None:
+    import pytest
+
+    from vllm_kvbridge.pipeline.placement import LocalBackend, make_backend
+    from vllm_kvbridge.pipeline.results import PipelineError
+
+    plan = _plan(2)
+    assert isinstance(make_backend(plan, "r0"), LocalBackend)
+    with pytest.raises(PipelineError, match=r"stage\(s\) \[1\] have replicas, which run on the local"):
+        make_backend(plan, "r0", ray_address="auto")

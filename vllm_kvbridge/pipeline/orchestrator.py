@@ -13,7 +13,11 @@ the request's result (what is known of each request is kept in a
 flight at once. A request submitted with ``on_progress`` streams: its last stage is asked
 to report partial output (``Submit.stream``) and every
 :class:`~vllm_kvbridge.pipeline.messages.StageProgress` it sends is handed to the
-callback, in order, before the request finishes.
+callback, in order, before the request finishes. A stage with ``replicas: N`` is N such
+processes, and each request goes to one of them per stage
+(:class:`~vllm_kvbridge.pipeline.replicas.StageReplicas`); what follows of "a stage" holds
+for each replica on its own, except that a stage refuses new requests only while every
+replica of it is being restarted.
 
 Failure and shutdown contract:
 
