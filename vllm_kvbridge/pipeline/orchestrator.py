@@ -362,7 +362,7 @@ class Pipeline:
         self._progress(f"[{h.label}] LOST: {error.error}; {sup.plan_line(delay)}")
         # What it handed on may have died with it: its consumers fail what they had not read.
         book = self._requests
-        sups = {(c, j): sup for c, reps in self._stages.items() for j, sup in enumerate(reps.supervision)}
+        sups = {(c, j): s for c, reps in self._stages.items() for j, s in enumerate(reps.supervision)}
         notices = producer_lost_notices(h.stage, book.results, book.where, sups)
         for (consumer, j), notice in notices.items():
             self._tell(self._stages[consumer].handles[j], notice)
@@ -544,7 +544,8 @@ class Pipeline:
         return self._requests.request_stages()
 
     def request_replicas(self) -> dict[str, dict[int, int]]:
-        """Request id -> {stage id: the replica it was routed to} of the requests in flight."""
+        """Request id -> {stage id: the replica it was routed to} of the requests in flight
+        (from the thread that polls, like :meth:`submit`)."""
         book = self._requests
         return {rid: {x.stage_id: x.replica for x in book.results[rid].stages} for rid in book.in_flight()}
 
