@@ -389,3 +389,40 @@ def test_workers_per_stage_and_every_gpu_stage_keeps_vllms_runner() -> None:
         assert "VLLM_USE_V2_MODEL_RUNNER" not in stage.env and "async_scheduling" not in stage.engine_args
     fed["stages"][1]["env"] = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
     assert on_gpu(spec_from_dict(fed)).stages[1].env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+
+
+def test_replicas_default_to_one_and_split_devices_among_copies() -> None:
+    """Issue 41: ``replicas: N`` resolves into N copies of the stage, each with its index and
+    its own share of ``devices`` (a stage without it keeps one copy, as before)."""
+    plan = resolve_spec(spec_from_dict(BASE, env={}))
+    assert [s.replicas for s in plan.stages] == [1, 1]
+    assert plan.stages[1].for_replica(0) == plan.stages[1]
+    data = _with("stages.1.replicas", 2)
+    data["stages"][1]["devices"] = "0,1,2,3"
+    dit = resolve_spec(spec_from_dict(data, env={})).stages[1]
+    copies = [dit.for_replica(k) for k in range(2)]
+    assert [(c.replica, c.devices, c.named_replica) for c in copies] == [(0, "0,1", 0), (1, "2,3", 1)]
+    with pytest.raises(ValueError, match="no replica 2"):
+        dit.for_replica(2)
+
+
+def test_replicas_errors_name_the_key() -> None:
+    assert _err(_with("stages.1.replicas", 0)) == "stages[1].replicas: must be >= 1, got 0"
+    data = _with("stages.1.replicas", 2)
+    data["stages"][1]["devices"] = "0,1,2"
+    assert _err(data) == (
+        "stages[1].devices: 3 device(s) cannot be split evenly among 2 replicas"
+        " (each replica takes its own, in order)"
+    )
+    ray = _with("runtime", {"backend": "ray"}, _with("stages.1.replicas", 2))
+    assert _err(ray) == "stages[1].replicas: replicas run on the local backend only so far (backend is ray)"
+    fixed = _with(
+        "connectors", {"z": {"name": "zmq", "extra": {"port": 5601}}}, _with("stages.0.replicas", 2)
+    )
+    fixed["edges"][0]["connector"] = "z"
+    assert _err(fixed) == (
+        "stages[0].replicas: edge 0 -> 1 (z) fixes port 5601, which 2 replicas on one host cannot all bind"
+        " (leave it 0: each picks a free one)"
+    )
+    external = _with("stages.0.url", "http://127.0.0.1:8000", _with("stages.0.replicas", 2))
+    assert _err(external).startswith("stages[0].replicas: an external stage (url) is one server")

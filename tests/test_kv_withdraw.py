@@ -157,16 +157,17 @@ def test_notices_name_what_the_lost_stage_handed_on_and_wait_for_a_recovering_co
         "waiting": result("waiting", True),
     }
     where = {"handed": {1}, "in_producer": {0}, "finished": {1}}
-    sups = {0: StageSupervision(RestartPolicy()), 1: StageSupervision(RestartPolicy())}
+    # keyed by (stage id, replica): one replica each here
+    sups = {(0, 0): StageSupervision(RestartPolicy()), (1, 0): StageSupervision(RestartPolicy())}
     assert producer_lost_notices(producer, results, where, sups) == {
-        1: m.ProducerLost(0, "llm_ar", ["handed"])
+        (1, 0): m.ProducerLost(0, "llm_ar", ["handed"])
     }
-    assert sups[1].notices == []
+    assert sups[1, 0].notices == []
     # stage 1 is recovering with "waiting" queued for it: told once it is back
-    sups[1].lost(m_error(), now=1.0)
-    sups[1].pending.append(m.Submit("waiting", upstream=[m.Upstream(0, "waiting")]))
+    sups[1, 0].lost(m_error(), now=1.0)
+    sups[1, 0].pending.append(m.Submit("waiting", upstream=[m.Upstream(0, "waiting")]))
     producer_lost_notices(producer, results, where, sups)
-    assert sups[1].notices == [m.ProducerLost(0, "llm_ar", ["waiting"])]
+    assert sups[1, 0].notices == [m.ProducerLost(0, "llm_ar", ["waiting"])]
 
 
 def m_error() -> Any:

@@ -243,3 +243,61 @@ def test_run_adapts_the_dit_to_a_model_of_other_geometry_and_sliding_windows(tmp
     sliding, full = _check_image_of_its_kv(out_dir, heads=4, head_dim=64)
     assert full > TINY_SLIDING_WINDOW and sliding == TINY_SLIDING_WINDOW - 1, (sliding, full)
     assert processes_using(out_dir) == []
+
+
+@pytest.mark.forked
+@pytest.mark.timeout(300)
+def test_dit_replicas_share_concurrent_requests_through_the_cli(tmp_path: Path) -> None:
+    """Issue 41: ar_to_dit_shm.yaml with ``replicas: 2`` on the DiT, 4 requests at once through
+    `run`: each DiT replica is its own process, both serve requests (result.json says which
+    served each), and every image is the one the single-replica DiT paints for the same KV
+    and seed (recomputed from the KV it received: the DiT is deterministic in them).
+
+    The DiT denoises one request at a time here (max_batch_size 1, so each image is exactly
+    the unbatched one) in 48 steps: a request takes it 0.5-2 s on this machine, while the
+    LLM stage finishes the 4 within a few ms of each other (seen: 2 ms), so the next ones
+    reach the DiT while replica 0 holds the first and least-outstanding routing sends them
+    to replica 1 (seen: replicas 0, 1, 0, 1)."""
+    import yaml
+
+    steps = 48
+    config = yaml.safe_load((ROOT / "stage_configs/ar_to_dit_shm.yaml").read_text())
+    dit = config["stages"][1]
+    dit["replicas"] = 2
+    dit["diffusion"].update(max_batch_size=1, num_steps=steps)
+    path = tmp_path / "ar_to_dit_replicas.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out_dir = tmp_path / "out"
+    prompts = [f"A cute cat number {i}" for i in range(4)]
+    argv = [sys.executable, "-m", "vllm_kvbridge.cli.main", "run", "--stage-config", str(path)]
+    for p in prompts:
+        argv += ["--prompt", p]
+    argv += ["--output-dir", str(out_dir), "--debug-dump-dir", str(out_dir / "dump")]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # two DiT processes, each with its own log
+    for k in (0, 1):
+        assert f"[stage 1 (diffusion) replica {k}] ready in" in proc.stdout
+        assert (out_dir / "logs" / f"stage_1.replica{k}.log").exists()
+    starts = [line for line in proc.stdout.splitlines() if "starting (pid" in line]
+    pids = {line.split("(pid ")[1].split(",")[0] for line in starts}
+    assert len(pids) == 3, proc.stdout  # the LLM stage and the two DiT replicas
+    reqs = json.loads((out_dir / "result.json").read_text())["requests"]
+    served = [next(s["replica"] for s in r["stages"] if s["stage_id"] == 1) for r in reqs]
+    print(f"\nDiT replica per request: {served}")
+    assert sorted(set(served)) == [0, 1], served
+    assert all(r["stages"][0]["replica"] == 0 for r in reqs)  # the LLM stage has one
+    import numpy as np
+
+    from vllm_kvbridge.pipeline.images import encode_png
+
+    model = TinyKVDiT(**DIT_KWARGS).eval()
+    for r in reqs:
+        assert r["error"] is None and r["image_shape"] == [3, 32, 32]
+        dumped = load_dump(out_dir / "dump" / f"stage1_{encode_request_id(r['request_id'])}_kv.safetensors")
+        layers = len([k for k in dumped if k.endswith(".k")])
+        kv = [(dumped[f"layer{i}.k"], dumped[f"layer{i}.v"]) for i in range(layers)]
+        png = Path(r["outputs"][0]).read_bytes()
+        assert png == encode_png(np.asarray(denoise(model, kv, num_steps=steps, seed=0)[0])), r["request_id"]
+    assert "  replica 0" in proc.stdout and "  replica 1" in proc.stdout  # the summary's split
+    assert processes_using(out_dir) == []

@@ -125,6 +125,7 @@ def _stage_lines(s: ResolvedStage, plan: ResolvedPipeline) -> list[str]:
             )
         if int(d.get("num_ranks", 1)) > 1:
             lines.append(f"  ranks: {d['num_ranks']}, CFG-parallel (rank 0 receives and distributes the KV)")
+    lines.extend(_replica_lines(s, plan))
     kv = s.kv_transfer
     if kv.get("need_send_cache"):
         extra = f", token {kv['trigger_token_id']}" if kv.get("trigger_token_id") is not None else ""
@@ -153,6 +154,19 @@ def _stage_lines(s: ResolvedStage, plan: ResolvedPipeline) -> list[str]:
         lines.append(
             f"  chunks: {s.payload['chunk_size']} tokens, stall timeout {s.payload['stall_timeout']:g} s"
         )
+    return lines
+
+
+def _replica_lines(s: ResolvedStage, plan: ResolvedPipeline) -> list[str]:
+    """A replicated stage's copies and where each goes (one line each)."""
+    if s.replicas == 1:
+        return []
+    where = "a process on this host (local backend)" if plan.backend == "local" else "a Ray actor"
+    lines = [f"  replicas: {s.replicas}, each its own process; requests go to the least loaded"]
+    for k in range(s.replicas):
+        copy = s.for_replica(k)
+        devices = f", devices {copy.devices}" if copy.devices is not None else ""
+        lines.append(f"    replica {k}: {where}{devices}")
     return lines
 
 

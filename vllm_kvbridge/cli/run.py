@@ -88,6 +88,15 @@ def summary_table(results: list[Any], plan: Any) -> str:
         walls = [rec.wall_s for r in results for rec in r.stages if rec.stage_id == s.stage_id and rec.done]
         mean = sum(walls) / len(walls) if walls else 0.0
         lines.append(f"{f'{s.stage_id} ({s.kind})':<24}{len(walls):>9}{mean:>13.3f}")
+        for k in range(s.replicas if s.replicas > 1 else 0):  # how the requests were spread
+            served = [
+                rec.wall_s
+                for r in results
+                for rec in r.stages
+                if rec.stage_id == s.stage_id and rec.done and rec.replica == k
+            ]
+            mean = sum(served) / len(served) if served else 0.0
+            lines.append(f"{f'  replica {k}':<24}{len(served):>9}{mean:>13.3f}")
     edges: dict[tuple[int, int, str, str], list[float]] = {}
     handoffs: dict[tuple[int, int], list[float]] = {}
     for r in results:
@@ -162,6 +171,8 @@ def write_outputs(
                         "stage_id": s.stage_id,
                         "kind": s.kind,
                         "node_id": s.node_id,
+                        # which replica of the stage served it (stages[].replicas; 0 without)
+                        "replica": s.replica,
                         "wall_s": round(s.wall_s, 6),
                         "stage_s": round(max(0.0, s.finished - s.started), 6) if s.finished else None,
                         # wall-clock seconds (time.time()), one clock for the stages of a host

@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from vllm_kvbridge.config.engine_support import EngineFeatures, check_engine_supported
-from vllm_kvbridge.config.gpu_pairing import pair_cuda_ipc_devices
+from vllm_kvbridge.config.gpu_pairing import CUDA_IPC, pair_cuda_ipc_devices
 from vllm_kvbridge.config.loader import load_spec
 from vllm_kvbridge.config.platform import (
     CPU,
@@ -114,6 +114,27 @@ class ResolvedStage(msgspec.Struct):
     #: A diffusion stage receiving KV: where its module's KV geometry came from (the
     #: sender's model, or the stage config's kwargs), see ``config/kv_geometry.py``.
     kv_geometry: dict[str, Any] | None = None
+    #: How many independent copies of the stage run (``StageSpec.replicas``), and which one
+    #: this is: the plan holds replica 0's view; :meth:`for_replica` gives each process its own.
+    replicas: int = 1
+    replica: int = 0
+
+    def for_replica(self, k: int) -> ResolvedStage:
+        """What replica ``k`` of this stage is started with: its index, and its share of
+        ``devices`` (split evenly in order, checked by ``config/stage_checks.py``)."""
+        if not 0 <= k < self.replicas:
+            raise ValueError(f"stage {self.stage_id} has {self.replicas} replica(s), no replica {k}")
+        devices = self.devices
+        if devices is not None and self.replicas > 1:
+            listed = devices.split(",")
+            per = len(listed) // self.replicas
+            devices = ",".join(listed[k * per : (k + 1) * per])
+        return msgspec.structs.replace(self, replica=k, devices=devices)
+
+    @property
+    def named_replica(self) -> int | None:
+        """This copy's index where the stage has several (logs and errors name it), else None."""
+        return self.replica if self.replicas > 1 else None
 
     @property
     def is_llm(self) -> bool:
@@ -422,6 +443,7 @@ def resolve_spec(
         if placed[key].name == AUTO_CONNECTOR:
             raise ConfigError(f"runtime.{key}: must name a connector, not 'auto'")
     for i, s in enumerate(spec.stages):
+        _check_replicas(f"stages[{i}]", s, stages[i], backend)
         if backend != "ray" and (s.placement.resources or s.placement.runtime_env):
             logger.info("stages[%d].placement: ignored by the local backend", i)
     return ResolvedPipeline(
@@ -442,6 +464,33 @@ def resolve_spec(
         platform=platform,
         **placed,
     ).with_model(spec.model or None)
+
+
+#: Connectors whose config may fix a port one process binds (TP rank r: port + r).
+_PORT_OPTIONS = ("port", "control_port")
+
+
+def _check_replicas(path: str, s: StageSpec, stage: ResolvedStage, backend: str) -> None:
+    """What replicas of a stage cannot do yet (issue 41): run through Ray (one actor per
+    replica and their placement are not built), share a fixed port on one host, or pair
+    their GPUs with a CUDA IPC peer."""
+    if s.replicas == 1:
+        return
+    if backend == "ray":
+        raise ConfigError(f"{path}.replicas: replicas run on the local backend only so far (backend is ray)")
+    for e in (*stage.inputs, *stage.outputs):
+        fixed = [k for k in _PORT_OPTIONS if e.connector.config.get(k)]
+        if fixed:
+            raise ConfigError(
+                f"{path}.replicas: edge {e.from_stage} -> {e.to_stage} ({e.connector.ref}) fixes "
+                f"{fixed[0]} {e.connector.config[fixed[0]]}, which {s.replicas} replicas on one host "
+                "cannot all bind (leave it 0: each picks a free one)"
+            )
+        if e.connector.name == CUDA_IPC:
+            raise ConfigError(
+                f"{path}.replicas: edge {e.from_stage} -> {e.to_stage} is CUDA IPC, whose GPU "
+                "pairing is per stage; replicas cannot use it yet"
+            )
 
 
 def _resolve_stage(
@@ -497,6 +546,7 @@ def _resolve_stage(
         vocoder=vocoder,
         placement=msgspec.structs.asdict(s.placement),
         platform=platform,
+        replicas=s.replicas,
     )
 
 

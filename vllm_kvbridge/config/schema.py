@@ -215,6 +215,11 @@ class StageSpec(_Spec):
     start_timeout: float = 300.0
     url: str | None = None
     placement: PlacementSpec = msgspec.field(default_factory=PlacementSpec)
+    #: Independent copies of the stage, each its own process (engine, TP group); the
+    #: orchestrator routes each request to one of them (``pipeline/replicas.py``). With
+    #: ``devices``, the list is split evenly among them in order (``"0,1"`` for 2: one GPU
+    #: each). The local backend only, for now.
+    replicas: int = 1
 
 
 class EdgeSpec(_Spec):

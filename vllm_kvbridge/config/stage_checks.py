@@ -27,6 +27,15 @@ def check_stage(i: int, s: StageSpec) -> None:
         raise ConfigError(f"{p}.stage_id: must be >= 0, got {s.stage_id}")
     if s.tensor_parallel_size < 1:
         raise ConfigError(f"{p}.tensor_parallel_size: must be >= 1, got {s.tensor_parallel_size}")
+    if s.replicas < 1:
+        raise ConfigError(f"{p}.replicas: must be >= 1, got {s.replicas}")
+    if s.replicas > 1 and s.url is not None:
+        raise ConfigError(f"{p}.replicas: an external stage (url) is one server; it cannot have replicas")
+    if s.replicas > 1 and s.devices is not None and len(s.devices.split(",")) % s.replicas:
+        raise ConfigError(
+            f"{p}.devices: {len(s.devices.split(','))} device(s) cannot be split evenly among "
+            f"{s.replicas} replicas (each replica takes its own, in order)"
+        )
     if s.start_timeout <= 0:
         raise ConfigError(f"{p}.start_timeout: must be > 0, got {s.start_timeout}")
     for key, amount in s.placement.resources.items():

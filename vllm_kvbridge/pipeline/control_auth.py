@@ -269,15 +269,16 @@ class ControlPlane:
         self.ctx.term()
 
 
-def given_to_sender(msg: m.FromStage, results: Mapping[str, Any]) -> bool:
-    """Whether ``msg`` (from its own stage: :class:`Received`) concerns only what that
-    stage was given: a request it reports on was submitted to it (``results``: request id
-    -> :class:`~vllm_kvbridge.pipeline.results.RequestResult`). A request the orchestrator
+def given_to_sender(msg: m.FromStage, results: Mapping[str, Any], replica: int = 0) -> bool:
+    """Whether ``msg`` (from its own stage: :class:`Received`; of its ``replica``) concerns
+    only what that process was given: a request it reports on was submitted to that
+    replica of the stage (``results``: request id ->
+    :class:`~vllm_kvbridge.pipeline.results.RequestResult`). A request the orchestrator
     no longer knows passes: its late words are ignored anyway (it finished and was handed
     back)."""
     rid = getattr(msg, "request_id", None)
     r = results.get(rid) if rid is not None else None
-    return r is None or any(x.stage_id == msg.stage_id for x in r.stages)
+    return r is None or any(x.stage_id == msg.stage_id and x.replica == replica for x in r.stages)
 
 
 def credentials_from(env: Mapping[str, str]) -> tuple[bytes, dict[str, str]]:

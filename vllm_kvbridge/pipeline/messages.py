@@ -54,6 +54,8 @@ class Upstream(msgspec.Struct, forbid_unknown_fields=True):
     sender_info: dict[str, Any] = {}
     #: The producer's output (token ids etc.), for stages that build inputs from it.
     output: dict[str, Any] = {}
+    #: Which replica of the producer stage made it (``sender_info`` is that process's).
+    replica: int = 0
 
 
 class Submit(_Msg, tag="submit"):

@@ -13,7 +13,11 @@ the request's result (what is known of each request is kept in a
 flight at once. A request submitted with ``on_progress`` streams: its last stage is asked
 to report partial output (``Submit.stream``) and every
 :class:`~vllm_kvbridge.pipeline.messages.StageProgress` it sends is handed to the
-callback, in order, before the request finishes.
+callback, in order, before the request finishes. A stage with ``replicas: N`` is N such
+processes, and each request goes to one of them per stage
+(:class:`~vllm_kvbridge.pipeline.replicas.StageReplicas`); what follows of "a stage" holds
+for each replica on its own, except that a stage refuses new requests only while every
+replica of it is being restarted.
 
 Failure and shutdown contract:
 
@@ -46,7 +50,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from vllm_kvbridge.config.resolve import ResolvedPipeline, ResolvedStage, resolve
+from vllm_kvbridge.config.resolve import ResolvedPipeline, resolve
 from vllm_kvbridge.pipeline import messages as m
 from vllm_kvbridge.pipeline.admission import check_sampling_params
 from vllm_kvbridge.pipeline.control_auth import (
@@ -57,6 +61,7 @@ from vllm_kvbridge.pipeline.control_auth import (
     new_request_id,
 )
 from vllm_kvbridge.pipeline.placement import StageBackend, make_backend, place_stages, with_run_scope
+from vllm_kvbridge.pipeline.replicas import StageReplicas
 from vllm_kvbridge.pipeline.request_book import RequestBook
 from vllm_kvbridge.pipeline.results import (  # re-exported: the pipeline's public types
     PipelineError,
@@ -65,15 +70,10 @@ from vllm_kvbridge.pipeline.results import (  # re-exported: the pipeline's publ
     StageError,
     StageRecord,
     StageRecovering,
+    stage_name,
 )
 from vllm_kvbridge.pipeline.stage_handles import LOG_TAIL_LINES, RunLogDir, RunShm, StageHandle, stop_stages
-from vllm_kvbridge.pipeline.supervision import (
-    RestartPolicy,
-    StageSupervision,
-    heartbeat_interval,
-    producer_lost_notices,
-    stage_status,
-)
+from vllm_kvbridge.pipeline.supervision import RestartPolicy, heartbeat_interval, producer_lost_notices
 
 POLL_S = 0.05
 
@@ -112,7 +112,6 @@ class Pipeline:
         self._env = dict(env or {})
         self._shm: RunShm | None = None
         self._control: ControlPlane | None = None
-        self._stages: dict[int, StageHandle] = {}
         self._order = [s.stage_id for s in self.plan.stages]
         self._requests = RequestBook()
         self._started = False
@@ -122,7 +121,9 @@ class Pipeline:
         self.policy = RestartPolicy(
             plan.max_restarts, plan.restart_window, plan.restart_backoff, plan.heartbeat_timeout
         )
-        self._supervision = {sid: StageSupervision(self.policy) for sid in self._order}
+        # One per stage: its replicas' processes and supervision, and the routing between them.
+        self._stages = {s.stage_id: StageReplicas(s, self.policy) for s in plan.stages}
+        self._by_key: dict[str, StageHandle] = {}  # control key -> the process it was issued for
         self.failure: StageError | None = None
 
     # -- construction -------------------------------------------------------------------
@@ -152,9 +153,11 @@ class Pipeline:
         try:
             self._backend = backend = make_backend(self.plan, self.run_id, self._ray_address)
             self.plan = place_stages(self.plan, backend, self.run_id, self._progress)
+            self._stages = {s.stage_id: StageReplicas(s, self.policy) for s in self.plan.stages}
             self._control = ControlPlane(backend.control_host())
-            for stage in self.plan.stages:
-                self._spawn(stage)
+            for reps in self._stages.values():
+                for k in range(len(reps)):
+                    self._spawn(reps, k)
             self._wait_ready()
             self._shm.started()
             self._serving = True
@@ -162,21 +165,26 @@ class Pipeline:
             self.close()
             raise
 
-    def _spawn(self, stage: ResolvedStage) -> None:
-        log_path = self.log_dir / f"stage_{stage.stage_id}.log"
+    def _handles(self) -> list[StageHandle]:
+        """The current process of every replica of every stage spawned so far."""
+        return [h for reps in self._stages.values() for _, h in reps.live()]
+
+    def _spawn(self, reps: StageReplicas, k: int) -> None:
+        stage = reps.copies[k]
+        log_path = self.log_dir / reps.log_name(k)
         assert self._backend is not None and self._control is not None
         creds = self._control.issue(stage.stage_id)  # a key per process: a successor gets its own
         env, beat = creds.in_env(self._env), heartbeat_interval(self.policy)
         handle = self._backend.spawn(stage, self._control.address, log_path, env, beat)
         handle.control_key, handle.route = creds.public, creds.route.encode()
-        self._stages[stage.stage_id] = handle
+        reps.handles[k] = self._by_key[creds.public] = handle
         node = handle.proc.node
         where = "" if node.node_id == "local" else f" on node {node.node_id[:12]} ({node.ip})"
         self._progress(f"[{handle.label}] starting{where} (pid {handle.proc.pid}, log {handle.proc.log})")
 
     def _wait_ready(self) -> None:
         # A stage not ready within its start_timeout fails the start (StageSupervision.check).
-        while not all(h.ready_at for h in self._stages.values()):
+        while not all(reps.ready for reps in self._stages.values()):
             self._pump(POLL_S)
 
     def close(self) -> None:
@@ -191,7 +199,7 @@ class Pipeline:
                 with contextlib.suppress(zmq.ZMQError, StageUnreachable):
                     control.send(h.route, m.Shutdown(), block=False)
 
-        stop_stages(list(self._stages.values()), shutdown, self.plan.shutdown_timeout)
+        stop_stages(self._handles(), shutdown, self.plan.shutdown_timeout)
         if self._backend is not None:
             self._backend.reap(self.plan.stages)
             self._backend.close()
@@ -200,7 +208,7 @@ class Pipeline:
         self._control = None
         if self._shm is not None:
             self._shm.close()
-        lost = any(h.failure for h in self._stages.values())
+        lost = any(h.failure for h in self._handles())
         failed = self.failure or lost or self._requests.failed
         clean = (self._serving or not self._started) and not failed
         if self._logs.close(clean=clean):
@@ -257,22 +265,27 @@ class Pipeline:
             raise RequestError(results)
         return results
 
-    def _submit(self, stage_id: int, msg: m.Submit) -> None:
-        h = self._stages[stage_id]
-        record = StageRecord(stage_id, h.stage.kind, time.time(), node_id=h.proc.node.node_id)
+    def _submit(self, stage_id: int, msg: m.Submit) -> int:
+        """Hand ``msg`` to the replica of ``stage_id`` that :meth:`StageReplicas.pick` picks
+        (see pipeline/replicas.py); returns that replica."""
+        reps = self._stages[stage_id]
+        k = reps.pick(self._requests.outstanding(stage_id, len(reps)))
+        h = reps.handle(k)
+        record = StageRecord(stage_id, h.stage.kind, time.time(), node_id=h.proc.node.node_id, replica=k)
         self._requests.entered(msg.request_id, record)
         if stage_id == self._order[-1] and msg.request_id in self._requests.on_progress:
             msg = msgspec.structs.replace(msg, stream=True)
-        sup = self._supervision[stage_id]
-        if sup.recovering:  # it waits for the stage (not in it: a further loss spares it)
+        sup = reps.supervision[k]
+        if sup.recovering:  # it waits for the replica (not in it: a further loss spares it)
             sup.pending.append(msg)
-            return
-        self._send_submit(stage_id, msg)
+            return k
+        self._send_submit(h, msg)
+        return k
 
-    def _send_submit(self, stage_id: int, msg: m.Submit) -> None:
+    def _send_submit(self, h: StageHandle, msg: m.Submit) -> None:
+        stage_id = h.stage.stage_id
         self._requests.sent(msg.request_id, stage_id)
         assert self._control is not None
-        h = self._stages[stage_id]
         try:
             self._control.send(h.route, msg)
         except StageUnreachable as exc:
@@ -283,12 +296,13 @@ class Pipeline:
     def _finish(
         self, rid: str, error: str | None = None, lost_stage: int | None = None, *, aborted: bool = False
     ) -> None:
-        for sid in self._requests.finish(rid, error, lost_stage, aborted=aborted):
-            self._tell(sid, m.Abort([rid]))  # a failed request: the stages still working on it drop it
+        book = self._requests
+        for sid in book.finish(rid, error, lost_stage, aborted=aborted):
+            # a failed request: the stages (their replicas) still working on it drop it
+            self._tell(self._stages[sid].handles[book.replica_of(rid, sid) or 0], m.Abort([rid]))
 
-    def _tell(self, sid: int, msg: m.Abort | m.ProducerLost) -> None:
-        """Send ``msg`` to stage ``sid`` unless its process is gone (then it has nothing to drop)."""
-        h = self._stages.get(sid)
+    def _tell(self, h: StageHandle | None, msg: m.Abort | m.ProducerLost) -> None:
+        """Send ``msg`` to the process ``h`` unless it is gone (then it has nothing to drop)."""
         if h is None or h.lost or h.proc.poll() is not None or self._control is None or self._closed:
             return
         with contextlib.suppress(zmq.ZMQError, StageUnreachable):
@@ -311,13 +325,13 @@ class Pipeline:
         """Notice lost stages (exited, stalled, not ready in time) and spawn due restarts."""
         assert self._control is not None
         now = time.monotonic()
-        for sid, h in list(self._stages.items()):
+        for reps, k, h in [(r, k, h) for r in self._stages.values() for k, h in r.live()]:
             if self._closed:
                 return
-            sup = self._supervision[sid]
+            sup = reps.supervision[k]
             if h.lost:
                 if sup.due(now):
-                    self._spawn(h.stage)
+                    self._spawn(reps, k)
                     sup.restart_at = 0.0
                 continue
             if h.proc.poll() is not None:  # its last words first (a StageFailed says why)
@@ -330,7 +344,7 @@ class Pipeline:
     def _lose(self, h: StageHandle, error: StageError) -> None:
         """``h``'s process is given up: fail the requests in it and restart it, or, with no
         restart left (or while the pipeline starts), fail the pipeline."""
-        sid = h.stage.stage_id
+        sid, k = h.stage.stage_id, h.stage.replica
         h.failure, h.lost = error, True
         # Its whole group goes first, also when the pipeline fails with it: the engine core
         # of a killed stage process holds its segments until it is gone, and the reap at
@@ -338,7 +352,7 @@ class Pipeline:
         h.proc.kill_group(h.shm_names)
         if self._control is not None:
             self._control.revoke(h.control_key)
-        sup = self._supervision[sid]
+        sup = self._stages[sid].supervision[k]
         delay = sup.lost(error) if self._serving else None
         if delay is None:
             self._fail(sup.exhausted(error) if self._serving else error)
@@ -348,31 +362,34 @@ class Pipeline:
         self._progress(f"[{h.label}] LOST: {error.error}; {sup.plan_line(delay)}")
         # What it handed on may have died with it: its consumers fail what they had not read.
         book = self._requests
-        notices = producer_lost_notices(h.stage, book.results, book.where, self._supervision)
-        for consumer, notice in notices.items():
-            self._tell(consumer, notice)
-        for rid in book.in_stage(sid):
+        sups = {(c, j): s for c, reps in self._stages.items() for j, s in enumerate(reps.supervision)}
+        notices = producer_lost_notices(h.stage, book.results, book.where, sups)
+        for (consumer, j), notice in notices.items():
+            self._tell(self._stages[consumer].handles[j], notice)
+        for rid in book.in_stage(sid, k):
             # What earlier stages handed to the lost one has no consumer any more: the
             # Abort that _finish sends them too makes them withdraw it (no TTL to wait).
             book.where[rid] |= book.done_stages(rid) - {sid}
             self._finish(rid, str(error), lost_stage=sid)
 
     def _fail(self, error: StageError) -> None:
-        h = self._stages.get(error.stage_id)
+        reps = self._stages.get(error.stage_id)
+        h = reps.handles[error.replica or 0] if reps is not None else None
         if h is not None and h.failure is None:
             h.failure = error
         self.failure = self.failure or error
-        self._progress(f"[stage {error.stage_id} ({error.kind})] FAILED: {error.error}")
+        self._progress(f"[{stage_name(error.stage_id, error.kind, error.replica)}] FAILED: {error.error}")
         for rid in list(self._requests.deadlines):
             self._finish(rid, str(error))
         self.close()
         raise error
 
     def _handle(self, got: Received) -> None:
-        msg, h = got.msg, self._stages.get(got.stage_id)
-        if h is None or h.lost or got.key != h.control_key:
+        msg, h = got.msg, self._by_key.get(got.key)
+        if h is None or h.lost:
             return  # from a process given up (killed, or already replaced by its successor)
-        if getattr(msg, "pid", 0) not in (0, h.proc.pid) or not given_to_sender(msg, self._requests.results):
+        given = given_to_sender(msg, self._requests.results, h.stage.replica)
+        if getattr(msg, "pid", 0) not in (0, h.proc.pid) or not given:
             assert self._control is not None
             self._control.drop(f"{h.label} spoke for another process or of a request not given to it")
             return
@@ -388,23 +405,22 @@ class Pipeline:
             h.ready_at, h.info = time.monotonic(), msg.info
             h.shm_names = h.proc.mapped_shm()
             self._progress(f"[{h.label}] ready in {h.ready_at - h.spawned:.1f} s")
-            sup = self._supervision[h.stage.stage_id]
+            sup = self._stages[h.stage.stage_id].supervision[h.stage.replica]
             if sup.recovering:
                 self._progress(f"[{h.label}] back after {h.ready_at - sup.lost_at:.1f} s")
                 for waiting in sup.recovered():
                     r = self._requests.results.get(waiting.request_id)
                     if r is not None and not r.finished:
-                        self._send_submit(h.stage.stage_id, waiting)
+                        self._send_submit(h, waiting)
                 for notice in sup.notices:  # producers lost while those waited (after them)
-                    self._tell(h.stage.stage_id, notice)
+                    self._tell(h, notice)
                 sup.notices.clear()
         elif isinstance(msg, m.StageFailed):
             tail = msg.traceback.strip().splitlines()
-            error = StageError(msg.stage_id, h.stage.kind, msg.error, "\n".join(tail[-LOG_TAIL_LINES:]))
-            self._lose(h, error)
+            self._lose(h, h.error(msg.error, "\n".join(tail[-LOG_TAIL_LINES:])))
         elif isinstance(msg, m.RequestFailed):
             self._progress(f"[{h.label}] {msg.request_id} failed: {msg.error}")
-            error = f"stage {msg.stage_id} ({h.stage.kind}): {msg.error}"
+            error = f"{h.label}: {msg.error}"
             self._finish(msg.request_id, error, lost_stage=msg.lost_stage)
         elif isinstance(msg, m.StageProgress):
             callback = self._requests.on_progress.get(msg.request_id)
@@ -421,20 +437,23 @@ class Pipeline:
             return  # late answer for a request that already failed or timed out
         self._progress(f"[{h.label}] {rid} done in {rec.wall_s:.2f} s")
         if idx + 1 < len(self._order) and not book.entered_stage(rid, nxt := self._order[idx + 1]):
-            up = m.Upstream(msg.stage_id, msg.transfer_request_id or rid, msg.sender_info, msg.output)
+            up = m.Upstream(
+                msg.stage_id, msg.transfer_request_id or rid, msg.sender_info, msg.output, h.stage.replica
+            )
             self._submit(nxt, book.downstream_submit(self._stages[nxt].stage, rid, [up]))
         if book.all_done(rid, len(self._order)):
             self._finish(rid)
 
     def _submit_chain(self, stage_id: int, msg: m.Submit) -> None:
         """Submit to ``stage_id``, and at once to the stages behind async-chunk edges: they
-        start receiving chunks while the producer is still generating."""
-        self._submit(stage_id, msg)
-        stage = self._stages[stage_id].stage
-        up_front = self._stages[stage_id].info.get("sender_info") or {}  # reported at Ready
-        for e in stage.outputs:
+        start receiving chunks while the producer is still generating. The consumer's
+        replica is picked here, once: the whole stream goes to it (sticky)."""
+        k = self._submit(stage_id, msg)
+        reps = self._stages[stage_id]
+        up_front = reps.handle(k).info.get("sender_info") or {}  # that replica's, reported at Ready
+        for e in reps.stage.outputs:
             if e.payload_mode == "async_chunk":
-                up = m.Upstream(stage_id, msg.request_id, up_front, {})
+                up = m.Upstream(stage_id, msg.request_id, up_front, {}, k)
                 nxt = self._requests.downstream_submit(self._stages[e.to_stage].stage, msg.request_id, [up])
                 self._submit_chain(e.to_stage, nxt)
 
@@ -524,17 +543,21 @@ class Pipeline:
         ``/debug/state``): a round that meets the pump thread's changes is retried."""
         return self._requests.request_stages()
 
+    def request_replicas(self) -> dict[str, dict[int, int]]:
+        """Request id -> {stage id: the replica it was routed to} of the requests in flight
+        (from the thread that polls, like :meth:`submit`)."""
+        book = self._requests
+        return {rid: {x.stage_id: x.replica for x in book.results[rid].stages} for rid in book.in_flight()}
+
     def recovering(self) -> list[StageError]:
-        """Why each stage being restarted now was lost (empty while every stage is up)."""
-        return [s.last_error for s in self._supervision.values() if s.recovering and s.last_error]
+        """Why each stage that cannot take a request now was lost: every replica of it is
+        being restarted (empty while each stage has a replica up)."""
+        return [e for reps in self._stages.values() if (e := reps.recovering_error()) is not None]
 
     def stage_health(self) -> list[dict[str, Any]]:
-        """Per stage, see :func:`~vllm_kvbridge.pipeline.supervision.stage_status`."""
+        """Per stage, see :meth:`StageReplicas.health` (every replica's state under ``replicas``)."""
         failed = self.failure is not None
-        return [
-            stage_status(s, self._stages.get(s.stage_id), self._supervision[s.stage_id], failed)
-            for s in self.plan.stages
-        ]
+        return [self._stages[s.stage_id].health(failed) for s in self.plan.stages]
 
     # -- introspection ------------------------------------------------------------------
     @property
@@ -548,4 +571,9 @@ class Pipeline:
         return control.counters() if control is not None else dict.fromkeys(ControlPlane.COUNTERS, 0)
 
     def stage_pids(self) -> dict[int, int]:
-        return {sid: h.proc.pid for sid, h in self._stages.items()}
+        """Stage id -> the pid of its (first replica's) process."""
+        return {sid: reps.handle(0).proc.pid for sid, reps in self._stages.items() if reps.handles[0]}
+
+    def replica_pids(self) -> dict[tuple[int, int], int]:
+        """(stage id, replica) -> the pid of that replica's process now."""
+        return {(sid, k): h.proc.pid for sid, reps in self._stages.items() for k, h in reps.live()}

@@ -19,6 +19,7 @@ import msgspec
 
 from vllm_kvbridge.config.locality import NodeInfo, bind_auto_edges, local_node
 from vllm_kvbridge.config.resolve import ResolvedPipeline, ResolvedStage
+from vllm_kvbridge.pipeline.results import PipelineError
 from vllm_kvbridge.pipeline.stage_handles import (
     StageHandle,
     reap_run_edges,
@@ -73,6 +74,12 @@ def make_backend(plan: ResolvedPipeline, run_id: str, ray_address: str | None = 
     """The backend ``plan`` asks for (``ray_address`` overrides the config's and selects Ray)."""
     if ray_address is None and plan.backend != "ray":
         return LocalBackend()
+    replicated = [s.stage_id for s in plan.stages if s.replicas > 1]
+    if replicated:  # the resolver refuses runtime.backend: ray; this is --ray-address
+        raise PipelineError(
+            f"stage(s) {replicated} have replicas, which run on the local backend only so far "
+            "(the Ray backend places one actor per stage)"
+        )
     from vllm_kvbridge.pipeline.ray_backend import RayBackend
 
     return RayBackend(ray_address or plan.ray_address or "auto", run_id)

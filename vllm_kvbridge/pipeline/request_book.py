@@ -134,9 +134,30 @@ class RequestBook:
         stages = self.results[rid].stages
         return len(stages) == n_stages and all(x.done for x in stages)
 
-    def in_stage(self, stage_id: int) -> list[str]:
-        """Requests stage ``stage_id`` works on now."""
-        return [rid for rid, stages in self.where.items() if stage_id in stages]
+    def in_stage(self, stage_id: int, replica: int = 0) -> list[str]:
+        """Requests replica ``replica`` of stage ``stage_id`` works on now."""
+        return [
+            rid
+            for rid, stages in self.where.items()
+            if stage_id in stages and self.replica_of(rid, stage_id) == replica
+        ]
+
+    def replica_of(self, rid: str, stage_id: int) -> int | None:
+        """The replica of stage ``stage_id`` that request ``rid`` was submitted to (None: not yet)."""
+        r = self.results.get(rid)
+        rec = next((x for x in r.stages if x.stage_id == stage_id), None) if r is not None else None
+        return rec.replica if rec is not None else None
+
+    def outstanding(self, stage_id: int, replicas: int) -> list[int]:
+        """Per replica of stage ``stage_id``: the requests submitted to it (waiting for it
+        included) that it did not report done, of those not finished (the routing load)."""
+        load = [0] * replicas
+        for r in self.results.values():
+            if not r.finished:
+                for x in r.stages:
+                    if x.stage_id == stage_id and not x.done:
+                        load[x.replica] += 1
+        return load
 
     def done_stages(self, rid: str) -> set[int]:
         """The stages that reported request ``rid`` done."""

@@ -12,19 +12,36 @@ from typing import Any
 from vllm_kvbridge.errors import KVBridgeError
 from vllm_kvbridge.pipeline import messages as m
 
-__all__ = ["PipelineError", "RequestError", "RequestResult", "StageError", "StageRecord", "StageRecovering"]
+__all__ = [
+    "PipelineError",
+    "RequestError",
+    "RequestResult",
+    "StageError",
+    "StageRecord",
+    "StageRecovering",
+    "stage_name",
+]
 
 
 class PipelineError(KVBridgeError):
     """The pipeline cannot serve (a stage failed or the pipeline is closed)."""
 
 
-class StageError(PipelineError):
-    """A stage failed to start or died; ``stage_id`` and ``error`` say which and why."""
+def stage_name(stage_id: int, kind: str, replica: int | None = None) -> str:
+    """``stage 1 (diffusion)``, and ``replica 1`` after it for a replica of a replicated stage."""
+    return f"stage {stage_id} ({kind})" + (f" replica {replica}" if replica is not None else "")
 
-    def __init__(self, stage_id: int, kind: str, error: str, log_tail: str = "") -> None:
+
+class StageError(PipelineError):
+    """A stage failed to start or died; ``stage_id`` and ``error`` say which and why;
+    ``replica``: which replica of a stage that has several (else None)."""
+
+    def __init__(
+        self, stage_id: int, kind: str, error: str, log_tail: str = "", replica: int | None = None
+    ) -> None:
         self.stage_id, self.kind, self.error, self.log_tail = stage_id, kind, error, log_tail
-        super().__init__(f"stage {stage_id} ({kind}) failed: {error}")
+        self.replica = replica
+        super().__init__(f"{stage_name(stage_id, kind, replica)} failed: {error}")
 
 
 class StageRecovering(PipelineError):
@@ -33,7 +50,8 @@ class StageRecovering(PipelineError):
 
     def __init__(self, error: StageError) -> None:
         self.error = error
-        super().__init__(f"stage {error.stage_id} ({error.kind}) is restarting after: {error.error}")
+        name = stage_name(error.stage_id, error.kind, error.replica)
+        super().__init__(f"{name} is restarting after: {error.error}")
 
 
 class RequestError(PipelineError):
@@ -60,6 +78,8 @@ class StageRecord:
     last_token_at: float = 0.0
     #: the node the stage ran it on (a Ray node id; ``local`` on the local backend)
     node_id: str = "local"
+    #: which replica of the stage took it (``StageSpec.replicas``; 0 without replicas)
+    replica: int = 0
 
     @property
     def wall_s(self) -> float:

@@ -31,7 +31,7 @@ from vllm_kvbridge.config.locality import NodeInfo, local_node
 from vllm_kvbridge.config.resolve import ResolvedConnector, ResolvedStage
 from vllm_kvbridge.connectors.keys import edge_name
 from vllm_kvbridge.pipeline.control_auth import credentials_from
-from vllm_kvbridge.pipeline.results import StageError
+from vllm_kvbridge.pipeline.results import StageError, stage_name
 from vllm_kvbridge.procfs import group_pids, state
 
 logger = logging.getLogger(__name__)
@@ -162,7 +162,12 @@ class StageHandle:
 
     @property
     def label(self) -> str:
-        return f"stage {self.stage.stage_id} ({self.stage.kind})"
+        return stage_name(self.stage.stage_id, self.stage.kind, self.stage.named_replica)
+
+    def error(self, error: str, log_tail: str = "") -> StageError:
+        """A :class:`StageError` naming this process's stage (and replica)."""
+        s = self.stage
+        return StageError(s.stage_id, s.kind, error, log_tail, s.named_replica)
 
 
 def stage_env(stage: ResolvedStage, env: Mapping[str, str]) -> dict[str, str]:

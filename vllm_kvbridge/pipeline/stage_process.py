@@ -268,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         why = f"--stage-id {args.stage_id}, config {stage.stage_id}, credentials {creds.stage_id}"
         print(f"stage id mismatch: {why}", file=sys.stderr)
         return 2
-    owner = hold_shm_owner(None, f"stage-{stage.stage_id}") if os.environ.get(RUN_ID_ENV) else None
+    role = f"stage-{stage.stage_id}" + (f"-replica-{stage.replica}" if stage.replicas > 1 else "")
+    owner = hold_shm_owner(None, role) if os.environ.get(RUN_ID_ENV) else None
     return serve(stage, args.address, creds, args.heartbeat_s, owner)
 
 

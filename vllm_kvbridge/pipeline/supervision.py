@@ -119,7 +119,7 @@ class StageSupervision:
         else:
             why = f"{error.error}; not restarted: {len(self.recent)} restart(s) in the last"
             why += f" {p.window_s:.0f} s (runtime.max_restarts: {p.max_restarts})"
-        return StageError(error.stage_id, error.kind, why, error.log_tail)
+        return StageError(error.stage_id, error.kind, why, error.log_tail, error.replica)
 
     def plan_line(self, delay: float) -> str:
         p = self.policy
@@ -134,21 +134,19 @@ class StageSupervision:
                 return h.failure
             tail = h.proc.log_tail()
             why = h.proc.exit_reason(code, tail)
-            return StageError(stage.stage_id, stage.kind, f"process exited with status {code} ({why})", tail)
+            return h.error(f"process exited with status {code} ({why})", tail)
         timeout = self.policy.heartbeat_timeout_s
         if h.ready_at and now - h.last_seen > timeout:
             silent = f"no heartbeat for {now - h.last_seen:.1f} s (runtime.heartbeat_timeout: {timeout:g} s)"
-            error = f"{silent}: stopped or stalled, killed"
-            return StageError(stage.stage_id, stage.kind, error, h.proc.log_tail())
+            return h.error(f"{silent}: stopped or stalled, killed", h.proc.log_tail())
         # A stall is as its beats tell it: once they stop, the rule above decides.
         fresh = now - h.last_seen <= 2 * heartbeat_interval(self.policy)
         if h.ready_at and h.stalled_since and fresh and now - h.stalled_since > timeout:
             error = f"its engine made no progress for {now - h.stalled_since:.1f} s ({h.stall};"
             error += f" runtime.heartbeat_timeout: {timeout:g} s): hung, killed"
-            return StageError(stage.stage_id, stage.kind, error, h.proc.log_tail())
+            return h.error(error, h.proc.log_tail())
         if not h.ready_at and now - h.spawned > stage.start_timeout:
-            error = f"not ready after {stage.start_timeout:.0f} s (start_timeout)"
-            return StageError(stage.stage_id, stage.kind, error, h.proc.log_tail())
+            return h.error(f"not ready after {stage.start_timeout:.0f} s (start_timeout)", h.proc.log_tail())
         return None
 
     def due(self, now: float) -> bool:
@@ -166,27 +164,32 @@ def producer_lost_notices(
     lost: ResolvedStage,
     results: Mapping[str, RequestResult],
     where: Mapping[str, set[int]],
-    supervision: Mapping[int, StageSupervision],
-) -> dict[int, m.ProducerLost]:
-    """What to tell each consumer of the lost stage now: the unfinished requests it had
-    finished (its ``StageDone`` was read) and handed to that consumer, which may not have read
-    their data yet. A recovering consumer's waiting submits from it are queued on its
-    ``notices`` instead (its process is not there to tell)."""
+    supervision: Mapping[tuple[int, int], StageSupervision],
+) -> dict[tuple[int, int], m.ProducerLost]:
+    """What to tell each consumer (stage id, replica) of the lost stage process (``lost``:
+    the replica it was) now: the unfinished requests that process had finished (its
+    ``StageDone`` was read) and handed to that consumer, which may not have read their data
+    yet. A recovering consumer's waiting submits from it are queued on its ``notices``
+    instead (its process is not there to tell). ``supervision``: per (stage id, replica)."""
     sid, consumers = lost.stage_id, {e.to_stage for e in lost.outputs}
-    handed: dict[int, list[str]] = {}
+    handed: dict[tuple[int, int], list[str]] = {}
     for rid, stages in where.items():
         r = results.get(rid)
         if r is None or r.finished or sid in stages:
             continue  # requests still in the lost stage fail with it
-        if any(x.stage_id == sid and x.done for x in r.stages):
+        if any(x.stage_id == sid and x.replica == lost.replica and x.done for x in r.stages):
             for c in stages & consumers:
-                handed.setdefault(c, []).append(rid)
-    for c in consumers:
-        sup = supervision.get(c)
-        waiting = (
-            [p.request_id for p in sup.pending if any(u.from_stage == sid for u in p.upstream)] if sup else []
-        )
-        if sup is not None and sup.recovering and waiting:
+                rec = next((x for x in r.stages if x.stage_id == c), None)
+                handed.setdefault((c, rec.replica if rec else 0), []).append(rid)
+    for (c, _), sup in supervision.items():
+        if c not in consumers or not sup.recovering:
+            continue
+        waiting = [
+            p.request_id
+            for p in sup.pending
+            if any(u.from_stage == sid and u.replica == lost.replica for u in p.upstream)
+        ]
+        if waiting:
             sup.notices.append(m.ProducerLost(sid, lost.kind, waiting))
     return {c: m.ProducerLost(sid, lost.kind, rids) for c, rids in handed.items()}
 
