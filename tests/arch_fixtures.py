@@ -58,10 +58,13 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 0.25}
 #: at gaps of 0.001-0.006 in transformers' bf16 run, and there it was transformers' bf16
 #: routing that left fp32's choice (vLLM matched transformers' fp32 run to 0.07). Positions
 #: whose gap (transformers, bf16) is under MOE_TIE_GAP are left out of the bf16 comparison:
-#: 12 of 59, 22 of 131 and 41 of 302 (the rest: KV within 0.12, hidden within 0.21); a
-#: request of n positions may lose at most 1 + MAX_TIE_SHARE * n of them that way.
+#: 12 of 59, 22 of 131 and 41 of 302 on an Intel CPU (AMX), 13 of 59 on an AMD EPYC
+#: (avx512_bf16: transformers' own bf16 gaps move with the CPU's kernels); the rest: KV
+#: within 0.12, hidden within 0.21. A request of n positions may lose at most
+#: 1 + MAX_TIE_SHARE * n of them that way: room for either CPU, and still most positions
+#: compared (a comparison that left out most of them would prove nothing).
 MOE_TIE_GAP = 0.01
-MAX_TIE_SHARE = 0.2
+MAX_TIE_SHARE = 0.3
 
 
 def sliding_window(arch: str) -> int | None:
