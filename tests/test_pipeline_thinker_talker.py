@@ -4,7 +4,8 @@ Full payload (the shipped config, shm): the talker's received embeddings equal t
 thinker's final-norm hidden states (as transformers computes them for the prompt and
 generated tokens). Async chunk fed per step (thinker_talker_async_chunk.yaml, through
 ``vllm-kvbridge run``): the talker, conditioned per position on the streamed rows, says
-what transformers says for the same rows. (That it runs each position as soon as its row
+what transformers says for the same rows, and the same with 2 talker replicas (each stream
+whole on the replica its request went to, issue 41). (That it runs each position as soon as its row
 arrived, while its producer still generates, is test_runner_conditioning_engine's, with the
 producer held: between two processes here it would be a race.) Three stages, the shipped
 thinker_talker_vocoder.yaml (streaming end to end, through ``run``): codes as transformers
