@@ -4,7 +4,8 @@ Full payload (the shipped config, shm): the talker's received embeddings equal t
 thinker's final-norm hidden states (as transformers computes them for the prompt and
 generated tokens). Async chunk fed per step (thinker_talker_async_chunk.yaml, through
 ``vllm-kvbridge run``): the talker, conditioned per position on the streamed rows, says
-what transformers says for the same rows. (That it runs each position as soon as its row
+what transformers says for the same rows, and the same with 2 talker replicas (each stream
+whole on the replica its request went to, issue 41). (That it runs each position as soon as its row
 arrived, while its producer still generates, is test_runner_conditioning_engine's, with the
 producer held: between two processes here it would be a race.) Three stages, the shipped
 thinker_talker_vocoder.yaml (streaming end to end, through ``run``): codes as transformers
@@ -56,11 +57,14 @@ WHOLE_CHUNK = 1024
 RECV_TIMEOUT_S = 240
 
 
-def _config(tmp: Path, name: str, thinker_tokens: int, talker_tokens: int) -> Path:
-    """A shipped config with more tokens in both LLM stages (greedy, EOS ignored)."""
+def _config(tmp: Path, name: str, thinker_tokens: int, talker_tokens: int, talker_replicas: int = 1) -> Path:
+    """A shipped config with more tokens in both LLM stages (greedy, EOS ignored) and
+    ``talker_replicas`` copies of the talker (stage 1)."""
     config = yaml.safe_load((ROOT / "stage_configs" / name).read_text())
     config["stages"][0]["default_sampling_params"].update(max_tokens=thinker_tokens, ignore_eos=True)
     config["stages"][1]["default_sampling_params"].update(max_tokens=talker_tokens, ignore_eos=True)
+    if talker_replicas > 1:
+        config["stages"][1]["replicas"] = talker_replicas
     path = Path(tempfile.mkdtemp(prefix="config-", dir=tmp)) / name
     path.write_text(yaml.safe_dump(config))
     return path
@@ -130,8 +134,13 @@ def test_thinker_talker_full_payload(tmp_path: Path) -> None:
 
 
 @pytest.mark.forked
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(800)
 def test_async_chunk_talker_follows_the_thinkers_stream_through_the_cli(tmp_path: Path) -> None:
+    """And with 2 talker replicas (issue 41): the two requests, submitted at once, go one to
+    each replica (least outstanding: the first takes replica 0, the second the other), each
+    stream lands whole on the replica its request was routed to (result.json ``replica``;
+    the talker conditioned on every row says what transformers says), and the outputs equal
+    the one-replica run's."""
     from transformers import AutoTokenizer
 
     model, talker = ensure_tiny_model(), ensure_tiny_talker()
@@ -154,6 +163,21 @@ def test_async_chunk_talker_follows_the_thinkers_stream_through_the_cli(tmp_path
         assert thinker["token_ids"] == generated
         _, hidden = hf_reference(model, (prompt_ids + generated)[:-1])
         assert req["token_ids"] == reference_greedy(talker, hidden, [bos], TALKER_TOKENS)
+    assert processes_using(out_dir) == []
+
+    config = _config(tmp_path, "thinker_talker_async_chunk.yaml", THINKER_TOKENS, TALKER_TOKENS, 2)
+    replicated, out_dir = _run_cli(tmp_path, config, model)
+    assert [[s["replica"] for s in req["stages"]] for req in replicated["requests"]] == [[0, 0], [0, 1]]
+    for one, two in zip(result["requests"], replicated["requests"]):
+        assert two["error"] is None, two["error"]
+        # the whole stream reached the replica its request was routed to: same rows, same codes
+        assert two["token_ids"] == one["token_ids"]
+        assert [s["token_ids"] for s in two["stages"]] == [s["token_ids"] for s in one["stages"]]
+        # and as many bytes over the edge as to the single talker
+        moved = lambda req: [(t["what"], t["bytes"]) for t in req["transfers"]]  # noqa: E731
+        assert moved(two) == moved(one)
+    for k in (0, 1):
+        assert (out_dir / "logs" / f"stage_1.replica{k}.log").exists()
     assert processes_using(out_dir) == []
 
 

@@ -112,7 +112,27 @@ def test_the_metric_follows_a_restarted_process_from_zero() -> None:
     """A restarted stage process counts from 0 again: the series keeps growing."""
     health = [{"stage_id": 0, "kind": "llm_ar", "status": "ready", "restarts": 0, "pid": 10}]
     metrics = ServerMetrics(lambda: 0.0, lambda: health)
-    series = f'{EXPIRED}{{kind="llm_ar",stage="0"}}'
+    series = f'{EXPIRED}{{kind="llm_ar",replica="0",stage="0"}}'  # no replicas: replica "0"
     for pid, value, total in ((10, 2.0, 2.0), (10, 5.0, 5.0), (11, 1.0, 6.0), (11, 1.0, 6.0)):
         health[0].update(pid=pid, counters={"leases_expired": value, "puts_full": 0.0})
         assert f"{series} {total}" in metrics.render().decode()
+
+
+def test_each_replica_has_its_own_series_and_follows_its_own_restarts() -> None:
+    """A stage with replicas (issue 41): one series per replica, from its own entry under
+    ``replicas``; a replica restarted counts from 0 again without touching the other's."""
+    reps = [
+        {"replica": k, "status": "ready", "restarts": 0, "pid": 20 + k, "counters": {"leases_expired": 1.0}}
+        for k in range(2)
+    ]
+    health = [{"stage_id": 1, "kind": "diffusion", "status": "ready", "restarts": 0, "replicas": reps}]
+    metrics = ServerMetrics(lambda: 0.0, lambda: health)
+    metrics.render()
+    reps[1].update(pid=30, restarts=1, status="recovering", counters={"leases_expired": 2.0})
+    text = metrics.render().decode()
+    assert f'{EXPIRED}{{kind="diffusion",replica="0",stage="1"}} 1.0' in text
+    assert f'{EXPIRED}{{kind="diffusion",replica="1",stage="1"}} 3.0' in text
+    assert 'kvbridge_stage_restarts_total{kind="diffusion",replica="1",stage="1"} 1.0' in text
+    assert 'kvbridge_stage_recovering{kind="diffusion",replica="1",stage="1"} 1.0' in text
+    assert 'kvbridge_stage_up{kind="diffusion",replica="0",stage="1"} 1.0' in text
+    assert 'kvbridge_stage_up{kind="diffusion",replica="1",stage="1"} 0.0' in text

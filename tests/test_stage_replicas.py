@@ -107,3 +107,20 @@ def test_replicas_are_refused_through_ray_before_anything_starts() -> None:
     assert isinstance(make_backend(plan, "r0"), LocalBackend)
     with pytest.raises(PipelineError, match=r"stage\(s\) \[1\] have replicas, which run on the local"):
         make_backend(plan, "r0", ray_address="auto")
+
+
+def test_health_hides_every_replicas_pid_from_an_untrusted_caller() -> None:
+    from vllm_kvbridge.server.introspection import public_stage_entry
+
+    node = {"id": "local", "ip": "127.0.0.1", "host": "h"}
+    entry = {
+        "stage_id": 1,
+        "kind": "diffusion",
+        "status": "ready",
+        "restarts": 0,
+        "replicas": [{"replica": k, "status": "ready", "pid": 100 + k, "node": node} for k in range(2)],
+    }
+    public = public_stage_entry(entry)
+    assert public["replicas"] == [{"replica": k, "status": "ready", "node": node} for k in range(2)]
+    assert public_stage_entry({"stage_id": 0, "pid": 7, "node": node}) == {"stage_id": 0, "node": node}
+    assert entry["replicas"][0]["pid"] == 100  # the pipeline's own entry is left as it was

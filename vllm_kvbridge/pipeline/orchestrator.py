@@ -544,10 +544,9 @@ class Pipeline:
         return self._requests.request_stages()
 
     def request_replicas(self) -> dict[str, dict[int, int]]:
-        """Request id -> {stage id: the replica it was routed to} of the requests in flight
-        (from the thread that polls, like :meth:`submit`)."""
-        book = self._requests
-        return {rid: {x.stage_id: x.replica for x in book.results[rid].stages} for rid in book.in_flight()}
+        """Request id -> {stage id: the replica it was routed to} of the requests in flight.
+        Safe from another thread (``/debug/state``), like :meth:`request_stages`."""
+        return self._requests.request_replicas()
 
     def recovering(self) -> list[StageError]:
         """Why each stage that cannot take a request now was lost: every replica of it is

@@ -212,6 +212,19 @@ class RequestBook:
         """Ids of requests not finished yet."""
         return [rid for rid, r in self.results.items() if not r.finished]
 
+    def request_replicas(self) -> dict[str, dict[int, int]]:
+        """Request id -> {stage id: the replica it was routed to} of the requests in flight.
+        Safe from another thread, like :meth:`request_stages`."""
+        while True:
+            try:
+                return {
+                    rid: {x.stage_id: x.replica for x in list(r.stages)}
+                    for rid, r in list(self.results.items())
+                    if not r.finished
+                }
+            except RuntimeError:  # the dict changed size while it was read
+                continue
+
     def request_stages(self) -> dict[str, list[int]]:
         """Request id -> the stages working on it now. Safe from another thread (for
         ``/debug/state``): a round that meets the pump thread's changes is retried."""

@@ -165,18 +165,35 @@ class PipelineService:
             return len(self._futures)
 
     def health(self) -> dict[str, Any]:
-        """``{"ok": bool, "recovering": bool, "cut_off": [stage ids], "stages": [...], "error":
-        str | None}`` (see ``Pipeline.stage_health``). ``cut_off``: ready stages some of whose
-        connectors cannot reach their edge's service (``edges_unreachable``: a Mooncake
-        master down); they are up, but their requests over that edge fail."""
+        """``{"ok": bool, "recovering": bool, "cut_off": [stage ids], "replicas_down": [(stage
+        id, replica)], "stages": [...], "error": str | None}`` (see ``Pipeline.stage_health``).
+        ``cut_off``: ready stages some of whose connectors cannot reach their edge's service
+        (``edges_unreachable``: a Mooncake master down); they are up, but their requests over
+        that edge fail. ``replicas_down``: replicas not ready (lost and restarting) of stages
+        that are ready: their stage serves on its other replicas, with less room."""
         stages = self.pipeline.stage_health()
         cut_off = [s["stage_id"] for s in stages if s.get("counters", {}).get("edges_unreachable")]
-        cut_off = [] if self._closed or self.failure is not None else cut_off
+        down = [
+            (s["stage_id"], r["replica"])
+            for s in stages
+            if s["status"] == "ready"
+            for r in s.get("replicas", [])
+            if r["status"] != "ready"
+        ]
+        if self._closed or self.failure is not None:
+            cut_off, down = [], []
         ready = all(s["status"] == "ready" for s in stages)
-        ok = self.failure is None and not self._closed and ready and not cut_off
+        ok = self.failure is None and not self._closed and ready and not cut_off and not down
         recovering = self.failure is None and any(s["status"] == "recovering" for s in stages)
         error = None if self.failure is None else str(self.failure)
-        return {"ok": ok, "recovering": recovering, "cut_off": cut_off, "stages": stages, "error": error}
+        return {
+            "ok": ok,
+            "recovering": recovering,
+            "cut_off": cut_off,
+            "replicas_down": down,
+            "stages": stages,
+            "error": error,
+        }
 
     # -- the pump thread ----------------------------------------------------------------
     def _pump(self) -> None:

@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -173,7 +174,9 @@ def serve(
             return 1
         if owner is not None:
             owner.record_mapped()  # vLLM made its queues and semaphores at start
-        sock.send(m.encode(m.Ready(stage.stage_id, os.getpid(), engine.info())))
+        # its host's name: /health shows where each stage (replica) runs, on any backend
+        info = {**engine.info(), "host": socket.gethostname()}
+        sock.send(m.encode(m.Ready(stage.stage_id, os.getpid(), info)))
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         waker = engine.waker()

@@ -31,6 +31,7 @@ per stage. The contract (issue 15, item 1):
 
 from __future__ import annotations
 
+import socket
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -47,6 +48,7 @@ __all__ = [
     "RestartPolicy",
     "StageSupervision",
     "heartbeat_interval",
+    "node_entry",
     "producer_lost_notices",
     "stage_status",
 ]
@@ -198,9 +200,9 @@ def stage_status(
     stage: ResolvedStage, h: StageHandle | None, sup: StageSupervision, pipeline_failed: bool
 ) -> dict[str, Any]:
     """One stage's health: id, kind, ``status`` (``not_started`` | ``starting`` | ``ready`` |
-    ``recovering`` | ``failed`` | ``stopped``), pid, ``node_id``, ``restarts`` so far and, unless it is
-    ready or starting, its error (for ``recovering``: why it was lost); ``counters``: its
-    connectors' (``StageStats``) once it reported them."""
+    ``recovering`` | ``failed`` | ``stopped``), pid, ``node_id``, ``node`` (:func:`node_entry`),
+    ``restarts`` so far and, unless it is ready or starting, its error (for ``recovering``: why
+    it was lost); ``counters``: its connectors' (``StageStats``) once it reported them."""
     entry: dict[str, Any] = {"stage_id": stage.stage_id, "kind": stage.kind, "restarts": sup.restarts}
     if h is None:
         entry["status"] = "not_started"
@@ -214,9 +216,19 @@ def stage_status(
         entry.update(status="ready" if h.ready_at else "starting", pid=h.proc.pid)
     if h is not None:
         entry["node_id"] = h.proc.node.node_id  # a Ray node id; "local" on the local backend
+        entry["node"] = node_entry(h)
     if h is not None and h.counters:
         entry["counters"] = dict(h.counters)
     stalled = time.monotonic() - h.stalled_since if h is not None and h.stalled_since else 0.0
     if stalled >= STALL_SHOWN_S and entry["status"] == "ready":  # on its way to the timeout
         entry.update(stalled_s=round(stalled, 1), stall=h.stall)  # type: ignore[union-attr]
     return entry
+
+
+def node_entry(h: StageHandle) -> dict[str, str]:
+    """Where the process ``h`` runs: ``id`` (a Ray node id, ``local`` on the local backend),
+    ``ip`` (where other nodes reach it) and ``host``: the host name the process reported at
+    ``Ready``; before that, this host's on the local backend, else the node's address."""
+    node = h.proc.node
+    host = h.info.get("host") or (socket.gethostname() if node.node_id == "local" else node.ip)
+    return {"id": node.node_id, "ip": node.ip, "host": str(host)}

@@ -7,11 +7,17 @@
   ``down`` why); the server still answers, new requests get 503 with ``Retry-After`` until it
   is back. 200 so that a liveness probe does not kill a pod that is healing itself. Also
   while a stage's connector cannot reach its edge's service (a Mooncake master down): the
-  requests over that edge fail, and restarting this server would not help.
+  requests over that edge fail, and restarting this server would not help. Also while a
+  replica of a stage with ``replicas: N`` is restarted and another one is up: nothing is
+  refused (its stage takes new requests on the others), ``down`` names the replica.
+
+Every stage entry says where its process runs (``node``: id, ip, host); a stage with
+replicas lists each replica under ``replicas``, with its own ``status``, ``node`` and
+``restarts``.
 * 503 ``"status": "down"``: a stage is down for good (its restarts are spent); only a
   restart of the server helps. 503 ``"status": "unavailable"``: the server is shutting down.
 
-The stages' pids are shown only to a caller that presented the API key (without
+The stages' (and their replicas') pids are shown only to a caller that presented the API key (without
 ``--api-key``: only with ``--debug-endpoints``): a pid tells an attacker on the host which
 process to signal. ``/debug/state`` (in-flight request ids, shared-memory names) is
 likewise behind the key; without a key configured it is off (404) unless
@@ -33,6 +39,14 @@ from vllm_kvbridge.server.state import ServerState
 PRIVATE_STAGE_FIELDS = ("pid",)
 
 
+def public_stage_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    """A ``/health`` stage entry without :data:`PRIVATE_STAGE_FIELDS`, its replicas' too."""
+    out = {k: v for k, v in entry.items() if k not in PRIVATE_STAGE_FIELDS}
+    if "replicas" in out:
+        out["replicas"] = [public_stage_entry(r) for r in out["replicas"]]
+    return out
+
+
 def add_introspection_routes(
     app: FastAPI, state: ServerState, *, api_key: str | None, debug_endpoints: bool = False
 ) -> None:
@@ -50,10 +64,10 @@ def add_introspection_routes(
         h = state.service.health()
         stages = h["stages"]
         if not trusted(request):
-            stages = [{k: v for k, v in s.items() if k not in PRIVATE_STAGE_FIELDS} for s in stages]
+            stages = [public_stage_entry(s) for s in stages]
         if h["ok"]:
             status, code = "ok", 200
-        elif h["recovering"] or h["cut_off"]:  # both empty once the pipeline failed
+        elif h["recovering"] or h["cut_off"] or h["replicas_down"]:  # empty once the pipeline failed
             status, code = "degraded", 200
         else:
             status, code = ("down" if h["error"] is not None else "unavailable"), 503
@@ -69,6 +83,13 @@ def add_introspection_routes(
             " cannot reach their edge's service (a Mooncake master down?): requests over it fail"
             for s in stages
             if s["stage_id"] in h["cut_off"]
+        ]
+        down += [
+            f"stage {s['stage_id']} ({s['kind']}) replica {r['replica']}: {r.get('error', r['status'])}"
+            " (the stage serves on its other replicas)"
+            for s in stages
+            for r in s.get("replicas", [])
+            if (s["stage_id"], r["replica"]) in h["replicas_down"]
         ]
         if down:
             body["down"] = down
@@ -124,7 +145,9 @@ def add_introspection_routes(
             "shm_published": [n for n in names if ".k." in n],
             # request id -> the stages working on it (waiting for a recovering one: absent)
             "requests": state.service.pipeline.request_stages(),
+            # request id -> {stage id: the replica it was routed to} (every stage it entered)
+            "replicas": state.service.pipeline.request_replicas(),
         }
 
 
-__all__ = ["PRIVATE_STAGE_FIELDS", "add_introspection_routes"]
+__all__ = ["PRIVATE_STAGE_FIELDS", "add_introspection_routes", "public_stage_entry"]
