@@ -166,11 +166,6 @@ def _bind_copy(copy: ResolvedStage, links: list[Link]) -> ResolvedStage:
         sender = e.role == "sender"
         mine = [x for x in links if (x.from_stage, x.to_stage) == (e.from_stage, e.to_stage)]
         pairs = [x for x in mine if (x.from_replica if sender else x.to_replica) == k]
-        if len({x.route for x in pairs}) > 1 and copy.url is not None:
-            raise ConfigError(
-                f"stage {copy.stage_id} (url): its peers on edge {e.from_stage} -> {e.to_stage} run on "
-                "its node and on others; an external server has one connector per edge: name it"
-            )
         if len({x.route for x in pairs}) > 1 and e.payload_mode != "none":
             # A payload receiver reaches its sender with what the sender says up front, the
             # same for every request: it cannot tell one route's from the other's yet.
