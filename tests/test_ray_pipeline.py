@@ -197,6 +197,15 @@ def test_a_stage_no_node_can_take_fails_the_start_naming_it(nodes: RayNodes, tmp
     assert "not placed after 3 s (start_timeout): no Ray node has" in str(info.value)
     assert "node_z" in str(info.value)
     assert _released(nodes), ray.available_resources()  # stage 0's actor, placed, was killed
+    # a replica no node can take: the error names it (its sibling, placed, is released too)
+    replicas = [{"resources": {"node_b": 1}}, {"resources": {"node_z": 1}}]
+    config = _config(tmp_path, [{"node_a": 1}, {}], start_timeout=3, replicas=2, placement=replicas)
+    pipe = Pipeline.from_config(config, model=model, ray_address=nodes.address, log_dir=tmp_path / "logs")
+    with pytest.raises(StageError) as info:
+        pipe.start()
+    assert (info.value.stage_id, info.value.replica) == (1, 1)
+    assert str(info.value).startswith("stage 1 (diffusion) replica 1 failed: not placed after 3 s")
+    assert _released(nodes), ray.available_resources()
 
 
 def test_dit_replicas_on_two_nodes_get_shared_memory_and_tcp_each_from_the_llm_stage(
