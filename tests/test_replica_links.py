@@ -160,6 +160,12 @@ def test_a_routed_end_sends_each_request_over_its_route_and_refuses_one_without(
         k_again = kv_key("again", 0, 1)
         meta = sender.put(0, 1, k_again, _kv(3)).metadata
         assert torch.equal(routed_receiver.get(0, 1, k_again, meta, deadline=_soon())["k"], _kv(3)["k"])
+        # a withdrawal (cleanup) reaches the key over whichever route it went
+        table.set("gone", {"1": "same"})
+        k_gone = kv_key("gone", 0, 1)
+        gone = sender.put(0, 1, k_gone, _kv(2))
+        sender.cleanup(k_gone)
+        assert gone.ok and near.get(0, 1, k_gone, gone.metadata) is None
         # a request the orchestrator named no route for is refused, not guessed
         refused = sender.put(0, 1, k_none, _kv(2))
         assert not refused.ok and "no route towards stage 1" in refused.error

@@ -103,8 +103,6 @@ class RoutedConnector(Connector):
         self._table = table or ROUTES
         self._made: dict[str, Connector] = {}
         self._lock = threading.Lock()
-        #: what this end put, key -> its route (a cleanup goes there)
-        self._put: dict[str, str] = {}
         # Unread data dies with the sender if it does on any route (supervision asks).
         self.data_outlives_sender = all(
             getattr(_factory(n), "data_outlives_sender", True) for n, _ in self._specs.values()
@@ -139,11 +137,7 @@ class RoutedConnector(Connector):
         route = self._route_of(key, to_stage)
         if route is None:
             return self._no_route(key, to_stage)
-        result = _tagged(self.route(route).put(from_stage, to_stage, key, payload), route)
-        if result.ok:
-            with self._lock:
-                self._put[key] = route
-        return result
+        return _tagged(self.route(route).put(from_stage, to_stage, key, payload), route)
 
     def reserve(self, from_stage: Stage, to_stage: Stage, key: str, nbytes: int) -> Reservation | PutResult:
         route = self._route_of(key, to_stage)
@@ -152,8 +146,6 @@ class RoutedConnector(Connector):
         got = self.route(route).reserve(from_stage, to_stage, key, nbytes)
         if isinstance(got, PutResult):
             return got
-        with self._lock:
-            self._put[key] = route
         return _RoutedReservation(got, route)
 
     def _read_route(self, metadata: Meta) -> str:
@@ -181,12 +173,12 @@ class RoutedConnector(Connector):
         return self.route(self._read_route(metadata)).renew(from_stage, to_stage, key, metadata)
 
     def cleanup(self, key: str) -> None:
+        # Every route made (a key is on one; cleanup is idempotent and a no-op elsewhere):
+        # remembering each key's route would grow with every request never cleaned up.
         with self._lock:
-            route = self._put.pop(key, None)
-            made = dict(self._made)
-        for name, conn in made.items():  # a receiving end does not know: every route it made
-            if route is None or name == route:
-                conn.cleanup(key)
+            made = list(self._made.values())
+        for conn in made:
+            conn.cleanup(key)
 
     def health(self) -> dict[str, Any]:
         with self._lock:
