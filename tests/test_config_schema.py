@@ -414,8 +414,30 @@ def test_replicas_errors_name_the_key() -> None:
         "stages[1].devices: 3 device(s) cannot be split evenly among 2 replicas"
         " (each replica takes its own, in order)"
     )
+    # Through Ray: one actor per replica, with a placement each (or one for all)
     ray = _with("runtime", {"backend": "ray"}, _with("stages.1.replicas", 2))
-    assert _err(ray) == "stages[1].replicas: replicas run on the local backend only so far (backend is ray)"
+    ray["stages"][1]["placement"] = [{"resources": {"node_a": 1}}, {"resources": {"node_b": 1}}]
+    dit = resolve_spec(spec_from_dict(ray, env={})).stage(1)
+    assert [c.placement["resources"] for c in (dit.for_replica(0), dit.for_replica(1))] == [
+        {"node_a": 1},
+        {"node_b": 1},
+    ]
+    ray["stages"][1]["placement"] = [{"resources": {"node_a": 1}}]
+    assert _err(ray) == (
+        "stages[1].placement: a list of 1 placement(s) for 2 replica(s) (one per replica, in order;"
+        " or one placement for all)"
+    )
+    ray["stages"][1]["placement"] = [{"resources": {"GPU": 1}}, {"resources": {"node_b": 1}}]
+    assert _err(ray) == "stages[1].placement: every replica holds the same GPU count (one platform per stage)"
+    ray["stages"][1]["placement"] = [{}, {"resources": {"node_b": -1}}]
+    assert _err(ray) == "stages[1].placement[1].resources.node_b: must be >= 0, got -1.0"
+    # an auto edge may become either runtime connector: a fixed port there is refused too
+    auto = _with("runtime", {"backend": "ray", "cross_node_connector": "z"}, _with("stages.1.replicas", 2))
+    auto["connectors"]["z"] = {"name": "zmq", "extra": {"port": 5601}}
+    del auto["edges"]
+    assert _err(auto).startswith("stages[1].replicas: edge 0 -> 1 (z) fixes port 5601")
+    auto["runtime"] = {"backend": "ray", "same_node_connector": "cuda_ipc"}
+    assert _err(auto).startswith("stages[1].replicas: edge 0 -> 1 is (or may become) CUDA IPC")
     fixed = _with(
         "connectors", {"z": {"name": "zmq", "extra": {"port": 5601}}}, _with("stages.0.replicas", 2)
     )

@@ -36,6 +36,7 @@ OUTLIVES = {
     "MooncakeTransferEngineConnector": False,
     "NixlConnector": False,
     "CudaIpcConnector": False,  # the device buffer dies with the sender's CUDA context
+    "RoutedConnector": False,  # an instance: True when every one of its routes' is
 }
 
 

@@ -290,7 +290,7 @@ def test_the_stage_process_gets_its_key_on_stdin_through_the_ray_actors_path(
     with FakeOpenAIServer() as server:
         [stage] = resolve(external_stage_config(tmp_path, server.url)).stages
         creds = control.issue(0)
-        host = StageHost("rtest", 0)
+        host = StageHost("rtest", "stage_0.log")
         pid, _ = host.start(
             msgspec.json.encode(stage), control.address, {CREDENTIALS_ENV: creds.encode()}, 0.2
         )

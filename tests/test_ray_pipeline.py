@@ -197,3 +197,72 @@ def test_a_stage_no_node_can_take_fails_the_start_naming_it(nodes: RayNodes, tmp
     assert "not placed after 3 s (start_timeout): no Ray node has" in str(info.value)
     assert "node_z" in str(info.value)
     assert _released(nodes), ray.available_resources()  # stage 0's actor, placed, was killed
+    # a replica no node can take: the error names it (its sibling, placed, is released too)
+    replicas = [{"resources": {"node_b": 1}}, {"resources": {"node_z": 1}}]
+    config = _config(tmp_path, [{"node_a": 1}, {}], start_timeout=3, replicas=2, placement=replicas)
+    pipe = Pipeline.from_config(config, model=model, ray_address=nodes.address, log_dir=tmp_path / "logs")
+    with pytest.raises(StageError) as info:
+        pipe.start()
+    assert (info.value.stage_id, info.value.replica) == (1, 1)
+    assert str(info.value).startswith("stage 1 (diffusion) replica 1 failed: not placed after 3 s")
+    assert _released(nodes), ray.available_resources()
+
+
+def test_dit_replicas_on_two_nodes_get_shared_memory_and_tcp_each_from_the_llm_stage(
+    nodes: RayNodes, tmp_path: Path
+) -> None:
+    """Issue 41 through Ray: the LLM stage and DiT replica 0 on node A, replica 1 on node B
+    (a placement per replica). The auto edge is picked per pair: shared memory to replica 0,
+    ZMQ over TCP to replica 1, so the LLM stage's end is routed and each request's KV goes
+    over its pair's. 4 requests at once: the DiT replica of each is picked when it enters
+    the LLM stage (least outstanding: 0, 1, 0, 1, whatever the timing), and every image is
+    what the single-replica DiT paints from transformers' KV of the request."""
+    from vllm_kvbridge.cli.check_config import format_plan
+    from vllm_kvbridge.config import resolve
+
+    spec = yaml.safe_load(CONFIG.read_text())
+    spec["stages"][0]["placement"] = {"resources": {"node_a": 0.5}}
+    dit = spec["stages"][1]
+    dit.update(replicas=2, placement=[{"resources": {"node_a": 0.5}}, {"resources": {"node_b": 1}}])
+    dit["diffusion"]["max_batch_size"] = 1  # each image exactly the unbatched one
+    config = tmp_path / "ray_replicas.yaml"
+    config.write_text(yaml.safe_dump(spec))
+    text = format_plan(resolve(config))  # what check-config prints: each replica and where it goes
+    assert "    replica 0: a Ray actor holding node_a: 0.5" in text
+    assert "    replica 1: a Ray actor holding node_b: 1" in text
+    assert "auto edges: picked per pair of replicas" in text
+
+    import msgspec
+
+    model, lines = ensure_tiny_model(), []
+    pipe = Pipeline.from_config(
+        config, model=str(model), ray_address=nodes.address, log_dir=tmp_path / "logs", progress=lines.append
+    )
+    pipe.plan = msgspec.structs.replace(
+        pipe.plan, stages=[msgspec.structs.replace(s, debug_dump_dir=str(tmp_path)) for s in pipe.plan.stages]
+    )
+    prompts = [f"A cute cat number {i}" for i in range(4)]
+    with pipe:
+        results = pipe.generate(prompts)
+        plan = pipe.plan
+    log = "\n".join(lines)
+    same = "auto: stage 0 and stage 1 replica 0 on one node"
+    assert f"[edge 0->1 replica 0->0] SharedMemoryConnector ({same} ({nodes.node_a[:12]}" in log
+    assert f"[edge 0->1 replica 0->1] ZmqConnector (auto: stage 0 on node {nodes.node_a[:12]}" in log
+    assert plan.copies(0)[0].outputs[0].connector.name == "RoutedConnector"
+    record = write_outputs(results, plan, tmp_path / "out", time.time())["requests"]
+    served = [next(s for s in r["stages"] if s["stage_id"] == 1) for r in record]
+    print(f"\nDiT replica per request: {[s['replica'] for s in served]}")
+    assert [s["replica"] for s in served] == [0, 1, 0, 1]
+    assert [s["node_id"] for s in served] == [nodes.node_a, nodes.node_b] * 2
+    used = [[t["connector"] for t in r["transfers"]] for r in record]
+    assert used == [["SharedMemoryConnector"], ["ZmqConnector"]] * 2, used
+    for result in results:
+        check_dumped_kv_is_transformers_kv(model, result, tmp_path, {**AR_TO_DIT_KWARGS, "seed": 0})
+    for k in (0, 1):  # each replica's log, written on its node, copied into the run's
+        assert "stage 1 rank 0 shut down" in (tmp_path / f"logs/stage_1.replica{k}.log").read_text(
+            errors="replace"
+        )
+    assert _released(nodes), ray.available_resources()
+    namespace = plan.copies(1)[0].inputs[0].connector.config["namespace"]
+    assert not [n for n in os.listdir("/dev/shm") if namespace in n]

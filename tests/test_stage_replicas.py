@@ -97,16 +97,13 @@ def test_check_config_prints_each_replica_and_where_it_goes() -> None:
     assert "replica" not in format_plan(_plan(1))  # one copy: nothing new to say
 
 
-def test_replicas_are_refused_through_ray_before_anything_starts() -> None:
-    import pytest
-
+def test_replicas_go_through_ray_and_the_local_backend_stays_local() -> None:
     from vllm_kvbridge.pipeline.placement import LocalBackend, make_backend
-    from vllm_kvbridge.pipeline.results import PipelineError
 
     plan = _plan(2)
     assert isinstance(make_backend(plan, "r0"), LocalBackend)
-    with pytest.raises(PipelineError, match=r"stage\(s\) \[1\] have replicas, which run on the local"):
-        make_backend(plan, "r0", ray_address="auto")
+    nodes = LocalBackend().place([c for s in plan.stages for c in plan.copies(s.stage_id)])
+    assert sorted(nodes) == [(0, 0), (1, 0), (1, 1)]
 
 
 def test_health_hides_every_replicas_pid_from_an_untrusted_caller() -> None:

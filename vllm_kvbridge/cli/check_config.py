@@ -138,9 +138,8 @@ def _stage_lines(s: ResolvedStage, plan: ResolvedPipeline) -> list[str]:
             f"  kv receive: timeout {kv['recv_timeout']:g} s, prefetch "
             f"{'on' if kv.get('prefetch') else 'off'}"
         )
-    if plan.backend == "ray":
-        wants = ", ".join(f"{k}: {v:g}" for k, v in sorted((s.placement.get("resources") or {}).items()))
-        lines.append(f"  placement: a Ray actor holding {wants or 'no resources'}")
+    if plan.backend == "ray" and s.replicas == 1:
+        lines.append(f"  placement: {_ray_placement(s)}")
     for e in s.outputs:
         lines.append(
             f"  -> stage {e.to_stage}: {_connector(e, plan)} sends {_carries(e)}; tp {e.from_tp} -> {e.to_tp}"
@@ -161,13 +160,24 @@ def _replica_lines(s: ResolvedStage, plan: ResolvedPipeline) -> list[str]:
     """A replicated stage's copies and where each goes (one line each)."""
     if s.replicas == 1:
         return []
-    where = "a process on this host (local backend)" if plan.backend == "local" else "a Ray actor"
     lines = [f"  replicas: {s.replicas}, each its own process; requests go to the least loaded"]
     for k in range(s.replicas):
         copy = s.for_replica(k)
         devices = f", devices {copy.devices}" if copy.devices is not None else ""
+        where = "a process on this host (local backend)"
+        if plan.backend == "ray":
+            where = _ray_placement(copy)
+            if not s.replica_placements:
+                where += " (Ray spreads the replicas over the nodes that have it)"
         lines.append(f"    replica {k}: {where}{devices}")
+    if plan.backend == "ray" and any(e.connector.name == AUTO_CONNECTOR for e in (*s.inputs, *s.outputs)):
+        lines.append("    auto edges: picked per pair of replicas, by the nodes they land on")
     return lines
+
+
+def _ray_placement(s: ResolvedStage) -> str:
+    wants = ", ".join(f"{k}: {v:g}" for k, v in sorted((s.placement.get("resources") or {}).items()))
+    return f"a Ray actor holding {wants or 'no resources'}"
 
 
 def format_plan(plan: ResolvedPipeline) -> str:

@@ -126,6 +126,10 @@ def summary_table(results: list[Any], plan: Any) -> str:
         for e in s.outputs:
             why = f" ({e.connector.reason})" if e.connector.reason else ""
             lines.append(f"edge {e.from_stage} -> {e.to_stage}: {e.connector.name}{why}")
+    for x in plan.links:  # replicas: each pair's own
+        if plan.stage(x.from_stage).replicas > 1 or plan.stage(x.to_stage).replicas > 1:
+            pair = f"{x.from_stage} -> {x.to_stage} replica {x.from_replica} -> {x.to_replica}"
+            lines.append(f"edge {pair}: {x.connector.name} ({x.connector.reason})")
     return "\n".join(lines)
 
 
@@ -137,8 +141,15 @@ def write_outputs(
     from vllm_kvbridge.pipeline.images import encode_png
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    # The connector each edge used (an auto edge's: the one its placement picked).
+    # The connector each edge used (an auto edge's: the one its placement picked, per pair
+    # of replicas where a stage has several: the request's own pair's).
     connectors = {(e.from_stage, e.to_stage): e.connector.name for s in plan.stages for e in s.outputs}
+
+    def connector(r: Any, a: int, b: int) -> str | None:
+        replica = {x.stage_id: x.replica for x in r.stages}
+        link = plan.link(a, b, replica.get(a, 0), replica.get(b, 0))
+        return link.connector.name if link is not None else connectors.get((a, b))
+
     records = []
     for r in results:
         paths = []
@@ -199,7 +210,7 @@ def write_outputs(
                         "to_stage": b,
                         "what": what,
                         "purpose": purpose,
-                        "connector": connectors.get((a, b)),
+                        "connector": connector(r, a, b),
                         "bytes": t.nbytes,
                         "seconds": round(t.seconds, 6),
                         "waited_s": round(t.waited_s, 6),

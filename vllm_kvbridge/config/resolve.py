@@ -107,8 +107,10 @@ class ResolvedStage(msgspec.Struct):
     runner_cls: str | None = None
     #: The streaming module of a vocoder stage (``VocoderSpec`` as a dict; else None).
     vocoder: dict[str, Any] | None = None
-    #: Where the Ray backend places it (``PlacementSpec`` as a dict: resources, runtime_env).
+    #: Where the Ray backend places it (``PlacementSpec`` as a dict: resources, runtime_env);
+    #: with a placement per replica, ``replica_placements`` lists them (:meth:`for_replica`).
     placement: dict[str, Any] = {}
+    replica_placements: list[dict[str, Any]] = []
     #: The platform its engine arguments were resolved for (``cpu`` or ``cuda``).
     platform: str = CPU
     #: A diffusion stage receiving KV: where its module's KV geometry came from (the
@@ -120,8 +122,8 @@ class ResolvedStage(msgspec.Struct):
     replica: int = 0
 
     def for_replica(self, k: int) -> ResolvedStage:
-        """What replica ``k`` of this stage is started with: its index, and its share of
-        ``devices`` (split evenly in order, checked by ``config/stage_checks.py``)."""
+        """What replica ``k`` of this stage is started with: its index, its placement, and its
+        share of ``devices`` (split evenly in order, checked by ``config/stage_checks.py``)."""
         if not 0 <= k < self.replicas:
             raise ValueError(f"stage {self.stage_id} has {self.replicas} replica(s), no replica {k}")
         devices = self.devices
@@ -129,7 +131,8 @@ class ResolvedStage(msgspec.Struct):
             listed = devices.split(",")
             per = len(listed) // self.replicas
             devices = ",".join(listed[k * per : (k + 1) * per])
-        return msgspec.structs.replace(self, replica=k, devices=devices)
+        placement = self.replica_placements[k] if self.replica_placements else self.placement
+        return msgspec.structs.replace(self, replica=k, devices=devices, placement=placement)
 
     @property
     def named_replica(self) -> int | None:
@@ -143,6 +146,18 @@ class ResolvedStage(msgspec.Struct):
     @property
     def is_external(self) -> bool:
         return self.url is not None
+
+
+class Link(msgspec.Struct, frozen=True):
+    """One pair of replicas of an edge once placed, and the connector between them (an
+    ``auto`` edge's: picked for where these two run, ``config/locality.py``)."""
+
+    from_stage: int
+    to_stage: int
+    from_replica: int
+    to_replica: int
+    connector: ResolvedConnector
+    route: str = ""  # "same" (one node) or "cross"
 
 
 class ResolvedPipeline(msgspec.Struct):
@@ -174,6 +189,26 @@ class ResolvedPipeline(msgspec.Struct):
     cross_node_connector: ResolvedConnector = msgspec.field(
         default_factory=lambda: ResolvedConnector("zmq", "ZmqConnector")
     )
+    #: Once placed (``config/locality.py``): the copies of each stage with replicas as they
+    #: are started, replica by replica (their ``auto`` edges bound per pair), and the
+    #: connector of every pair of replicas on every edge.
+    replica_stages: dict[int, list[ResolvedStage]] = {}
+    links: list[Link] = []
+
+    def copies(self, stage_id: int) -> list[ResolvedStage]:
+        """What each replica of ``stage_id`` is started with (:meth:`ResolvedStage.for_replica`
+        until the plan is placed)."""
+        if stage_id in self.replica_stages:
+            return self.replica_stages[stage_id]
+        s = self.stage(stage_id)
+        return [s.for_replica(k) for k in range(s.replicas)]
+
+    def link(self, a: int, b: int, i: int, j: int) -> Link | None:
+        """Replica ``i`` of stage ``a`` and replica ``j`` of ``b`` on their edge, once placed
+        (None: not placed yet, or an edge that names its connector)."""
+        pair = (a, b, i, j)
+        found = [x for x in self.links if (x.from_stage, x.to_stage, x.from_replica, x.to_replica) == pair]
+        return found[0] if found else None
 
     def stage(self, stage_id: int) -> ResolvedStage:
         for s in self.stages:
@@ -407,7 +442,9 @@ def resolve_spec(
     if rt.backend == "local" and rt.ray_address is not None:
         raise ConfigError("runtime.ray_address: only with backend 'ray' (or leave backend unset)")
     backend = rt.backend or ("ray" if rt.ray_address is not None else "local")
-    platforms = {s.stage_id: stage_platform(s.placement.resources, backend, platform) for s in spec.stages}
+    platforms = {
+        s.stage_id: stage_platform(s.placements()[0].resources, backend, platform) for s in spec.stages
+    }
     # Torch stages beside a vLLM-CPU engine on this host: config/platform.py (cpu_thread_env).
     cpu_llm = backend == "local" and any(
         s.kind in LLM_KINDS and not s.url and platforms[s.stage_id] == CPU for s in spec.stages
@@ -443,8 +480,8 @@ def resolve_spec(
         if placed[key].name == AUTO_CONNECTOR:
             raise ConfigError(f"runtime.{key}: must name a connector, not 'auto'")
     for i, s in enumerate(spec.stages):
-        _check_replicas(f"stages[{i}]", s, stages[i], backend)
-        if backend != "ray" and (s.placement.resources or s.placement.runtime_env):
+        _check_replicas(f"stages[{i}]", s, stages[i], placed)
+        if backend != "ray" and any(pl.resources or pl.runtime_env for pl in s.placements()):
             logger.info("stages[%d].placement: ignored by the local backend", i)
     return ResolvedPipeline(
         name=spec.name,
@@ -470,27 +507,29 @@ def resolve_spec(
 _PORT_OPTIONS = ("port", "control_port")
 
 
-def _check_replicas(path: str, s: StageSpec, stage: ResolvedStage, backend: str) -> None:
-    """What replicas of a stage cannot do yet (issue 41): run through Ray (one actor per
-    replica and their placement are not built), share a fixed port on one host, or pair
-    their GPUs with a CUDA IPC peer."""
+def _check_replicas(
+    path: str, s: StageSpec, stage: ResolvedStage, runtime: dict[str, ResolvedConnector]
+) -> None:
+    """What replicas of a stage cannot do (issue 41): share a fixed port (Ray may place them
+    on one node too), or pair their GPUs with a CUDA IPC peer. An ``auto`` edge may become
+    either runtime connector, so both are checked for it."""
     if s.replicas == 1:
         return
-    if backend == "ray":
-        raise ConfigError(f"{path}.replicas: replicas run on the local backend only so far (backend is ray)")
     for e in (*stage.inputs, *stage.outputs):
-        fixed = [k for k in _PORT_OPTIONS if e.connector.config.get(k)]
-        if fixed:
-            raise ConfigError(
-                f"{path}.replicas: edge {e.from_stage} -> {e.to_stage} ({e.connector.ref}) fixes "
-                f"{fixed[0]} {e.connector.config[fixed[0]]}, which {s.replicas} replicas on one host "
-                "cannot all bind (leave it 0: each picks a free one)"
-            )
-        if e.connector.name == CUDA_IPC:
-            raise ConfigError(
-                f"{path}.replicas: edge {e.from_stage} -> {e.to_stage} is CUDA IPC, whose GPU "
-                "pairing is per stage; replicas cannot use it yet"
-            )
+        ends = list(runtime.values()) if e.connector.name == AUTO_CONNECTOR else [e.connector]
+        for c in ends:
+            fixed = [k for k in _PORT_OPTIONS if c.config.get(k)]
+            if fixed:
+                raise ConfigError(
+                    f"{path}.replicas: edge {e.from_stage} -> {e.to_stage} ({c.ref}) fixes "
+                    f"{fixed[0]} {c.config[fixed[0]]}, which {s.replicas} replicas on one host "
+                    "cannot all bind (leave it 0: each picks a free one)"
+                )
+            if c.name == CUDA_IPC:
+                raise ConfigError(
+                    f"{path}.replicas: edge {e.from_stage} -> {e.to_stage} is (or may become) CUDA IPC, "
+                    "whose GPU pairing is per stage; replicas cannot use it yet"
+                )
 
 
 def _resolve_stage(
@@ -544,7 +583,10 @@ def _resolve_stage(
         url=s.url.rstrip("/") if s.url else None,
         runner_cls=s.runner_cls,
         vocoder=vocoder,
-        placement=msgspec.structs.asdict(s.placement),
+        placement=msgspec.structs.asdict(s.placements()[0]),
+        replica_placements=[msgspec.structs.asdict(pl) for pl in s.placement]
+        if isinstance(s.placement, list)
+        else [],
         platform=platform,
         replicas=s.replicas,
     )

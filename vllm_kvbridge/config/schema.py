@@ -214,12 +214,20 @@ class StageSpec(_Spec):
     vocoder: VocoderSpec | None = None
     start_timeout: float = 300.0
     url: str | None = None
-    placement: PlacementSpec = msgspec.field(default_factory=PlacementSpec)
-    #: Independent copies of the stage, each its own process (engine, TP group); the
-    #: orchestrator routes each request to one of them (``pipeline/replicas.py``). With
-    #: ``devices``, the list is split evenly among them in order (``"0,1"`` for 2: one GPU
-    #: each). The local backend only, for now.
+    #: Where the Ray backend places the stage: one placement for every replica, or a list
+    #: of one per replica (in order: replica k gets the k-th); see ``pipeline/ray_backend.py``.
+    placement: PlacementSpec | list[PlacementSpec] = msgspec.field(default_factory=PlacementSpec)
+    #: Independent copies of the stage, each its own process (engine, TP group; through Ray
+    #: its own actor, on the node its placement picks); the orchestrator routes each request
+    #: to one of them (``pipeline/replicas.py``). With ``devices``, the list is split evenly
+    #: among them in order (``"0,1"`` for 2: one GPU each).
     replicas: int = 1
+
+    def placements(self) -> list[PlacementSpec]:
+        """Each replica's placement (the one ``placement`` repeated, or its list)."""
+        if isinstance(self.placement, list):
+            return list(self.placement)
+        return [self.placement] * self.replicas
 
 
 class EdgeSpec(_Spec):

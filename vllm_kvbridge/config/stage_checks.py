@@ -38,9 +38,19 @@ def check_stage(i: int, s: StageSpec) -> None:
         )
     if s.start_timeout <= 0:
         raise ConfigError(f"{p}.start_timeout: must be > 0, got {s.start_timeout}")
-    for key, amount in s.placement.resources.items():
-        if not amount >= 0:
-            raise ConfigError(f"{p}.placement.resources.{key}: must be >= 0, got {amount}")
+    listed = isinstance(s.placement, list)
+    if listed and len(s.placements()) != s.replicas:
+        raise ConfigError(
+            f"{p}.placement: a list of {len(s.placements())} placement(s) for {s.replicas} replica(s) "
+            "(one per replica, in order; or one placement for all)"
+        )
+    for k, placement in enumerate(s.placements()):
+        where = f"{p}.placement[{k}]" if listed else f"{p}.placement"
+        for key, amount in placement.resources.items():
+            if not amount >= 0:
+                raise ConfigError(f"{where}.resources.{key}: must be >= 0, got {amount}")
+    if len({pl.resources.get("GPU", 0) for pl in s.placements()}) > 1:
+        raise ConfigError(f"{p}.placement: every replica holds the same GPU count (one platform per stage)")
     kv, pl = s.kv_transfer, s.payload
     for name in ("recv_timeout", "send_timeout"):
         if getattr(kv, name) <= 0:

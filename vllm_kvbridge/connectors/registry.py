@@ -29,6 +29,8 @@ _BUILTINS: dict[str, str] = {
     "NixlConnector": "vllm_kvbridge.connectors.nixl:NixlConnector",
     "MooncakeTransferEngineConnector": "vllm_kvbridge.connectors.mooncake_te:MooncakeTransferEngineConnector",
     "CudaIpcConnector": "vllm_kvbridge.connectors.cuda_ipc:CudaIpcConnector",
+    # an edge end whose peer replicas need different connectors (pipeline/placement.py)
+    "RoutedConnector": "vllm_kvbridge.connectors.routed:RoutedConnector",
 }
 #: Short spellings accepted in stage configs.
 _ALIASES: dict[str, str] = {

@@ -219,6 +219,9 @@ class LLMStageEngine(StageEngine):
             raise RequestRejected(f"{type(exc).__name__}: {exc}") from exc
 
     def _submit(self, msg: m.Submit) -> None:
+        if msg.routes:  # before the request (and its companions) can put anything
+            routes = {str(b): r for b, r in msg.routes.items()}
+            self.llm.collective_rpc("kvbridge_route", args=(msg.request_id, routes))
         if msg.companions and (self.settings.get("kv_transfer") or {}).get("need_send_cache"):
             self._submit_companions(msg)
         params = self._params(msg)

@@ -71,6 +71,11 @@ class Submit(_Msg, tag="submit"):
     #: own request and sends its KV under this request's id with that purpose; a diffusion
     #: stage receives them all (see :mod:`vllm_kvbridge.pipeline.cfg`).
     companions: dict[str, str] = {}
+    #: Consumer stage -> the route this request's data takes to it (``same`` / ``cross``),
+    #: where this replica's end of the edge is routed (``connectors/routed.py``): the
+    #: orchestrator picked the consumer replica already, and the stage tells its workers
+    #: before the request starts.
+    routes: dict[int, str] = {}
 
 
 class Abort(_Msg, tag="abort"):

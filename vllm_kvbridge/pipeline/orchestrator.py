@@ -153,7 +153,10 @@ class Pipeline:
         try:
             self._backend = backend = make_backend(self.plan, self.run_id, self._ray_address)
             self.plan = place_stages(self.plan, backend, self.run_id, self._progress)
-            self._stages = {s.stage_id: StageReplicas(s, self.policy) for s in self.plan.stages}
+            plan = self.plan
+            self._stages = {
+                s.stage_id: StageReplicas(s, self.policy, plan.copies(s.stage_id)) for s in plan.stages
+            }
             self._control = ControlPlane(backend.control_host())
             for reps in self._stages.values():
                 for k in range(len(reps)):
@@ -201,7 +204,7 @@ class Pipeline:
 
         stop_stages(self._handles(), shutdown, self.plan.shutdown_timeout)
         if self._backend is not None:
-            self._backend.reap(self.plan.stages)
+            self._backend.reap([c for s in self.plan.stages for c in self.plan.copies(s.stage_id)])
             self._backend.close()
         if self._control is not None:
             self._control.close()
@@ -267,10 +270,17 @@ class Pipeline:
 
     def _submit(self, stage_id: int, msg: m.Submit) -> int:
         """Hand ``msg`` to the replica of ``stage_id`` that :meth:`StageReplicas.pick` picks
-        (see pipeline/replicas.py); returns that replica."""
-        reps = self._stages[stage_id]
-        k = reps.pick(self._requests.outstanding(stage_id, len(reps)))
+        (or picked ahead: a routed producer's consumer; see pipeline/replicas.py); returns it."""
+        reps, book = self._stages[stage_id], self._requests
+        k = book.picked(msg.request_id, stage_id)
+        k = reps.pick(book.outstanding(stage_id, len(reps))) if k is None else k
         h = reps.handle(k)
+        routes = {}
+        for b in reps.routed(k):  # its consumer replica now, and the route there
+            j = self._stages[b].pick(book.outstanding(b, len(self._stages[b])))
+            book.pick(msg.request_id, b, j)
+            routes[b] = self.plan.link(stage_id, b, k, j).route  # type: ignore[union-attr]
+        msg = msgspec.structs.replace(msg, routes=routes) if routes else msg
         record = StageRecord(stage_id, h.stage.kind, time.time(), node_id=h.proc.node.node_id, replica=k)
         self._requests.entered(msg.request_id, record)
         if stage_id == self._order[-1] and msg.request_id in self._requests.on_progress:

@@ -2,9 +2,10 @@
 
 ``vllm-kvbridge run|serve --ray-address auto|HOST:PORT`` (or ``runtime.backend: ray``)
 joins an existing Ray cluster (``ray start --head`` / ``ray start --address``) and gives
-every stage one :class:`StageHost` actor that holds the stage's
-``placement.resources`` (``GPU``, ``CPU``, custom node resources such as ``node_a: 1``)
-for as long as the stage runs. The actor starts the same stage process the local backend
+every stage (every replica of a stage with ``replicas: N``) one :class:`StageHost` actor
+that holds its ``placement.resources`` (``GPU``, ``CPU``, custom node resources such as
+``node_a: 1``; a placement per replica, or one for all, whose actors Ray then spreads over
+the nodes that have them) for as long as it runs. The actor starts the same stage process the local backend
 starts (``python -m vllm_kvbridge.pipeline.stage_process``: its vLLM engine and TP ranks
 run there, on that node) and watches it; the orchestrator drives it through
 :class:`RayStageProcess`, which has the local process's interface, so supervision,
@@ -72,10 +73,10 @@ class StageHost:
     Methods are called from the orchestrator, some while :meth:`wait` blocks (the actor is
     threaded: ``max_concurrency``)."""
 
-    def __init__(self, run_id: str, stage_id: int) -> None:
+    def __init__(self, run_id: str, log_name: str) -> None:
         self._dir = Path(os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()) / f"kvbridge-{run_id}"
         self._dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = self._dir / f"stage_{stage_id}.log"
+        self.log_path = self._dir / log_name
         # The stage process is a child of this actor: driven here as the local backend
         # drives its children.
         self._proc: LocalStageProcess | None = None
@@ -222,9 +223,10 @@ class RayBackend:
             except ConnectionError as exc:
                 raise PipelineError(f"cannot join the Ray cluster at {address!r}: {exc}") from None
         self._run_id = run_id
-        self._placed: dict[int, Any] = {}  # stage id -> actor placed, not started yet
-        self._actors: dict[int, list[tuple[Any, Path]]] = {}  # every actor of a stage, log copy
-        self._nodes: dict[int, NodeInfo] = {}
+        # keyed by (stage id, replica)
+        self._placed: dict[tuple[int, int], Any] = {}  # actor placed, not started yet
+        self._actors: dict[tuple[int, int], list[tuple[Any, Path]]] = {}  # every actor, log copy
+        self._nodes: dict[tuple[int, int], NodeInfo] = {}
         self._closed = False
 
     def control_host(self) -> str:
@@ -239,22 +241,28 @@ class RayBackend:
             "num_gpus": resources.pop("GPU", 0),
             "resources": resources,
             "max_concurrency": 8,
-            "name": f"kvbridge-{self._run_id}-stage-{stage.stage_id}-{time.monotonic_ns()}",
+            "name": f"kvbridge-{self._run_id}-stage-{stage.stage_id}-r{stage.replica}-{time.monotonic_ns()}",
         }
         if stage.placement.get("runtime_env"):
             options["runtime_env"] = stage.placement["runtime_env"]
         if node_id is not None:  # a restart: where its edges were chosen for
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
-        return _actor_class().options(**options).remote(self._run_id, stage.stage_id)
+        elif stage.replicas > 1:  # replicas spread over the nodes their placement allows
+            options["scheduling_strategy"] = "SPREAD"
+        log_name = f"stage_{stage.stage_id}.log"
+        if stage.replicas > 1:
+            log_name = f"stage_{stage.stage_id}.replica{stage.replica}.log"
+        return _actor_class().options(**options).remote(self._run_id, log_name)
 
-    def place(self, stages: Sequence[ResolvedStage]) -> dict[int, NodeInfo]:
+    def place(self, stages: Sequence[ResolvedStage]) -> dict[tuple[int, int], NodeInfo]:
         ray = self._ray
-        actors = {s.stage_id: self._new_actor(s) for s in stages}
+        actors = {(s.stage_id, s.replica): self._new_actor(s) for s in stages}
         self._placed.update(actors)
-        refs = {s.stage_id: actors[s.stage_id].node.remote() for s in stages}
+        refs = {key: actor.node.remote() for key, actor in actors.items()}
         for s in stages:
+            key = (s.stage_id, s.replica)
             try:
-                node_id, ip, shm = ray.get(refs[s.stage_id], timeout=s.start_timeout)
+                node_id, ip, shm = ray.get(refs[key], timeout=s.start_timeout)
             except ray.exceptions.GetTimeoutError:
                 wants = s.placement.get("resources") or {}
                 raise StageError(
@@ -262,19 +270,23 @@ class RayBackend:
                     s.kind,
                     f"not placed after {s.start_timeout:.0f} s (start_timeout): no Ray node has"
                     f" the resources of placement.resources {wants}",
+                    replica=s.named_replica,
                 ) from None
             except ray.exceptions.RayError as exc:
-                raise StageError(s.stage_id, s.kind, f"its Ray actor failed: {_first_line(exc)}") from None
-            self._nodes[s.stage_id] = NodeInfo(node_id, ip, shm)
+                raise StageError(
+                    s.stage_id, s.kind, f"its Ray actor failed: {_first_line(exc)}", replica=s.named_replica
+                ) from None
+            self._nodes[key] = NodeInfo(node_id, ip, shm)
         return dict(self._nodes)
 
     def spawn(
         self, stage: ResolvedStage, address: str, log_path: Path, env: Mapping[str, str], heartbeat_s: float
     ) -> StageHandle:
         ray = self._ray
-        node = self._nodes[stage.stage_id]
-        actor = self._placed.pop(stage.stage_id, None) or self._new_actor(stage, node.node_id)
-        self._actors.setdefault(stage.stage_id, []).append((actor, log_path))
+        key = (stage.stage_id, stage.replica)
+        node = self._nodes[key]
+        actor = self._placed.pop(key, None) or self._new_actor(stage, node.node_id)
+        self._actors.setdefault(key, []).append((actor, log_path))
         now = time.monotonic()
         try:
             env = {**dict(env), "KVBRIDGE_RAY_NODE_ID": node.node_id}

@@ -22,7 +22,13 @@ What follows from routing a request once per stage:
   (:mod:`vllm_kvbridge.connectors.keys`), a request is in one replica of a stage at a time,
   and its consumer reads with the sender info of the producer replica that made it (named
   in ``Upstream.replica``), so every producer replica can send to every consumer replica
-  over the edge's connector.
+  over the edge's connector;
+* through Ray the connector is picked per pair of replicas (``config/locality.py``): a
+  producer replica with consumer replicas on its node and on others holds both (its end is
+  routed: ``connectors/routed.py``). Its data must go over the pair's, so the consumer
+  replica of a request is picked when the request is submitted to that producer
+  (:meth:`StageReplicas.routed`, ``RequestBook.pick``; it counts as that replica's load
+  from then on) and the producer is told the route (``Submit.routes``).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from vllm_kvbridge.config.locality import ROUTED
 from vllm_kvbridge.config.resolve import ResolvedStage
 from vllm_kvbridge.pipeline.results import StageError
 from vllm_kvbridge.pipeline.stage_handles import StageHandle
@@ -41,10 +48,15 @@ __all__ = ["StageReplicas"]
 class StageReplicas:
     """The processes of one stage (one per replica) and their supervision."""
 
-    def __init__(self, stage: ResolvedStage, policy: RestartPolicy) -> None:
+    def __init__(
+        self, stage: ResolvedStage, policy: RestartPolicy, copies: Sequence[ResolvedStage] | None = None
+    ) -> None:
         self.stage = stage
-        #: what each replica's process is started with (again after a loss)
-        self.copies = [stage.for_replica(k) for k in range(stage.replicas)]
+        #: what each replica's process is started with (again after a loss): the placed
+        #: plan's copies (``ResolvedPipeline.copies``), else ``for_replica``'s
+        self.copies = (
+            list(copies) if copies is not None else [stage.for_replica(k) for k in range(stage.replicas)]
+        )
         #: the current process of each replica (None until it is first spawned)
         self.handles: list[StageHandle | None] = [None] * stage.replicas
         self.supervision = [StageSupervision(policy) for _ in self.copies]
@@ -78,6 +90,11 @@ class StageReplicas:
         least loaded one that is not recovering (any, when all are), lowest index first."""
         up = [k for k, sup in enumerate(self.supervision) if not sup.recovering]
         return min(up or range(len(self)), key=lambda k: (load[k], k))
+
+    def routed(self, k: int) -> list[int]:
+        """The consumer stages replica ``k`` sends to over a routed end: a request's consumer
+        replica there is picked when the request is submitted to ``k``."""
+        return [e.to_stage for e in self.copies[k].outputs if e.connector.name == ROUTED]
 
     def recovering_error(self) -> StageError | None:
         """Why the stage cannot take a request now: every replica is being restarted (the

@@ -42,6 +42,9 @@ class RequestBook:
         self._counter = 0
         self._stage_params: dict[str, dict[int, dict[str, Any]]] = {}
         self._companions: dict[str, dict[str, str]] = {}  # CFG companions (pipeline/cfg.py)
+        #: request id -> {stage id: its replica}, picked before the request reaches it (its
+        #: producer's routed edge needs it: pipeline/replicas.py), until it is submitted there
+        self._picked: dict[str, dict[int, int]] = {}
         self._polled: set[str] = set()  # ids started with submit(), returned by poll()
         self._finished_polled: list[RequestResult] = []
 
@@ -93,9 +96,18 @@ class RequestBook:
         extra = self._stage_params.get(rid, {}).get(stage.stage_id, {})
         return {**stage.default_sampling_params, **extra, **(own or {})}
 
+    def pick(self, rid: str, stage_id: int, replica: int) -> None:
+        """Request ``rid`` will go to ``replica`` of ``stage_id`` (it counts there from now)."""
+        self._picked.setdefault(rid, {})[stage_id] = replica
+
+    def picked(self, rid: str, stage_id: int) -> int | None:
+        """The replica of ``stage_id`` picked for ``rid`` ahead (None: none was)."""
+        return self._picked.get(rid, {}).get(stage_id)
+
     def entered(self, rid: str, record: StageRecord) -> None:
         """Request ``rid`` is submitted to ``record.stage_id`` (maybe still waiting for it)."""
         self.results[rid].stages.append(record)
+        self._picked.get(rid, {}).pop(record.stage_id, None)
 
     def sent(self, rid: str, stage_id: int) -> None:
         """Stage ``stage_id`` works on request ``rid`` now."""
@@ -157,6 +169,9 @@ class RequestBook:
                 for x in r.stages:
                     if x.stage_id == stage_id and not x.done:
                         load[x.replica] += 1
+        for picks in self._picked.values():  # on its way there already
+            if stage_id in picks:
+                load[picks[stage_id]] += 1
         return load
 
     def done_stages(self, rid: str) -> set[int]:
@@ -180,6 +195,7 @@ class RequestBook:
         self.deadlines.pop(rid, None)
         self._stage_params.pop(rid, None)
         self._companions.pop(rid, None)
+        self._picked.pop(rid, None)
         self.on_progress.pop(rid, None)
         stages = self.where.pop(rid, set())
         return stages if error is not None else set()

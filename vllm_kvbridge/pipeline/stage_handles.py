@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from vllm_kvbridge.config.locality import NodeInfo, local_node
+from vllm_kvbridge.config.locality import ROUTED, NodeInfo, local_node, routed_config
 from vllm_kvbridge.config.resolve import ResolvedConnector, ResolvedStage
 from vllm_kvbridge.connectors.keys import edge_name
 from vllm_kvbridge.pipeline.control_auth import credentials_from
@@ -407,9 +407,12 @@ def with_run_namespaces(
     ``external`` stage (a server started from the config before this run) keep theirs."""
 
     def fix(c: ResolvedConnector, a: int, b: int) -> ResolvedConnector:
-        if c.name not in RUN_NAMESPACED or "namespace" in c.config or {a, b} & external:
-            return c
-        return msgspec.structs.replace(c, config={**c.config, "namespace": f"{run_id}-{edge_name(a, b)}"})
+        def scoped(name: str, config: dict[str, Any]) -> dict[str, Any]:
+            if name not in RUN_NAMESPACED or "namespace" in config or {a, b} & external:
+                return config
+            return {**config, "namespace": f"{run_id}-{edge_name(a, b)}"}
+
+        return map_leaves(c, scoped)
 
     inputs = [
         msgspec.structs.replace(e, connector=fix(e.connector, e.from_stage, e.to_stage)) for e in stage.inputs
@@ -423,6 +426,26 @@ def with_run_namespaces(
 
 ZMQ_CONNECTOR = "ZmqConnector"
 CURVE_ENV_PREFIX = "KVBRIDGE_CURVE_"
+
+
+def leaves(c: ResolvedConnector) -> list[tuple[str, dict[str, Any]]]:
+    """(name, config) of the connectors ``c`` is: itself, or a routed end's routes."""
+    if c.name != ROUTED:
+        return [(c.name, c.config)]
+    return [(v["name"], dict(v.get("config") or {})) for v in c.config["routes"].values()]
+
+
+def map_leaves(
+    c: ResolvedConnector, fn: Callable[[str, dict[str, Any]], dict[str, Any]]
+) -> ResolvedConnector:
+    """``c`` with the config of each of its :func:`leaves` replaced by ``fn(name, config)``."""
+    if c.name != ROUTED:
+        config = fn(c.name, c.config)
+        return c if config is c.config else msgspec.structs.replace(c, config=config)
+    routes = {
+        r: (v["name"], fn(v["name"], dict(v.get("config") or {}))) for r, v in c.config["routes"].items()
+    }
+    return msgspec.structs.replace(c, config=routed_config(routes))
 
 
 def binds_beyond_loopback(config: dict[str, Any]) -> bool:
@@ -442,18 +465,20 @@ def with_run_curve_keys(
 
     import zmq
 
-    # Each end of an edge may name its own connector (output_connectors / input_connectors).
-    senders = {(e.from_stage, e.to_stage): e.connector for s in stages for e in s.outputs}
-    receivers = {(e.from_stage, e.to_stage): e.connector for s in stages for e in s.inputs}
+    # Each end of an edge may name its own connector (output_connectors / input_connectors);
+    # a replica's end may hold a ZMQ route among others (connectors/routed.py).
+    ends: dict[tuple[int, int], list[tuple[str, dict[str, Any]]]] = {}
+    beyond: set[tuple[int, int]] = set()
+    for s in stages:
+        for e in (*s.inputs, *s.outputs):
+            edge = (e.from_stage, e.to_stage)
+            ends.setdefault(edge, []).extend(leaves(e.connector))
+            tcp = [cfg for name, cfg in leaves(e.connector) if name == ZMQ_CONNECTOR]
+            if e.role == "sender" and any(binds_beyond_loopback(cfg) for cfg in tcp):
+                beyond.add(edge)
     keys: dict[tuple[int, int], str] = {}
-    for edge, sender in senders.items():
-        connectors = [sender] + ([receivers[edge]] if edge in receivers else [])
-        if (
-            all(c.name == ZMQ_CONNECTOR for c in connectors)
-            and binds_beyond_loopback(sender.config)
-            and not any(k.startswith("curve_") for c in connectors for k in c.config)
-            and not set(edge) & external
-        ):
+    for edge in sorted(beyond):
+        if not any(k.startswith("curve_") for _, cfg in ends[edge] for k in cfg) and not set(edge) & external:
             public, secret = zmq.curve_keypair()
             keys[edge] = json.dumps({"public": public.decode(), "secret": secret.decode()})
     if not keys:
@@ -461,12 +486,15 @@ def with_run_curve_keys(
 
     def fix(e: Any, env: dict[str, str]) -> Any:
         pair = keys.get((e.from_stage, e.to_stage))
-        if pair is None:
+        if pair is None or not any(name == ZMQ_CONNECTOR for name, _ in leaves(e.connector)):
             return e
         var = f"{CURVE_ENV_PREFIX}{e.from_stage}_{e.to_stage}"
         env[var] = pair
-        connector = msgspec.structs.replace(e.connector, config={**e.connector.config, "curve_keys_env": var})
-        return msgspec.structs.replace(e, connector=connector)
+
+        def keyed(name: str, config: dict[str, Any]) -> dict[str, Any]:
+            return {**config, "curve_keys_env": var} if name == ZMQ_CONNECTOR else config
+
+        return msgspec.structs.replace(e, connector=map_leaves(e.connector, keyed))
 
     out = []
     for s in stages:

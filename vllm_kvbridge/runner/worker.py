@@ -37,7 +37,8 @@ engine without a connector, so a kvbridge stage gets the same thread binding as 
 Worker RPCs (``LLM.collective_rpc(name, args=...)`` reaches every rank), on
 :class:`KVBridgeWorkerExtension` and so on every kvbridge worker:
 ``kvbridge_sender_info(request_ids=None)``, ``kvbridge_transfer_status(request_ids=None)``,
-``kvbridge_debug_state()``, ``kvbridge_discard_kv(request_ids)`` (withdraw sent KV of failed requests).
+``kvbridge_debug_state()``, ``kvbridge_discard_kv(request_ids)`` (withdraw sent KV of failed requests),
+``kvbridge_route(transfer_id, routes)`` (the route of a request to each consumer: ``connectors/routed.py``).
 """
 
 from __future__ import annotations
@@ -163,6 +164,13 @@ class KVBridgeWorkerExtension:
     def kvbridge_discard_kv(self, request_ids: Iterable[str]) -> dict[str, int]:
         sender, _runner = self._kvbridge_parts()
         return sender.discard(request_ids) if sender is not None else {}
+
+    def kvbridge_route(self, transfer_id: str, routes: Mapping[str, str]) -> None:
+        """Consumer stage -> the route request ``transfer_id``'s data takes to it, for this
+        process's routed connectors (:mod:`vllm_kvbridge.connectors.routed`)."""
+        from vllm_kvbridge.connectors.routed import ROUTES
+
+        ROUTES.set(transfer_id, routes)
 
 
 class _KVBridgeWorkerMixin(KVBridgeWorkerExtension):
