@@ -160,6 +160,37 @@ def test_a_stopped_descendant_is_a_stall_from_when_it_was_first_seen_stopped() -
         parent.wait()
 
 
+def test_a_stopped_descendant_is_named_even_when_the_wait_on_it_began_first() -> None:
+    """The serve loop starts a turn that waits on the engine (a stats RPC), then the engine is
+    seen stopped: the wait is longer than the stop as seen, yet the stop is its cause, and
+    the reason names it whichever of the two the heartbeat thread noticed first."""
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess; subprocess.run(['sleep', '60'])"])
+    try:
+        live = EngineLiveness(None, root_pid=parent.pid)
+        deadline = time.monotonic() + 30
+        while not (kids := _children(parent.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert kids, "the child never started"
+        live.turn()  # the loop's turn (waiting on the engine) began before the stop was seen
+        time.sleep(1.0)
+        os.kill(kids[0], signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not procfs_stopped(kids[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stalled, why = live.stall()  # first look: the stop is seen now, the wait is older
+        assert stalled >= 1.0 and f"engine process {kids[0]} stopped (state T)" in why, why
+        os.kill(kids[0], signal.SIGCONT)
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def procfs_stopped(pid: int) -> bool:
+    from vllm_kvbridge import procfs
+
+    return procfs.state(pid) in procfs.STOPPED_STATES
+
+
 def _children(pid: int) -> list[int]:
     from vllm_kvbridge import procfs
 

@@ -9,7 +9,8 @@ for ``heartbeat_timeout`` like a stage that stopped beating: killed and restarte
 
 * Stopped processes: a descendant of the stage process (engine core, worker, diffusion rank)
   in a stopped state (SIGSTOP, a tracer), for as long as it has been seen so. This also
-  catches an engine stopped while the stage is idle.
+  catches an engine stopped while the stage is idle. While one is stopped, the reason names
+  it (it explains a wait on the engine too), whichever view has lasted longer.
 * Steps: the serve loop marks each of its turns (:meth:`turn`); a turn that does not end
   means it waits on the engine (a step, an RPC). It counts as stalled only while the engine's
   processes make no steps either (the :mod:`~vllm_kvbridge.runner.progress` board, written by
@@ -59,8 +60,11 @@ class EngineLiveness:
         now = time.monotonic() if now is None else now
         stalled, why = self._waiting(now)
         stopped, how = self._stopped_for(now)
-        if stopped > stalled:
-            stalled, why = stopped, how
+        if how:
+            # A stopped process is the cause of any wait on the engine, so it is what the
+            # reason names, however the two are timed: a wait may have begun before the
+            # heartbeat thread first saw the stop (a stats RPC sent just after it).
+            stalled, why = max(stalled, stopped), how
         return (stalled, why) if stalled >= MIN_STALL_S else (0.0, "")
 
     def _waiting(self, now: float) -> tuple[float, str]:
