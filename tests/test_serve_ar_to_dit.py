@@ -178,10 +178,17 @@ def test_disconnecting_clients_leave_nothing_behind(server: Server) -> None:
     state = wait_for(settled, 30)
     assert state, httpx.get(server.url + "/debug/state").json()
     after = httpx.get(server.url + "/metrics").text
-    gone = _metric(after, "kvbridge_request_failures_total", reason="client_disconnect") - _metric(
-        before, "kvbridge_request_failures_total", reason="client_disconnect"
-    )
-    assert gone >= 8  # a client or two may have been served before it gave up
+
+    def delta(name: str, **labels: str) -> float:
+        return _metric(after, name, **labels) - _metric(before, name, **labels)
+
+    gone = delta("kvbridge_request_failures_total", reason="client_disconnect")
+    # Every request the server took in and never answered (499: the client left first) is
+    # counted as a disconnect. How many that is depends on the machine's load (a client may
+    # give up before the server reads its request, or be served first), so the count is
+    # checked against the server's own, not against a fixed number.
+    left = delta("kvbridge_http_requests_total", endpoint="/v1/images/generations", status="499")
+    assert gone == left and gone >= 1, (gone, left)
     # and the server still serves
     r = httpx.post(server.url + "/v1/images/generations", json={"prompt": "still here"}, timeout=60)
     assert r.status_code == 200
