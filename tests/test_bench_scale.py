@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from vllm_kvbridge.bench.handoff import percentile
-from vllm_kvbridge.bench.scale import CONFIG, scaled_config, stand_in_label
+from vllm_kvbridge.bench.scale import CONFIG, scaled_config, stand_in_label, windows
 from vllm_kvbridge.cli.main import main
 from vllm_kvbridge.errors import ConfigError
 from vllm_kvbridge.models.fixed_time_dit import CLASS_PATH, ENV, FixedTimeDiT
@@ -71,6 +71,13 @@ def test_the_scaled_config_is_the_shipped_one_with_replicas_and_the_stand_in(tmp
     speech = ROOT / "stage_configs/thinker_talker_vocoder.yaml"
     with pytest.raises(ValueError, match="exactly one diffusion stage, found 0"):
         scaled_config(speech, 2, None, tmp_path)
+
+
+def test_the_timed_windows_skip_the_ramp_and_start_at_the_completion_before_them():
+    done = [(float(t), f"r{i}") for i, t in enumerate([1, 2, 4, 5, 7, 8, 12, 13, 20])]
+    got = windows(done, skip=2, n=3, repeats=2)
+    assert [w["requests"] for w in got] == [["r2", "r3", "r4"], ["r5", "r6", "r7"]]
+    assert [w["wall_s"] for w in got] == [7 - 2, 13 - 7]  # the tail (r8) is not timed
 
 
 def test_the_stand_in_dit_builds_only_for_the_bench(monkeypatch):
@@ -123,8 +130,8 @@ def test_the_stand_in_paints_the_tiny_dits_images_and_waits_per_row_and_step(mon
 @pytest.mark.timeout(900)
 def test_bench_scale_end_to_end_each_count_served_by_that_many_replicas(tmp_path):
     """1 and 4 DiT replicas with the stand-in DiT (30 ms per step and request: 8 steps keep
-    each request in a replica for 0.24 s and more, while the 8 requests of a wave leave the
-    LLM stage in the same engine steps, so the DiT holds several at once and
+    each request in a replica for 0.24 s and more, while the warm-up's 8 requests leave the
+    LLM stage in the same engine steps, so the DiT holds them all at once and
     least-outstanding routing spreads them over every replica)."""
     out = tmp_path / "scale.json"
     argv = [sys.executable, "-m", "vllm_kvbridge.cli.main", "bench", "scale", "--replicas", "1,4"]
@@ -151,10 +158,16 @@ def test_bench_scale_end_to_end_each_count_served_by_that_many_replicas(tmp_path
         reqs = load["requests"]
         assert len(reqs) == row["requests"] == 8 and row["failed"] == 0 and row["errors"] == []
         assert all(r["error"] is None and r["latency_s"] > 0 for r in reqs)
-        # served by exactly n replicas, as the requests' result records say
+        # served by exactly n replicas, as the requests' result records say: over the whole
+        # run (its first 8 reach the DiT together and spread over every replica); a window
+        # of 8 may miss one that was busy with a batch of several
+        assert list(row["served_by"]) == [str(k) for k in range(n)], row["served_by"]
+        assert sum(row["served_by"].values()) == 8 + 1 + 8 + 8 + 8  # warm-up, unloaded, ramp, window, tail
         served = [r["replica"] for r in reqs]
-        assert sorted(set(served)) == list(range(n)), served
-        assert row["requests_per_replica"] == {str(k): served.count(k) for k in range(n)}
+        assert set(served) <= set(range(n)), served
+        assert row["requests_per_replica"] == {str(k): served.count(k) for k in sorted(set(served))}
+        assert all(r["ar_s"] > 0 and r["dit_s"] > 0 for r in reqs)
+        assert row["dit_p50_s"] == pytest.approx(percentile([r["dit_s"] for r in reqs], 0.5))
         thr[n] = 8 / load["wall_s"]
         t = row["throughput"]
         assert t["value"] == pytest.approx(thr[n]) and t["min"] == t["max"] == t["value"]
@@ -179,5 +192,6 @@ def test_bench_scale_end_to_end_each_count_served_by_that_many_replicas(tmp_path
         assert (
             cells[1] == f"{row['throughput']['value']:.2f}" and cells[3] == f"{row['speedup']['value']:.2f}x"
         )
-        assert cells[-n:] == [f"{k}:{row['requests_per_replica'][str(k)]}" for k in range(n)]
+        assert cells[13] == str(row["failed"])
+        assert cells[14:] == [f"{k}:{v}" for k, v in row["requests_per_replica"].items()]
     print(proc.stdout)

@@ -7,10 +7,15 @@ stage, nothing else changed), as an in-process
 :class:`~vllm_kvbridge.pipeline.orchestrator.Pipeline` with real engines and processes,
 and driven closed-loop at ``--concurrency`` (8) from one thread (``submit`` / ``poll``,
 as the server drives it): per pipeline one warm-up load (not counted), ``--baseline``
-sequential requests (the unloaded latency), then ``--repeats`` loads of ``--requests``
-requests. Per request: its latency (submitted -> result, this process's clock) and the
-DiT replica that served it, from the request's result record (``StageRecord.replica``,
-what ``result.json`` holds), so the output shows that N replicas really served.
+sequential requests (the unloaded latency), then one continuous closed loop whose
+completions, after a ramp of ``--concurrency`` (the stages filling up), are cut into
+``--repeats`` windows of ``--requests`` (each window's time runs from the completion
+before it to its last one, and the loop keeps ``--concurrency`` in flight to the end of
+the last window: no window pays for a ramp or a drain). Per request: its latency
+(submitted -> result, this process's clock), the time it spent in each stage (queueing
+included) and the DiT replica that served it, from the request's result record
+(``StageRecord.replica``, what ``result.json`` holds), so the output shows that N
+replicas really served.
 
 Two modes (``--modes``):
 
@@ -21,6 +26,10 @@ Two modes (``--modes``):
   the same tiny DiT whose every denoise step also waits ``--step-ms`` per request in it,
   a STAND-IN FOR GPU TIME (labelled so in the table and the JSON), where replicas must
   scale. Its stage processes get the variable it needs to build (never a config file).
+  The default 100 ms (0.8 s per request in 8 steps) keeps the DiT the bottleneck at 4
+  replicas here: a request spends 0.3-0.9 s in the LLM stage on the loaded 2-core CPU,
+  and a replica stays busy only while its other request (8 over 4 replicas: 2 each)
+  denoises meanwhile; with 50 ms, 4 replicas gave 2.2x one (the LLM stage's time showing).
 
 Ceilings, measured in the same run: the linear-scaling ceiling of N replicas is N /
 the smallest count x that count's throughput (N x the 1-replica throughput); the DiT's,
@@ -69,6 +78,10 @@ class ScaleRequest:
     #: the DiT replica that served it (from its result record; -1: it never reached the DiT)
     replica: int
     error: str | None = None
+    #: seconds it spent in the LLM stage and in the DiT stage (submitted there -> reported
+    #: done, queueing included: ``StageRecord.wall_s``); None where it did not get there
+    ar_s: float | None = None
+    dit_s: float | None = None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -90,8 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--step-ms",
         type=float,
-        default=50.0,
-        help="stand-in: milliseconds each denoise step waits per request in it (default 50)",
+        default=100.0,
+        help="stand-in: milliseconds each denoise step waits per request in it (default 100)",
     )
     p.add_argument("--json", metavar="OUT", help="also write the figures and every request as JSON to OUT")
 
@@ -152,44 +165,70 @@ def prompt(i: int) -> str:
     return f"scale request {i}"
 
 
-def _load(pipe: Any, dit: int, concurrency: int, n: int) -> dict[str, Any]:
-    """``n`` requests, ``concurrency`` of them in flight at all times (closed loop)."""
+def _closed_loop(
+    pipe: Any, stages: tuple[int, int], concurrency: int, total: int
+) -> list[tuple[float, ScaleRequest]]:
+    """``total`` requests, ``concurrency`` of them in flight until the last is sent (closed
+    loop); each as (when it finished, the request), in the order they finished."""
     sent: dict[str, float] = {}
-    done: list[ScaleRequest] = []
+    done: list[tuple[float, ScaleRequest]] = []
     issued = 0
-    start = time.perf_counter()
-    while len(done) < n:
-        while issued < n and len(sent) < concurrency:
+    ar, dit = stages
+    while len(done) < total:
+        while issued < total and len(sent) < concurrency:
             sent[pipe.submit(prompt(issued))] = time.perf_counter()
             issued += 1
         for r in pipe.poll():
-            t = time.perf_counter() - sent.pop(r.request_id)
+            now = time.perf_counter()
+            walls = {s.stage_id: s.wall_s for s in r.stages}
             replica = next((s.replica for s in r.stages if s.stage_id == dit), -1)
-            done.append(ScaleRequest(t, replica, r.error))
-    return {"wall_s": time.perf_counter() - start, "requests": done}
+            req = ScaleRequest(now - sent.pop(r.request_id), replica, r.error, walls.get(ar), walls.get(dit))
+            done.append((now, req))
+    return done
+
+
+def windows(done: list[tuple[float, Any]], skip: int, n: int, repeats: int) -> list[dict[str, Any]]:
+    """The timed loads of one continuous closed loop: ``repeats`` windows of ``n``
+    consecutive completions after the first ``skip`` (the ramp: until then the loop had
+    not filled the stages); a window's wall time runs from the completion before it to
+    its last one, so no window pays for a ramp or a drain."""
+    out = []
+    for r in range(repeats):
+        first = skip + r * n
+        part = done[first : first + n]
+        out.append({"wall_s": part[-1][0] - done[first - 1][0], "requests": [req for _, req in part]})
+    return out
 
 
 def _measure(config: Path, model: str, args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
-    """One pipeline: warm-up, the unloaded latency, then the timed loads."""
+    """One pipeline: warm-up, the unloaded latency, then one closed loop cut into the timed loads."""
     from vllm_kvbridge.config.resolve import resolve
     from vllm_kvbridge.pipeline import Pipeline
 
     plan = resolve(config).with_model(model)
-    dit = next(s.stage_id for s in plan.stages if s.kind == "diffusion")
+    stages = (plan.entry_stage.stage_id, next(s.stage_id for s in plan.stages if s.kind == "diffusion"))
+    c = args.concurrency
     with Pipeline(plan, env=env) as pipe:
         pipe.start()
         # warm-up (every replica's first batch), then the unloaded latency: all must succeed
-        first = _load(pipe, dit, args.concurrency, args.concurrency)["requests"]
-        first += [r for _ in range(args.baseline) for r in _load(pipe, dit, 1, 1)["requests"]]
-        failed = [r.error for r in first if r.error]
+        first = [r for _, r in _closed_loop(pipe, stages, c, c)]
+        unloaded = [r for _ in range(args.baseline) for _, r in _closed_loop(pipe, stages, 1, 1)]
+        failed = [r.error for r in first + unloaded if r.error]
         if failed:
             raise RuntimeError(f"{config.name}: the warm-up / unloaded requests failed: {failed[0]}")
-        unloaded = [r.latency_s for r in first[args.concurrency :]]
-        loads = []
-        for rep in range(args.repeats):
-            _progress(f"  repeat {rep + 1}/{args.repeats}: {args.requests} requests")
-            loads.append(_load(pipe, dit, args.concurrency, args.requests))
-    return {"unloaded_s": unloaded, "loads": loads}
+        _progress(f"  {args.repeats} x {args.requests} requests at concurrency {c}, after a ramp of {c}")
+        # the ramp, the timed windows, and c more so that the last window keeps c in flight
+        done = _closed_loop(pipe, stages, c, c + args.repeats * args.requests + c)
+    served: dict[int, int] = {}
+    for r in first + unloaded + [r for _, r in done]:
+        served[r.replica] = served.get(r.replica, 0) + 1
+    return {
+        "unloaded_s": [r.latency_s for r in unloaded],
+        "loads": windows(done, c, args.requests, args.repeats),
+        # every request this pipeline served, warm-up and ramp included: a window of a few
+        # requests may miss a replica busy with a long batch, the run as a whole does not
+        "served_by": {str(k): served[k] for k in sorted(served)},
+    }
 
 
 def _throughput(load: dict[str, Any]) -> float:
@@ -231,6 +270,9 @@ def summarize(
         "failed": len(reqs) - len(ok),
         "errors": sorted({r.error for r in reqs if r.error})[:5],
         "requests_per_replica": {str(k): used[k] for k in sorted(used)},
+        "served_by": measured["served_by"],
+        "ar_p50_s": percentile([r.ar_s for r in reqs if r.ar_s is not None], 0.5),
+        "dit_p50_s": percentile([r.dit_s for r in reqs if r.dit_s is not None], 0.5),
     }
 
 
@@ -325,12 +367,13 @@ def format_result(r: dict[str, Any]) -> str:
         ),
         f"ratios: vs {counts[0]} replica(s) (x{counts[0]}), of the linear ceiling (N/{counts[0]} x its "
         "throughput), of N x the DiT alone; min-max: over the repeats (ratios: widest); latency "
-        "p50/p99 pooled, x the same pipeline's unloaded latency",
+        "p50/p99 pooled, x the same pipeline's unloaded latency; in AR / DiT: p50 s a request spent "
+        "in each stage (queueing included)",
     ]
     header = (
         f"{'N':>2}  {'req/s':>6}  {'min-max':<11}  {'x' + str(counts[0]):>5}  {'min-max':<9}  "
         f"{'linear':>6}  {'DiT alone':>9}  {'p50 s':>6}  {'p99 s':>6}  {'p50/unl':>7}  {'p99/unl':>7}  "
-        f"{'failed':>6}  served by replica"
+        f"{'in AR':>5}  {'DiT':>5}  {'failed':>6}  served by replica"
     )
     for mode, m in r["modes"].items():
         alone = m["dit_alone"]
@@ -353,7 +396,8 @@ def format_result(r: dict[str, Any]) -> str:
                 f"{row['replicas']:>2}  {t['value']:>6.2f}  {t['min']:>5.2f}-{t['max']:<5.2f}  "
                 f"{s['value']:>4.2f}x  {s['min']:.2f}-{s['max']:.2f}x  {lin['value']:>5.2f}x  "
                 f"{row['of_dit_alone']:>8.2f}x  {lat['p50']:>6.3f}  {lat['p99']:>6.3f}  {p50u:>6.2f}x  "
-                f"{p99u:>6.2f}x  {row['failed']:>6}  {served}"
+                f"{p99u:>6.2f}x  {row['ar_p50_s']:>5.2f}  {row['dit_p50_s']:>5.2f}  "
+                f"{row['failed']:>6}  {served}"
             )
     return "\n".join(lines)
 
