@@ -47,6 +47,8 @@ def _kv(seed: int, seq: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
         (["--requests", "4"], "--requests >= --concurrency"),
         (["--repeats", "0"], "--repeats >= 1"),
         (["--step-ms", "0"], "--step-ms must be > 0"),
+        (["--stage-config", "nowhere.yaml"], "--stage-config: no such file 'nowhere.yaml'"),
+        (["--stage-config", "stage_configs/thinker_talker_vocoder.yaml"], "exactly one diffusion stage"),
     ],
 )
 def test_bad_arguments_are_a_usage_error_before_anything_starts(argv, message):

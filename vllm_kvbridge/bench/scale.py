@@ -308,6 +308,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not args.step_ms > 0:
         raise ValueError(f"--step-ms must be > 0, got {args.step_ms}")
     base = _config_path(args.stage_config)
+    if not base.is_file():
+        raise ValueError(f"--stage-config: no such file {args.stage_config!r}")
     model = chosen_model(args) or tiny_model(None)
     out: dict[str, Any] = {
         "config": args.stage_config,
@@ -320,10 +322,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "modes": {},
     }
     with tempfile.TemporaryDirectory(prefix="kvbridge-bench-scale-") as tmp:
+        steps = {mode: args.step_ms / 1000 if mode == "stand-in" else None for mode in modes}
+        # every config written (and a base config without one DiT refused) before anything runs
+        written = {
+            mode: {n: scaled_config(base, n, steps[mode], Path(tmp)) for n in counts} for mode in modes
+        }
         for mode in modes:
-            step_s = args.step_ms / 1000 if mode == "stand-in" else None
+            step_s, configs = steps[mode], written[mode]
             env = {ENV: "1"} if step_s is not None else {}
-            configs = {n: scaled_config(base, n, step_s, Path(tmp)) for n in counts}
             _progress(f"{mode}: the DiT alone (in process)")
             alone = _dit_alone(configs[counts[0]], args.repeats, step_s is not None)
             measured = {}
