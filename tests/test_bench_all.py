@@ -78,6 +78,7 @@ def test_bench_all_prints_one_table_and_writes_json(tmp_path):
 
 def test_arguments():
     assert parse_only("handoff,connectors") == ["connectors", "handoff"]
+    assert parse_only("scale,serve") == ["serve", "scale"]  # bench scale's group (issue 41)
     for bad in ("", "teleport", "connectors,gpu"):
         with pytest.raises(ValueError):
             parse_only(bad)

@@ -44,6 +44,20 @@ def test_least_outstanding_replica_ties_to_the_lowest_index_and_skips_recovering
     assert [reps.log_name(k) for k in range(3)] == [f"stage_1.replica{k}.log" for k in range(3)]
 
 
+def test_a_batching_dit_is_routed_by_load_alone_an_idle_replica_before_batch_room() -> None:
+    """No batch-room term for the DiT (docs/architecture.md, "Stage replicas"): a request
+    joins a replica's next batch, never its running one, so the idle replica, where it
+    starts at once, beats one whose batch "has room" (1 % 8 != 0); among equal loads the
+    room is equal too, and the lowest index takes it."""
+    data = copy.deepcopy(BASE)
+    data["stages"][1].update(replicas=3, diffusion={"max_batch_size": 8})
+    reps = StageReplicas(resolve_spec(spec_from_dict(data, env={})).stages[1], RestartPolicy())
+    assert reps.stage.diffusion["max_batch_size"] == 8
+    assert reps.pick([1, 0, 1]) == 1
+    assert reps.pick([8, 9, 9]) == 0  # a full batch running: its next batch is empty
+    assert reps.pick([3, 3, 3]) == 0
+
+
 def test_one_replica_is_the_stage_as_before() -> None:
     reps = StageReplicas(_plan(1).stages[1], RestartPolicy())
     assert reps.pick([5]) == 0 and reps.log_name(0) == "stage_1.log"

@@ -12,10 +12,13 @@ Figure groups (``--only``): ``connectors`` (one :func:`~vllm_kvbridge.bench.conn
 call for every connector at ``--size``), ``handoff`` (1 KB over shared memory),
 ``kv-path`` (a vLLM engine's KV to a receiver, 2k and 8k tokens: starts an engine),
 ``serve`` (``bench soak`` at concurrency 8 without aborts on the shipped image config:
-starts a server) and ``speech`` (``bench speech`` at concurrency 1 and 8, its own defaults
+starts a server), ``speech`` (``bench speech`` at concurrency 1 and 8, its own defaults
 but ``--repeat``: the streaming speech pipeline's first packet, goal 1.3x its stages alone
 (issue 40), and its real-time factors, goal 0.8x their ceilings as the other ratios; starts
-a pipeline and a server). An engine that cannot run here (Mooncake or NIXL not installed, a bench
+a pipeline and a server) and ``scale`` (``bench scale --modes stand-in --replicas 1,4``,
+its own defaults but ``--repeat``: throughput of 4 DiT replicas over 1 at concurrency 8
+with the stand-in DiT whose denoise steps wait a fixed time, goal 3.5x (issue 41); starts
+two pipelines). An engine that cannot run here (Mooncake or NIXL not installed, a bench
 that raises) gives "not run" rows with the reason; the others still run. ``--repeat`` goes
 to every bench but the handoff as is (3 by default, to keep the whole run to minutes); the
 handoff keeps its own 200 (a 1 KB handoff takes about a millisecond); its spread column
@@ -34,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-GROUPS = ("connectors", "handoff", "kv-path", "serve", "speech")
+GROUPS = ("connectors", "handoff", "kv-path", "serve", "speech", "scale")
 #: Connectors of the ``connectors`` group, in the order they are measured (registry aliases).
 CONNECTORS = ("shm", "zmq", "mooncake", "mooncake-te", "nixl")
 DEFAULT_STAGE_CONFIG = "stage_configs/ar_to_dit_shm.yaml"
@@ -324,6 +327,29 @@ def _speech(args: argparse.Namespace, res: AllResult, out: list[Figure]) -> None
         fig.measured(f["ratio"], ceiling, f["ratio_min"], f["ratio_max"])
 
 
+def _scale(args: argparse.Namespace, res: AllResult, out: list[Figure]) -> None:
+    """``bench scale`` with the stand-in DiT (a fixed wait per denoise step, standing in
+    for GPU time): throughput of 4 DiT replicas over 1 at concurrency 8 (goal of issue 41:
+    3.5x), the spread the widest the repeats allow."""
+    from vllm_kvbridge.bench import scale
+
+    fig = Figure("scale", "4 DiT replicas vs 1, c=8, stand-in denoise (GPU time)", ">=", 3.5, "x")
+    out.append(fig)
+    argv = ["--modes", "stand-in", "--replicas", "1,4", "--repeats", str(args.repeat)]
+    result = scale.run(_namespace(scale.add_arguments, argv))
+    res.benches["scale"] = result
+    mode = result["modes"]["stand-in"]
+    one, four = mode["rows"]
+    s = four["speedup"]
+    ceiling = (
+        f"1 replica {one['throughput']['value']:.2f}/s, 4: {four['throughput']['value']:.2f}/s; "
+        f"{four['of_dit_alone']:.2f}x of 4 x the DiT alone; {mode['label']}"
+    )
+    if one["failed"] or four["failed"]:
+        ceiling += f"; failed: {one['failed']} and {four['failed']}"
+    fig.measured(s["value"], ceiling, s["min"], s["max"])
+
+
 #: Each fills ``out`` with its figures ("not measured") before its bench runs, then sets them.
 _RUNNERS: dict[str, Callable[[argparse.Namespace, AllResult, list[Figure]], None]] = {
     "connectors": _connectors,
@@ -331,6 +357,7 @@ _RUNNERS: dict[str, Callable[[argparse.Namespace, AllResult, list[Figure]], None
     "kv-path": _kv_path,
     "serve": _serve,
     "speech": _speech,
+    "scale": _scale,
 }
 
 

@@ -1,7 +1,7 @@
 """``vllm-kvbridge bench``: measurements.
 
 Sub-commands: ``connectors``, ``ar-overhead``, ``kv-path``, ``handoff``, ``soak``, ``gpu-path``,
-``speech``, and ``all`` (every bench, one table of ratios to ceilings measured in the same run).
+``speech``, ``scale``, and ``all`` (every bench, one table of ratios to ceilings measured in the same run).
 """
 
 from __future__ import annotations
@@ -98,11 +98,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             _run_speech,
         ),
         (
+            "scale",
+            "throughput and latency with 1, 2, 4 replicas of the DiT (issue 41)",
+            "Run the AR -> DiT pipeline with its DiT at each --replicas count, in process, closed loop at "
+            "--concurrency; print throughput and p50/p99 latency, each as a ratio to a ceiling measured in "
+            "the same run (linear scaling of the smallest count, N x the DiT alone, the unloaded latency) "
+            "and which replica served how many requests. --modes stand-in also runs it with a DiT whose "
+            "every denoise step waits --step-ms per request: a stand-in for GPU time, labelled as such.",
+            _run_scale,
+        ),
+        (
             "all",
             "every bench, one table of ratios to same-run ceilings",
-            "Run the connectors, handoff, kv-path, serve and speech benches in one go and print one row "
-            "per figure: its value (a ratio to a ceiling measured in the same run, or ms), spread over the "
-            "repeats, goal, whether it is met and the ceiling. A figure whose engine cannot run here is "
+            "Run the connectors, handoff, kv-path, serve, speech and scale benches in one go and print one "
+            "row per figure: its value (a ratio to a ceiling measured in the same run, or ms), spread over "
+            "the repeats, goal, whether it is met and the ceiling. A figure whose engine cannot run here is "
             "'not run' with its reason; the exit code is 1 only when every figure failed.",
             _run_all,
         ),
@@ -181,6 +191,13 @@ def _run_speech(args: argparse.Namespace) -> int:
     from vllm_kvbridge.bench.speech import format_result, run, write_json
 
     _report("speech", args, run, format_result, write_json)
+    return 0
+
+
+def _run_scale(args: argparse.Namespace) -> int:
+    from vllm_kvbridge.bench.scale import format_result, run, write_json
+
+    _report("scale", args, run, format_result, write_json)
     return 0
 
 
