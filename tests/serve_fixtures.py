@@ -31,6 +31,18 @@ SERVER_ENV = {
 }
 
 
+class Gates:
+    """Files under ``path`` that test fixtures in the stage processes poll (e.g. ``hold``:
+    keep requests in the stage until the file goes), so a test decides when work proceeds."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def set(self, name: str, on: bool) -> None:
+        f = self.path / name
+        f.touch() if on else f.unlink(missing_ok=True)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

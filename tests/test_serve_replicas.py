@@ -20,26 +20,16 @@ import os
 import signal
 import socket
 import threading
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import yaml
-from serve_fixtures import ROOT, Server, metric, post_images, shm_names, start_serve, stop, wait_for
+from serve_fixtures import ROOT, Gates, Server, metric, post_images, shm_names, start_serve, stop, wait_for
 
 from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
-
-
-class Gates:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def set(self, name: str, on: bool) -> None:
-        f = self.path / name
-        f.touch() if on else f.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +64,19 @@ def _state(srv: Server) -> dict[str, Any]:
     return httpx.get(srv.url + "/debug/state", timeout=30).json()
 
 
+def _served_one_on_each(srv: Server, gates: Gates, prompt: str) -> None:
+    """Two requests held in the DiT at once go one to each replica, and both are served."""
+    gates.set("hold", True)
+    try:
+        threads, answers = post_images(srv, 2, prompt=prompt)
+        assert wait_for(lambda: _routed(srv, 2) == [0, 1], 120), _state(srv)
+    finally:
+        gates.set("hold", False)
+    for t in threads:
+        t.join(120)
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+
+
 def _routed(srv: Server, n: int) -> list[int] | None:
     """The DiT replica of each of the ``n`` requests in flight once all ``n`` are in the DiT
     (sorted), else None."""
@@ -103,15 +106,7 @@ def test_health_lists_each_replica_with_its_state_and_node_and_metrics_carry_the
     assert metric(srv, "kvbridge_stage_up", stage="1") == 2.0  # by stage alone: summed over both
 
     # two requests held in the DiT go one to each replica; each one's latency counts for its own
-    gates.set("hold", True)
-    try:
-        threads, answers = post_images(srv, 2, prompt="a red fox")
-        assert wait_for(lambda: _routed(srv, 2) == [0, 1], 120), _state(srv)
-    finally:
-        gates.set("hold", False)
-    for t in threads:
-        t.join(120)
-    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    _served_one_on_each(srv, gates, "a red fox")
     for k in ("0", "1"):
         assert metric(srv, "kvbridge_stage_latency_seconds_count", stage="1", replica=k) == 1.0
     assert metric(srv, "kvbridge_stage_latency_seconds_count", stage="0", replica="0") == 2.0
@@ -203,15 +198,7 @@ def test_a_killed_replica_fails_only_its_requests_and_the_server_never_answers_5
     assert metric(srv, "kvbridge_request_failures_total", reason="stage_recovering") == 0.0
 
     # and it serves again: of two requests held at once, one goes to it
-    gates.set("hold", True)
-    try:
-        threads, answers = post_images(srv, 2, prompt="a bird")
-        assert wait_for(lambda: _routed(srv, 2) == [0, 1], 120), _state(srv)
-    finally:
-        gates.set("hold", False)
-    for t in threads:
-        t.join(120)
-    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    _served_one_on_each(srv, gates, "a bird")
     assert metric(srv, "kvbridge_stage_latency_seconds_count", stage="1", replica="1") == served_before + 1
     # nothing published is left unread, and nothing of the run once the server stopped
     assert wait_for(lambda: not _state(srv)["shm_published"], 10), _state(srv)

@@ -15,12 +15,11 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from pipeline_fixtures import descendants
-from serve_fixtures import ROOT, Server, metric, post_images, shm_names, start_serve, stop, wait_for
+from serve_fixtures import ROOT, Gates, Server, metric, post_images, shm_names, start_serve, stop, wait_for
 
 from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 from vllm_kvbridge.pipeline.stage_handles import group_alive
@@ -32,15 +31,6 @@ IMAGES = "/v1/images/generations"
 
 def _psm() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("psm_")}
-
-
-class Gates:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def set(self, name: str, on: bool) -> None:
-        f = self.path / name
-        f.touch() if on else f.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
