@@ -27,9 +27,9 @@ Two modes (``--modes``):
   a STAND-IN FOR GPU TIME (labelled so in the table and the JSON), where replicas must
   scale. Its stage processes get the variable it needs to build (never a config file).
   The default 100 ms (0.8 s per request in 8 steps) keeps the DiT the bottleneck at 4
-  replicas here: a request spends 0.3-0.9 s in the LLM stage on the loaded 2-core CPU,
-  and a replica stays busy only while its other request (8 over 4 replicas: 2 each)
-  denoises meanwhile; with 50 ms, 4 replicas gave 2.2x one (the LLM stage's time showing).
+  replicas here: a replica stays busy only while its other request (8 over 4 replicas: 2
+  each) denoises as one is in the LLM stage, which holds a request 0.05-0.6 s on this
+  2-core CPU depending on its load; with 50 ms (0.4 s), 4 replicas gave 2.75x one.
 
 Ceilings, measured in the same run: the linear-scaling ceiling of N replicas is N /
 the smallest count x that count's throughput (N x the 1-replica throughput); the DiT's,
