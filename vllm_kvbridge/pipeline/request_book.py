@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from vllm_kvbridge.config.resolve import ResolvedPipeline, ResolvedStage
 from vllm_kvbridge.pipeline import messages as m
@@ -24,6 +24,8 @@ from vllm_kvbridge.pipeline.admission import check_new_id
 from vllm_kvbridge.pipeline.cfg import companions_for
 from vllm_kvbridge.pipeline.engines import ABORTED_KEEP_S, ExpiringIds
 from vllm_kvbridge.pipeline.results import RequestResult, StageRecord
+
+_T = TypeVar("_T")
 
 
 class RequestBook:
@@ -231,21 +233,25 @@ class RequestBook:
     def request_replicas(self) -> dict[str, dict[int, int]]:
         """Request id -> {stage id: the replica it was routed to} of the requests in flight.
         Safe from another thread, like :meth:`request_stages`."""
-        while True:
-            try:
-                return {
-                    rid: {x.stage_id: x.replica for x in list(r.stages)}
-                    for rid, r in list(self.results.items())
-                    if not r.finished
-                }
-            except RuntimeError:  # the dict changed size while it was read
-                continue
+        return _read_while_changing(
+            lambda: {
+                rid: {x.stage_id: x.replica for x in list(r.stages)}
+                for rid, r in list(self.results.items())
+                if not r.finished
+            }
+        )
 
     def request_stages(self) -> dict[str, list[int]]:
         """Request id -> the stages working on it now. Safe from another thread (for
         ``/debug/state``): a round that meets the pump thread's changes is retried."""
-        while True:
-            try:
-                return {rid: sorted(sids) for rid, sids in list(self.where.items())}
-            except RuntimeError:  # a set changed size while it was read
-                continue
+        return _read_while_changing(lambda: {rid: sorted(sids) for rid, sids in list(self.where.items())})
+
+
+def _read_while_changing(read: Callable[[], _T]) -> _T:
+    """``read()`` from a thread other than the pump's: a round that meets the pump thread's
+    changes (a dict or set changed size while it was read) is retried."""
+    while True:
+        try:
+            return read()
+        except RuntimeError:
+            continue
