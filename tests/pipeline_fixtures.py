@@ -82,9 +82,40 @@ class GatedDiT(TinyKVDiT):
         return super().forward(*args, **kwargs)
 
 
-def shm_segments(prefix: str = "kvbridge.r") -> list[str]:
-    """Segments of pipeline runs (orchestrator namespaces start with ``r<hex>``)."""
+def shm_segments(prefix: str) -> list[str]:
+    """Names in /dev/shm starting with ``prefix`` (``kvbridge.<run id>``: one run's segments)."""
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+
+
+def run_id_in(output: str) -> str:
+    """The run id a pipeline says first (``run <id>: stage logs in ...``) in ``output``."""
+    import re
+
+    found = re.search(r"^run (r[0-9a-f]+): stage logs in ", output, re.MULTILINE)
+    assert found, f"no run id in:\n{output[-3000:]}"
+    return found.group(1)
+
+
+def run_names(run_id: str) -> set[str]:
+    """Everything of run ``run_id`` in /dev/shm now: its segments (``kvbridge.<run>-<edge>...``),
+    its processes' owner files and the names those recorded (vLLM's ``psm_*`` queues,
+    ``sem.mp-*`` semaphores: connectors/shm_owners.py). Never another run's: a test that
+    checks this is not failed by other runs on the host."""
+    from vllm_kvbridge.connectors.shm_owners import OWNER_PREFIX
+
+    names = set(os.listdir("/dev/shm"))
+    own = {n for n in names if n.startswith((f"kvbridge.{run_id}-", f"{OWNER_PREFIX}{run_id}."))}
+    for owner in [n for n in own if n.startswith(OWNER_PREFIX)]:
+        try:
+            lines = Path("/dev/shm", owner).read_text(errors="replace").splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            try:
+                own.add(json.loads(line)["n"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line
+    return own & names
 
 
 def descendants(pid: int) -> list[int]:
@@ -201,13 +232,18 @@ def run_ar_to_dit_over(config: Path, connector: str) -> dict[str, Any]:
     caller's connector-specific checks."""
     import tempfile
 
-    import msgspec
-
     from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
-    from vllm_kvbridge.pipeline import Pipeline
 
     model = ensure_tiny_model()
-    dump = Path(tempfile.mkdtemp(prefix="kvb-dump-"))
+    with tempfile.TemporaryDirectory(prefix="kvb-dump-") as dump:
+        return _run_ar_to_dit_over(config, connector, model, Path(dump))
+
+
+def _run_ar_to_dit_over(config: Path, connector: str, model: Path, dump: Path) -> dict[str, Any]:
+    import msgspec
+
+    from vllm_kvbridge.pipeline import Pipeline
+
     prompts = ["A cute cat", "The quick brown fox jumps over the lazy dog. " * 3]
     pipe = Pipeline.from_config(config, model=str(model))
     pipe.plan = msgspec.structs.replace(

@@ -34,7 +34,10 @@ HANDOFF_FIGURES = {"1 KB handoff p50, SHM (stage path)", "1 KB handoff p50, SHM 
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.long(
+    600,
+    "two real bench groups (connectors over five transports, handoff), each figure repeated",
+)
 def test_bench_all_prints_one_table_and_writes_json(tmp_path):
     out = tmp_path / "all.json"
     argv = [sys.executable, "-m", "vllm_kvbridge.cli.main", "bench", "all"]

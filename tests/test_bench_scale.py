@@ -129,7 +129,9 @@ def test_the_stand_in_paints_the_tiny_dits_images_and_waits_per_row_and_step(mon
 
 @pytest.mark.engine
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.long(
+    900, "the AR -> DiT pipeline started twice (1 and 4 DiT replicas) and a timed closed loop over each"
+)
 def test_bench_scale_end_to_end_each_count_served_by_that_many_replicas(tmp_path):
     """1 and 4 DiT replicas with the stand-in DiT (30 ms per step and request: 8 steps keep
     each request in a replica for 0.24 s and more, while the warm-up's 8 requests leave the

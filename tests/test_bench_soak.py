@@ -30,7 +30,10 @@ FAULTS_CONFIG = "runtime: {heartbeat_timeout: 6, restart_backoff: 0.2}\n"
 PRIVATE_SHM = 'mount -t tmpfs -o size=512m,mode=1777 kvbridge-soak /dev/shm && exec "$@"'
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.long(
+    900,
+    "a served pipeline soaked for rounds of requests with aborts, a stage kill and restart, and every fault",
+)
 def test_soak_with_aborts_a_kill_and_every_fault_accounts_for_every_request(tmp_path: Path) -> None:
     config = tmp_path / "soak.yaml"
     config.write_text((ROOT / "stage_configs/ar_to_dit_shm.yaml").read_text() + FAULTS_CONFIG)

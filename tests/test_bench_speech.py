@@ -59,7 +59,10 @@ def test_the_stages_alone_config_is_the_shipped_one_with_full_edges(tmp_path):
 
 @pytest.mark.engine
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.long(
+    900,
+    "speech pipelines (two LLM engines each): the stages-alone ceiling, then the served run",
+)
 def test_bench_speech_end_to_end_figures_match_the_requests(tmp_path):
     out = tmp_path / "speech.json"
     argv = [sys.executable, "-m", "vllm_kvbridge.cli.main", "bench", "speech"]

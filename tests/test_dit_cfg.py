@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -169,13 +168,15 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.forked
-@pytest.mark.timeout(180)
+@pytest.mark.long(180, "a 2-rank DiT stage: two processes joining a gloo group, plus the one-rank reference")
 @pytest.mark.parametrize("sender_tp", [1, 2])
-def test_two_ranks_cfg_parallel_equal_one_rank_and_follower_never_touches_connector(sender_tp: int) -> None:
+def test_two_ranks_cfg_parallel_equal_one_rank_and_follower_never_touches_connector(
+    sender_tp: int, tmp_path: Path
+) -> None:
     """Rank 0 receives (from a TP-1 sender, or merging the heads of a TP-2 sender), rank 1
     gets the KV through distribute_kv_cache; the images equal the 1-rank run bit for bit."""
     ns = f"dit2r{sender_tp}{os.getpid()}"
-    out = Path(tempfile.mkdtemp(prefix="kvb-dit2r-"))
+    out = tmp_path
     heads = 2 // sender_tp
     caches = [fake_cpu_caches(heads, seed=5 + r) for r in range(sender_tp)]
     plans = _plans()
@@ -295,7 +296,7 @@ def test_external_llm_stage_fails_a_guided_request_at_once() -> None:
 
 @pytest.mark.slow
 @pytest.mark.forked
-@pytest.mark.timeout(180)
+@pytest.mark.long(180, "a 2-rank DiT stage: two processes joining a gloo group")
 def test_rank1_dying_fails_the_stage_and_leaves_nothing_behind() -> None:
     """The stage engine with its real rank-1 process: rank 1 dies in its first forward; the
     request fails, the stage reports rank 1's exit status, close leaves no process/segment."""
@@ -371,12 +372,12 @@ def test_guidance_settings_are_validated_and_decided_per_request() -> None:
 
 @pytest.mark.slow
 @pytest.mark.forked
-@pytest.mark.timeout(180)
-def test_a_branch_failing_on_one_rank_fails_the_request_and_the_ranks_stay_in_step() -> None:
+@pytest.mark.long(180, "a 2-rank DiT stage: two processes joining a gloo group, plus the one-rank reference")
+def test_a_branch_failing_on_one_rank_fails_the_request_and_the_ranks_stay_in_step(tmp_path: Path) -> None:
     """Rank 1's forward raises once: that request fails on rank 0 (no hang in a collective the
     other rank left), and the next guided request on the same group is exact."""
     ns = f"dit2rraise{os.getpid()}"
-    out = Path(tempfile.mkdtemp(prefix="kvb-dit2r-"))
+    out = tmp_path
     caches = fake_cpu_caches(2, seed=5)
     plans = {}
     for i, rid in ((1, "a-1"), (4, "c-3")):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -71,8 +70,7 @@ def _leftovers(namespace: str) -> list[str]:
 
 
 @pytest.mark.forked
-def test_receive_prefetch_and_denoise_exact() -> None:
-    tmp_path = Path(tempfile.mkdtemp(prefix="kvb-dit-"))
+def test_receive_prefetch_and_denoise_exact(tmp_path: Path) -> None:
     ns = f"ditrun{os.getpid()}"
     caches = fake_cpu_caches(2, seed=5)
     plans = {"a-1": request_plan(1), "b-2": request_plan(2)}

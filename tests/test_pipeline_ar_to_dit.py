@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,10 +46,10 @@ def _expected_image(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor
 
 
 @pytest.mark.forked
-@pytest.mark.timeout(300)
-def test_ar_to_dit_shm_end_to_end() -> None:
+@pytest.mark.long(300, "a pipeline start (vLLM engine + DiT) and 20 requests, batched and one by one")
+def test_ar_to_dit_shm_end_to_end(tmp_path: Path) -> None:
     model = ensure_tiny_model()
-    dump = Path(tempfile.mkdtemp(prefix="kvb-dump-"))
+    dump = tmp_path
     prompts = ["A cute cat", "The quick brown fox jumps over the lazy dog. " * 3]
     lines: list[str] = []
     pipe = Pipeline.from_config(
@@ -135,10 +134,10 @@ def test_ar_to_dit_shm_end_to_end() -> None:
 
 
 @pytest.mark.forked
-@pytest.mark.timeout(300)
-def test_ar_to_dit_zmq_through_the_cli() -> None:
+@pytest.mark.long(300, "`run` through the CLI: a pipeline start (vLLM engine + DiT)")
+def test_ar_to_dit_zmq_through_the_cli(tmp_path: Path) -> None:
     model = ensure_tiny_model()
-    out_dir = Path(tempfile.mkdtemp(prefix="kvb-run-"))
+    out_dir = tmp_path
     t0 = time.monotonic()
     proc = subprocess.run(
         [
@@ -214,7 +213,7 @@ def _check_image_of_its_kv(out_dir: Path, heads: int, head_dim: int) -> list[int
 
 
 @pytest.mark.forked
-@pytest.mark.timeout(300)
+@pytest.mark.long(300, "`run` through the CLI: a pipeline start (vLLM engine + DiT)")
 def test_run_with_arch_qwen3(tmp_path: Path) -> None:
     """Issue 39, item 5: `run --arch qwen3` runs the LLM stage on the tiny Qwen3, and the DiT
     (its kwargs name no KV geometry) takes the geometry from it."""
@@ -228,7 +227,7 @@ def test_run_with_arch_qwen3(tmp_path: Path) -> None:
 
 
 @pytest.mark.forked
-@pytest.mark.timeout(300)
+@pytest.mark.long(300, "`run` through the CLI: a pipeline start (vLLM engine + DiT)")
 def test_run_adapts_the_dit_to_a_model_of_other_geometry_and_sliding_windows(tmp_path: Path) -> None:
     """Issue 39, items 3 and 4: the same shipped config runs a Gemma 3 with 4 KV heads of 64
     (the tiny Llama has 2 of 32) without editing the DiT's kwargs, and its sliding-window
@@ -246,7 +245,7 @@ def test_run_adapts_the_dit_to_a_model_of_other_geometry_and_sliding_windows(tmp
 
 
 @pytest.mark.forked
-@pytest.mark.timeout(300)
+@pytest.mark.long(300, "`run` through the CLI: a pipeline start (vLLM engine + two DiT replicas)")
 def test_dit_replicas_share_concurrent_requests_through_the_cli(tmp_path: Path) -> None:
     """Issue 41: ar_to_dit_shm.yaml with ``replicas: 2`` on the DiT, 4 requests at once through
     `run`: each DiT replica is its own process, both serve requests (result.json says which

@@ -16,7 +16,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -44,10 +43,10 @@ def _expected_image(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor
 @pytest.mark.slow
 @pytest.mark.mooncake
 @pytest.mark.forked
-@pytest.mark.timeout(300)
-def test_run_starts_and_stops_its_own_mooncake_master() -> None:
+@pytest.mark.long(300, "`run` through the CLI with its own mooncake_master: a pipeline start")
+def test_run_starts_and_stops_its_own_mooncake_master(tmp_path: Path) -> None:
     model = ensure_tiny_model()
-    out_dir = Path(tempfile.mkdtemp(prefix="kvb-run-mc-"))
+    out_dir = tmp_path
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVB_MOONCAKE_")}
     prompts = ["A cute cat", "The quick brown fox jumps over the lazy dog. " * 3]
     proc = subprocess.run(

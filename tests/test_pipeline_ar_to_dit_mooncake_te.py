@@ -16,7 +16,7 @@ CONFIG = ROOT / "stage_configs/ar_to_dit_mooncake_te.yaml"
 @pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.forked
-@pytest.mark.timeout(300)
+@pytest.mark.long(300, "a pipeline start (vLLM engine + DiT) over Mooncake's transfer engine")
 def test_ar_to_dit_over_the_mooncake_transfer_engine() -> None:
     ends = run_ar_to_dit_over(CONFIG, "MooncakeTransferEngineConnector")
     assert ends["sender"].config["protocol"] == "tcp"

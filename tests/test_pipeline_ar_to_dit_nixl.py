@@ -16,7 +16,7 @@ CONFIG = ROOT / "stage_configs/ar_to_dit_nixl.yaml"
 @pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.forked
-@pytest.mark.timeout(300)
+@pytest.mark.long(300, "a pipeline start (vLLM engine + DiT) over NIXL")
 def test_ar_to_dit_over_nixl() -> None:
     ends = run_ar_to_dit_over(CONFIG, "NixlConnector")
     assert ends["sender"].config["ucx_tls"] == "cma,tcp"

@@ -73,7 +73,7 @@ def _assert_hf(dump: dict[str, torch.Tensor], model: Path, tokens: list[int]) ->
 
 
 @pytest.mark.forked
-@pytest.mark.timeout(400)
+@pytest.mark.long(400, "a pipeline start and guided requests whose companion puts are held and refused")
 def test_guided_request_end_to_end_and_failing_companion(tmp_path: Path) -> None:
     model = ensure_tiny_model()
     dump = tmp_path  # pytest's own temp dir: it keeps only its newest few runs

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from pipeline_fixtures import ROOT, hf_reference, load_dump, processes_using, shm_segments
+from pipeline_fixtures import ROOT, hf_reference, load_dump, processes_using, run_names
 
 from vllm_kvbridge.connectors.keys import encode_request_id
 from vllm_kvbridge.models.guidance import CFG_NEGATIVE
@@ -56,11 +56,10 @@ def _layers(dump: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Ten
 
 
 @pytest.mark.forked
-@pytest.mark.timeout(400)
+@pytest.mark.long(400, "`run` through the CLI: a vLLM engine and a 2-rank DiT stage")
 def test_two_rank_dit_same_image_as_one_rank_nothing_left_behind(tmp_path: Path) -> None:
     model = ensure_tiny_model()
     out_dir = tmp_path  # pytest's own temp dir: it keeps only its newest few runs
-    before = set(shm_segments())
     prompts = ["A cute cat", "The quick brown fox jumps over the lazy dog"]
     cmd = [sys.executable, "-m", "vllm_kvbridge.cli.main", "run"]
     cmd += ["--stage-config", str(ROOT / "stage_configs/ar_to_dit_cfg_2rank.yaml"), "--model", str(model)]
@@ -97,4 +96,4 @@ def test_two_rank_dit_same_image_as_one_rank_nothing_left_behind(tmp_path: Path)
     log = (out_dir / "logs" / "stage_1.log").read_text()
     assert "[stage 1 rank 1] stopped after 2 request(s)" in log, log[-2000:]
     assert processes_using(out_dir) == []  # rank 1 wrote into the stage's log too
-    assert [n for n in shm_segments() if n not in before] == []
+    assert run_names(result["run_id"]) == set()  # this run's: others on the host do not count

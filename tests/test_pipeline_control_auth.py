@@ -168,7 +168,7 @@ def test_a_restarted_stage_process_is_admitted_under_a_key_of_its_own(tmp_path: 
 
 @pytest.mark.engine
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.long(300, "a pipeline start (vLLM engine + DiT) probed by an intruder socket")
 def test_vllm_and_diffusion_stages_serve_through_the_authenticated_control_plane(
     intruder: Callable[[str], zmq.Socket], tmp_path: Path
 ) -> None:

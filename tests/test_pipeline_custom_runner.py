@@ -11,7 +11,6 @@ positions the thinker sampled from is what it sampled (greedy).
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -41,10 +40,10 @@ def _hf_logits(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
 @pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.forked
-@pytest.mark.timeout(500)
-def test_custom_runner_payload_output_arrives_exact() -> None:
+@pytest.mark.long(500, "a pipeline of two vLLM engines (thinker, talker) with a custom runner")
+def test_custom_runner_payload_output_arrives_exact(tmp_path: Path) -> None:
     model = ensure_tiny_model()
-    dump = Path(tempfile.mkdtemp(prefix="kvb-custom-runner-"))
+    dump = tmp_path
     config = yaml.safe_load((ROOT / "stage_configs/thinker_talker_full_payload.yaml").read_text())
     config["stages"][0]["runner_cls"] = RUNNER
     config["runtime"] = {"debug_dump_dir": str(dump)}

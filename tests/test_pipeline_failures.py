@@ -8,14 +8,15 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from pipeline_fixtures import ROOT, STAGE_ENV, processes_using, shm_segments
+from pipeline_fixtures import ROOT, STAGE_ENV, processes_using, run_id_in, run_names
 
 from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
 def _config(tmp: Path, class_path: str, runtime: str = "") -> Path:
@@ -55,9 +56,8 @@ def _run(config: Path, out: Path, timeout: float) -> tuple[subprocess.CompletedP
 
 @pytest.mark.forked
 @pytest.mark.timeout(120)
-def test_stage_crashing_on_start_fails_run_within_seconds() -> None:
-    tmp = Path(tempfile.mkdtemp(prefix="kvb-fail-"))
-    before = set(shm_segments())
+def test_stage_crashing_on_start_fails_run_within_seconds(tmp_path: Path) -> None:
+    tmp = tmp_path
     proc, took = _run(_config(tmp, "pipeline_fixtures.CrashOnInit"), tmp / "out", 100)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     first = proc.stderr.strip().splitlines()[0]
@@ -68,17 +68,16 @@ def test_stage_crashing_on_start_fails_run_within_seconds() -> None:
     assert took < 30, took
     assert "ready" not in proc.stdout.split("[stage 0 (llm_ar)] starting")[1].split("\n")[0]
     assert processes_using(tmp) == []  # every stage (and vLLM child) wrote its log under tmp
-    # Only what this run created counts: other runs on the machine come and go meanwhile.
-    assert [n for n in shm_segments() if n not in before] == []
+    # Only this run's names count: other runs on the machine come and go meanwhile.
+    assert run_names(run_id_in(proc.stdout)) == set()
 
 
 @pytest.mark.forked
-@pytest.mark.timeout(240)
-def test_stage_dying_mid_run_fails_the_prompt_in_it() -> None:
+@pytest.mark.long(240, "`run` through the CLI: a vLLM engine starts, the DiT dies and is restarted")
+def test_stage_dying_mid_run_fails_the_prompt_in_it(tmp_path: Path) -> None:
     """Supervised (the default): the prompt in the dead stage fails naming it, the run
     still writes its results and exits 1 (a request failed), not 3 (the pipeline failed)."""
-    tmp = Path(tempfile.mkdtemp(prefix="kvb-die-"))
-    before = set(shm_segments())
+    tmp = tmp_path
     proc, took = _run(_config(tmp, "pipeline_fixtures.DieInForward"), tmp / "out", 220)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "error: request req-1: stage 1 (diffusion) failed: process exited with status 17" in proc.stderr
@@ -89,14 +88,13 @@ def test_stage_dying_mid_run_fails_the_prompt_in_it() -> None:
     assert "stage 1 (diffusion) failed" in result["requests"][0]["error"]
     assert took < 150, took
     assert processes_using(tmp) == []
-    assert [n for n in shm_segments() if n not in before] == []
+    assert run_names(run_id_in(proc.stdout)) == set()
 
 
 @pytest.mark.forked
-@pytest.mark.timeout(240)
-def test_stage_dying_mid_run_without_restarts_fails_run_with_its_status() -> None:
-    tmp = Path(tempfile.mkdtemp(prefix="kvb-die0-"))
-    before = set(shm_segments())
+@pytest.mark.long(240, "`run` through the CLI: a vLLM engine starts, the DiT dies")
+def test_stage_dying_mid_run_without_restarts_fails_run_with_its_status(tmp_path: Path) -> None:
+    tmp = tmp_path
     proc, took = _run(_config(tmp, "pipeline_fixtures.DieInForward", "max_restarts: 0"), tmp / "out", 220)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     first = proc.stderr.strip().splitlines()[0]
@@ -107,5 +105,5 @@ def test_stage_dying_mid_run_without_restarts_fails_run_with_its_status() -> Non
     assert not (tmp / "out" / "result.json").exists()
     assert took < 150, took
     assert processes_using(tmp) == []
-    # Only what this run created counts: other runs on the machine come and go meanwhile.
-    assert [n for n in shm_segments() if n not in before] == []
+    # Only this run's names count: other runs on the machine come and go meanwhile.
+    assert run_names(run_id_in(proc.stdout)) == set()

@@ -39,7 +39,7 @@ def _config(tmp: Path, gates: Path) -> Path:
 
 
 @pytest.mark.forked
-@pytest.mark.timeout(400)
+@pytest.mark.long(400, "a pipeline of a vLLM engine and two DiT replicas, one killed and restarted")
 def test_a_killed_replica_fails_only_its_requests_while_the_other_serves(tmp_path: Path) -> None:
     gates = tmp_path / "gates"
     gates.mkdir()

@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,10 +26,10 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
 @pytest.mark.forked
-@pytest.mark.timeout(400)
-def test_bad_requests_fail_alone_with_their_reason() -> None:
+@pytest.mark.long(400, "`run` through the CLI: a pipeline start and four requests, one of 600 words")
+def test_bad_requests_fail_alone_with_their_reason(tmp_path: Path) -> None:
     model = ensure_tiny_model()
-    out_dir = Path(tempfile.mkdtemp(prefix="kvb-reqerr-"))
+    out_dir = tmp_path
     config = yaml.safe_load((ROOT / "stage_configs/ar_to_dit_shm.yaml").read_text())
     config["stages"][0]["worker_cls"] = "kv_fault_fixtures.FaultyKVWorker"
     config["stages"][0]["env"] = {"KVB_TEST_REFUSE_KV": "req-3,req-4", "KVB_TEST_LATE_STATUS": "req-4"}
@@ -59,4 +58,5 @@ def test_bad_requests_fail_alone_with_their_reason() -> None:
         assert error.startswith("stage 0 (llm_ar): transfer failed"), (rid, error)
         assert requests[rid]["outputs"] == []
     assert processes_using(out_dir) == []
-    assert [n for n in shm_segments("kvbridge.") if "ireq-" in n] == []
+    run_id = json.loads((out_dir / "result.json").read_text())["run_id"]
+    assert shm_segments(f"kvbridge.{run_id}-") == []  # this run's: others on the host do not count

@@ -105,7 +105,7 @@ def _run(config: str | Path, dump: Path) -> tuple[list, str]:
 
 
 @pytest.mark.forked
-@pytest.mark.timeout(400)
+@pytest.mark.long(400, "a pipeline of two vLLM engines (thinker, talker)")
 def test_thinker_talker_full_payload(tmp_path: Path) -> None:
     model = ensure_tiny_model()
     dump = tmp_path
@@ -134,7 +134,9 @@ def test_thinker_talker_full_payload(tmp_path: Path) -> None:
 
 
 @pytest.mark.forked
-@pytest.mark.timeout(800)
+@pytest.mark.long(
+    800, "two `run`s of two vLLM engines each (one and two talker replicas), 320 thinker tokens"
+)
 def test_async_chunk_talker_follows_the_thinkers_stream_through_the_cli(tmp_path: Path) -> None:
     """And with 2 talker replicas (issue 41): the two requests, submitted at once, go one to
     each replica (least outstanding: the first takes replica 0, the second the other), each
@@ -190,7 +192,9 @@ def _wav(req: dict) -> np.ndarray:  # type: ignore[type-arg]
 
 
 @pytest.mark.forked
-@pytest.mark.timeout(900)
+@pytest.mark.long(
+    900, "two `run`s of the three-stage pipeline (two vLLM engines each), 256 thinker tokens for 4 requests"
+)
 def test_the_shipped_speech_pipeline_streams_end_to_end(tmp_path: Path) -> None:
     """Issue 40: thinker -> talker fed per step -> vocoder, the shipped config as it is (more
     tokens, a longer ``recv_timeout`` for a first chunk), several requests through the CLI,
@@ -271,7 +275,7 @@ def test_the_shipped_speech_pipeline_streams_end_to_end(tmp_path: Path) -> None:
 
 
 @pytest.mark.forked
-@pytest.mark.timeout(500)
+@pytest.mark.long(500, "a `run` of the three-stage pipeline whose streams stall until stall_timeout")
 def test_a_stalled_thinker_or_talker_fails_its_request_alone_and_leaves_nothing(tmp_path: Path) -> None:
     """The shipped three-stage config, both LLM stages on
     ``kv_fault_fixtures.StallPayloadWorker``: the thinker's stream of req-2 and the talker's

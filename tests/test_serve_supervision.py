@@ -18,7 +18,7 @@ import time
 
 import httpx
 import pytest
-from pipeline_fixtures import descendants
+from pipeline_fixtures import descendants, run_names
 from serve_fixtures import ROOT, Gates, Server, metric, post_images, shm_names, start_serve, stop, wait_for
 
 from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
@@ -27,10 +27,6 @@ from vllm_kvbridge.pipeline.stage_handles import group_alive
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 HEARTBEAT_TIMEOUT_S = 6
 IMAGES = "/v1/images/generations"
-
-
-def _psm() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("psm_")}
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +49,9 @@ def served(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped
     text += f"runtime: {{max_restarts: 3, restart_backoff: 0.2, heartbeat_timeout: {HEARTBEAT_TIMEOUT_S}}}\n"
     config = tmp / "supervised.yaml"
     config.write_text(text)
-    psm_before = _psm()
     srv = start_serve(config, tmp, ensure_tiny_model())
     try:
-        yield srv, Gates(gates), psm_before
+        yield srv, Gates(gates)
     finally:
         stop(srv)
 
@@ -85,7 +80,7 @@ def _back(srv: Server, sid: int, old_pid: int, timeout_s: float) -> dict | None:
 
 
 def test_killed_diffusion_stage_fails_its_requests_and_comes_back(served) -> None:  # type: ignore[no-untyped-def]
-    srv, gates, _ = served
+    srv, gates = served
     llm_pid, dit_pid = _stage(srv, 0)["pid"], _stage(srv, 1)["pid"]
     gates.set("hold", True)
     # One request denoising (held), the next one's KV prefetched, the third one's unread.
@@ -133,7 +128,7 @@ def test_killed_diffusion_stage_fails_its_requests_and_comes_back(served) -> Non
 def test_stalled_stage_is_found_by_its_heartbeat_and_restarted(served) -> None:  # type: ignore[no-untyped-def]
     """A stage busy in a long step keeps beating (the held forward); one whose process is
     stopped does not, and is killed and restarted once the heartbeat timeout passed."""
-    srv, gates, _ = served
+    srv, gates = served
     dit_pid = _stage(srv, 1)["pid"]
     gates.set("hold", True)
     threads, answers = post_images(srv, 1)
@@ -156,7 +151,7 @@ def test_stalled_stage_is_found_by_its_heartbeat_and_restarted(served) -> None: 
 
 
 def test_killed_llm_stage_fails_its_request_and_is_back_within_one_engine_start(served) -> None:  # type: ignore[no-untyped-def]
-    srv, _, _ = served
+    srv, _ = served
     llm_pid, dit_pid = _stage(srv, 0)["pid"], _stage(srv, 1)["pid"]
     os.killpg(llm_pid, signal.SIGSTOP)  # the stage and its engine core: the request stays in it
     threads, answers = post_images(srv, 1)
@@ -183,7 +178,7 @@ def _engine_pids(stage_pid: int) -> list[int]:
 def test_stopped_engine_core_of_an_idle_stage_is_found_and_restarted(served) -> None:  # type: ignore[no-untyped-def]
     """The stage process keeps beating, its engine core is stopped (issue 36, item 2): found
     by the stopped state of its process within the heartbeat timeout, killed, restarted."""
-    srv, _, _ = served
+    srv, _ = served
     llm_pid = _stage(srv, 0)["pid"]
     engine = _engine_pids(llm_pid)
     assert engine, "the LLM stage has no engine-core process"
@@ -212,7 +207,7 @@ def test_wedged_llm_worker_fails_its_request_and_is_restarted(served) -> None:  
     """A worker stuck in a step (not stopped: a deadlock, a hung collective) leaves the stage
     beating and its engine core waiting: the progress board shows no step, the request fails
     naming it once the heartbeat timeout passed, and the stage comes back."""
-    srv, gates, _ = served
+    srv, gates = served
     llm_pid = _stage(srv, 0)["pid"]
     gates.set("llm_hold", True)
     try:
@@ -235,8 +230,11 @@ def test_wedged_llm_worker_fails_its_request_and_is_restarted(served) -> None:  
 
 
 def test_a_stage_out_of_restarts_takes_the_pipeline_down_and_sigterm_cleans_up(served) -> None:  # type: ignore[no-untyped-def]
-    srv, _, psm_before = served
+    srv, _ = served
     run_id = httpx.get(srv.url + "/debug/state").json()["run_id"]
+    # vLLM's message queues and semaphores of the run (what its owner files recorded)
+    queues = {n for n in run_names(run_id) if n.startswith(("psm_", "sem.mp-"))}
+    assert queues
     pids = [s["pid"] for s in _health(srv)["stages"]]
     os.kill(pids[0], signal.SIGKILL)  # its fourth loss in the window: no restart left
 
@@ -257,4 +255,4 @@ def test_a_stage_out_of_restarts_takes_the_pipeline_down_and_sigterm_cleans_up(s
         assert wait_for(lambda pid=pid: not group_alive(pid), 10), group_alive(pid)
     assert shm_names(run_id) == []
     # what the killed engines could not remove (vLLM's message queues) was removed for them
-    assert _psm() - psm_before == set()
+    assert queues & set(os.listdir("/dev/shm")) == set()

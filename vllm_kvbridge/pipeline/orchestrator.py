@@ -149,6 +149,9 @@ class Pipeline:
             return
         self._started = True
         self.log_dir = self._logs.ensure()
+        # The run id names everything the run puts in /dev/shm (kvbridge.<run id>-...): said
+        # first, so an operator (or a test) can tell this run's names from another's.
+        self._progress(f"run {self.run_id}: stage logs in {self.log_dir}")
         self._shm = RunShm(self.run_id, self._env)  # reaps dead runs' leftovers now
         try:
             self._backend = backend = make_backend(self.plan, self.run_id, self._ray_address)
