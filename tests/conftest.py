@@ -7,6 +7,7 @@ test modules that need them.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,13 +44,22 @@ DEFAULT_TIMEOUT_S = 120
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Modules longest first (tests/module_seconds.json), so the two xdist workers do not end
-    with one long module alone; within a module pytest's order is kept (shared fixtures,
-    parametrized rows). ``long(seconds, why)`` becomes the test's timeout; a bare ``timeout``
-    above the default is refused, so every test allowed more time carries its reason."""
+    with one long module alone, and those marked ``engines_in_process`` after all others;
+    within a module pytest's order is kept (shared fixtures, parametrized rows).
+    ``long(seconds, why)`` becomes the test's timeout; a bare ``timeout`` above the default is
+    refused, so every test allowed more time carries its reason."""
     import json
 
     seconds = json.loads((Path(__file__).parent / "module_seconds.json").read_text())
-    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::", 1)[0], 0))  # stable
+
+    def order(item: pytest.Item) -> tuple[bool, float]:
+        # Modules that run vLLM engines in the test process go last: vLLM's CPU worker leaves
+        # that process unfit for what comes after (a forked test's child aborts in torch),
+        # and an xdist worker's last module has nothing after it.
+        last = item.get_closest_marker("engines_in_process") is not None
+        return last, -seconds.get(item.nodeid.split("::", 1)[0], 0)
+
+    items.sort(key=order)  # stable: a module's own order is kept
     bare = []
     for item in items:
         long = item.get_closest_marker("long")
@@ -85,6 +95,13 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     yield
     if _watcher is not None:
         _watcher.end_test()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.set_num_threads is not torch._C.set_num_threads:
+        # vLLM's CPU worker does this in its own process; in a test's process every later
+        # forked test of this worker would hang in torch (its fork-safety fixture no-op'd).
+        where = _watcher.seen.problems if _watcher is not None else _problems
+        where.append(f"replaced torch.set_num_threads and left it so: {item.nodeid}")
+        torch.set_num_threads = torch._C.set_num_threads
 
 
 def pytest_testnodedown(node, error) -> None:  # an xdist worker finished: what it saw

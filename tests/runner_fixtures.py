@@ -88,23 +88,35 @@ def start_engine(
     stage = engine_kwargs(settings, platform="cpu", worker_cls=worker_cls)
     if not in_process:
         return LLM(model=str(model_dir), **kwargs, **stage)
+    import torch
     import vllm.envs
 
-    saved = os.environ.get(IN_PROCESS_ENV)
+    # vLLM's CPU worker, here in this process, changes it for good: it replaces
+    # torch.set_num_threads with a no-op (after its thread binding) and sets torch's thread
+    # count. Put both back after the start, or every later test of this xdist worker runs
+    # with them, and a forked test's child keeps the parent's thread pool (torch then hangs
+    # in its first parallel region: conftest._fork_safe_torch could not take it to one).
+    saved_env = {k: os.environ.get(k) for k in (IN_PROCESS_ENV, THREADS_BIND_ENV)}
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
     os.environ[IN_PROCESS_ENV] = "0"
+    os.environ[THREADS_BIND_ENV] = "nobind"  # as stage processes run (never pin this process)
     try:
         return LLM(model=str(model_dir), **kwargs, **stage)
     finally:
-        if saved is None:
-            os.environ.pop(IN_PROCESS_ENV)
-        else:
-            os.environ[IN_PROCESS_ENV] = saved
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
         # vLLM's engine core caches its environment when it starts (enable_envs_cache): in
         # this process, that would keep every later engine in it in-process too.
         vllm.envs.disable_envs_cache()
 
 
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def stop_in_process_engine(llm: Any, settings: dict[str, Any]) -> list[str]:

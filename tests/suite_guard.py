@@ -138,6 +138,8 @@ class Seen:
     tmp: dict[str, str] = field(default_factory=dict)
     #: test -> [wall seconds, CPU seconds of this process and its descendants meanwhile]
     cost: dict[str, list[float]] = field(default_factory=dict)
+    #: what the process running the tests found wrong with itself after a test (conftest.py)
+    problems: list[str] = field(default_factory=list)
 
 
 class _EngineCoreHook(importlib.abc.MetaPathFinder):
@@ -327,6 +329,7 @@ def judge(seen: list[Seen], tmp_root: Path) -> Verdict:
     started by a test marked ``engine``)."""
     verdict = Verdict()
     problems = verdict.problems
+    problems.extend(p for s in seen for p in s.problems)
     for s in seen:
         for pid, (test, marked) in sorted(s.engines.items()):
             if not marked:

@@ -9,7 +9,9 @@ engines run in this process (vLLM's uniprocess executor: the same scheduler, wor
 runner and connector; arch_fixtures steps the engine core as its busy loop would), which
 starts a row's engine in ~2 s instead of ~25 s: what is checked here is what the engine
 computes, and the engine tests of the runner and pipelines run engines in their own
-processes. Each
+processes. vLLM's CPU worker changes its process for good (thread binding, torch's
+``set_num_threads``, state a later fork of the process aborts on): the module is marked
+``engines_in_process`` and runs after every other module of its xdist worker. Each
 engine sends KV (KV connector) *and* captures hidden states (kvbridge CPU worker), with
 vLLM's prefix caching on and its default CPU block size (128). Every row runs one batch of
 prompts of 1, 57, 129 and 300 tokens (3 tokens generated), then a request sharing two full
@@ -53,7 +55,8 @@ from arch_fixtures import (
 
 from vllm_kvbridge.models.tiny_lm import ARCHS
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+# engines_in_process: this module runs after every other one (conftest.py)
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.engines_in_process]
 
 _SLIDING = [a for a in ARCHS if sliding_window(a)]
 #: Sliding-window float32 rows first: test_hybrid_allocator_stays_on parametrizes ``row``

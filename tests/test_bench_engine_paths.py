@@ -60,6 +60,7 @@ def ar_overhead(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str
 
 
 @pytest.mark.engine
+@pytest.mark.long(300, "the bench's vLLM engines (module fixtures) start in the first test that uses them")
 @pytest.mark.slow
 def test_kv_path_rows_are_per_connector_and_token_count(kv_path) -> None:
     _, rows = kv_path
@@ -91,6 +92,7 @@ def test_kv_path_rows_are_per_connector_and_token_count(kv_path) -> None:
 
 
 @pytest.mark.engine
+@pytest.mark.long(300, "the bench's vLLM engines (module fixtures) start in the first test that uses them")
 @pytest.mark.slow
 def test_kv_path_prints_a_table(kv_path) -> None:
     printed, rows = kv_path
@@ -108,6 +110,7 @@ def test_kv_path_prints_a_table(kv_path) -> None:
 
 
 @pytest.mark.engine
+@pytest.mark.long(300, "the bench's vLLM engines (module fixtures) start in the first test that uses them")
 @pytest.mark.slow
 def test_ar_overhead_interleaves_the_asked_samples(ar_overhead) -> None:
     printed, result = ar_overhead

@@ -11,7 +11,8 @@ from vllm_kvbridge.bench.connectors import kv_payload, parse_size, payload_bytes
 from vllm_kvbridge.cli.main import main
 
 pytest_plugins = ["connector_fixtures"]
-pytestmark = pytest.mark.forked
+# slow: real bench rows over every connector, ~35 s in all
+pytestmark = [pytest.mark.forked, pytest.mark.slow]
 
 KEYS = {"connector", "bytes", "e2e_s", "gbps", "memcpy_gbps", "ratio", "ceiling_gbps", "ceiling_ratio"}
 

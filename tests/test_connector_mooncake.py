@@ -26,7 +26,8 @@ from vllm_kvbridge.connectors.mooncake_store import MooncakeStoreConnector
 from vllm_kvbridge.errors import ConfigError, TransferCorrupt, TransferError, TransferRefused, TransferTimeout
 
 pytest_plugins = ["mooncake_fixtures"]
-pytestmark = [pytest.mark.forked, pytest.mark.mooncake]
+# slow: a mooncake_master per test, ~100 s in all; the contract suite keeps the store in make test-quick
+pytestmark = [pytest.mark.forked, pytest.mark.mooncake, pytest.mark.slow]
 
 NS = "mctest"
 STAGE_CONFIGS = Path(__file__).resolve().parent.parent / "stage_configs"

@@ -29,7 +29,8 @@ from vllm_kvbridge.errors import (  # noqa: E402
 )
 
 pytest_plugins = ["connector_fixtures"]
-pytestmark = pytest.mark.forked
+# slow: transfer engines and their processes per test, ~40 s in all
+pytestmark = [pytest.mark.forked, pytest.mark.slow]
 
 NAME = "MooncakeTransferEngineConnector"
 

@@ -35,7 +35,8 @@ from vllm_kvbridge.errors import (  # noqa: E402
 )
 from vllm_kvbridge.wire import KVCacheTransferData  # noqa: E402
 
-pytestmark = pytest.mark.forked
+# slow: NIXL agents and their processes per test, ~55 s in all (the contract suite covers NIXL)
+pytestmark = [pytest.mark.forked, pytest.mark.slow]
 
 CONFIG = {"host": "127.0.0.1", "port": 0}
 

@@ -34,7 +34,11 @@ from runner_fixtures import (
     tokens_prompt,
 )
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.slow,
+    pytest.mark.long(300, "up to three vLLM engine starts until one's worker is killed at the right moment"),
+]
 
 #: An attempt whose engine core the client had to kill proves nothing about the engine
 #: core's reap (it never ran), so it is repeated. In full-suite runs the engine core was

@@ -47,6 +47,7 @@ def _run(script: str, *args: str, cwd: Path) -> str:
 
 
 @pytest.mark.engine
+@pytest.mark.long(300, "the example starts its own pipeline of vLLM engines")
 @pytest.mark.slow
 def test_ar_to_dit_example_paints_one_png_per_prompt(tmp_path: Path) -> None:
     out = tmp_path / "out"
@@ -67,6 +68,7 @@ def test_ar_to_dit_example_paints_one_png_per_prompt(tmp_path: Path) -> None:
 
 
 @pytest.mark.engine
+@pytest.mark.long(300, "the example starts its own pipeline of vLLM engines")
 @pytest.mark.slow
 def test_thinker_talker_example_prints_both_stages(tmp_path: Path) -> None:
     stdout = _run(

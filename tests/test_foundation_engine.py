@@ -16,6 +16,7 @@ MAX_TOKENS = 24
 
 
 @pytest.mark.engine
+@pytest.mark.long(300, "a vLLM engine start (in the test, or through the generate CLI)")
 def test_vllm_greedy_is_deterministic_and_matches_transformers(tiny_model_dir: Path) -> None:
     from vllm import LLM, SamplingParams
 
@@ -39,6 +40,7 @@ def test_vllm_greedy_is_deterministic_and_matches_transformers(tiny_model_dir: P
 
 
 @pytest.mark.engine
+@pytest.mark.long(300, "a vLLM engine start (in the test, or through the generate CLI)")
 def test_the_generate_command_generates_with_a_sized_kv_cache(tiny_model_dir: Path) -> None:
     """`vllm-kvbridge generate`: one engine on the tiny model, its KV cache sized like a stage's."""
     argv = [sys.executable, "-m", "vllm_kvbridge.cli.main", "generate", "--model", str(tiny_model_dir)]

@@ -32,7 +32,11 @@ from runner_fixtures import (
     tokens_prompt,
 )
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.slow,
+    pytest.mark.long(300, "the module's vLLM engine starts in its first test"),
+]
 
 NAMESPACE = shm_namespace("bpengine")
 SEGMENT = 64 << 10  # the smallest shm segment: one request's KV here

@@ -12,6 +12,7 @@ from vllm_kvbridge.config.cpu_kv_cache import cpu_kv_cache_bytes
 
 
 @pytest.mark.engine
+@pytest.mark.long(300, "a vLLM engine start")
 @pytest.mark.forked
 def test_gather_from_real_engine_matches_transformers(tiny_model_dir) -> None:
     tests_dir = os.path.dirname(__file__)

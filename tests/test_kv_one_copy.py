@@ -24,7 +24,8 @@ from vllm_kvbridge.kv.manager import KVTransferManager
 from vllm_kvbridge.wire import codec
 
 pytest_plugins = ["connector_fixtures"]  # token, and a real mooncake_master per test
-pytestmark = pytest.mark.forked
+# slow: every connector with real KV, a mooncake_master per Mooncake row, ~50 s in all
+pytestmark = [pytest.mark.forked, pytest.mark.slow]
 
 HEADS = 4
 NUM_BLOCKS = 16

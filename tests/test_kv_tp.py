@@ -33,6 +33,7 @@ def _run(s: int, t: int, mode: str, ns: str) -> dict[int, dict]:
 
 
 @pytest.mark.forked
+@pytest.mark.slow  # 2 to 8 spawned gloo ranks per case, ~45 s for the module
 @pytest.mark.parametrize(("s", "t"), [(1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 2)])
 def test_tp_matrix_every_receiver_gets_exactly_its_heads(s: int, t: int) -> None:
     out = _run(s, t, "tp", f"kvtesttp{s}{t}")
@@ -43,6 +44,7 @@ def test_tp_matrix_every_receiver_gets_exactly_its_heads(s: int, t: int) -> None
 
 
 @pytest.mark.forked
+@pytest.mark.slow  # 2 or 4 spawned gloo ranks per case
 @pytest.mark.parametrize("group", [2, 4])
 def test_leader_follower_distribution(group: int) -> None:
     out = _run(1, group, "leader", f"kvtestlead{group}")

@@ -31,7 +31,14 @@ from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 from vllm_kvbridge.pipeline import Pipeline
 from vllm_kvbridge.pipeline.results import RequestResult
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.slow,
+    pytest.mark.long(
+        300,
+        "two pipelines (ZMQ, shm), started in the module's first tests, one LLM stage killed and restarted",
+    ),
+]
 RECV_TIMEOUT_S = 120
 PROMPT_FAIL_WITHIN_S = 20
 

@@ -42,7 +42,11 @@ from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 from vllm_kvbridge.pipeline import Pipeline, StageError
 
 ray = pytest.importorskip("ray")  # an extra ([ray]); make setup installs it
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.slow,
+    pytest.mark.long(300, "pipelines on a simulated Ray cluster: actors start vLLM engines"),
+]
 CONFIG = ROOT / "stage_configs/ar_to_dit_ray.yaml"
 
 

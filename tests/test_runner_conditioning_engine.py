@@ -30,7 +30,11 @@ from vllm_kvbridge.models.tiny_talker import ensure_tiny_talker, reference_greed
 from vllm_kvbridge.runner.conditioning_scheduler import ERROR_KEY, IDLE_WAIT_S
 from vllm_kvbridge.runner.payload_stream import PayloadSender
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.slow,
+    pytest.mark.long(300, "the module's vLLM engine starts in its first test"),
+]
 
 NS = shm_namespace("fd")
 #: Two producers: stage 0 never stalls the tests (waits in them are far shorter), stage 2

@@ -34,7 +34,11 @@ from runner_fixtures import (
     tokens_prompt,
 )
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.slow,
+    pytest.mark.long(300, "the module's vLLM engines start in its first tests"),
+]
 
 LENGTHS = [1, 127, 128, 129, 300]
 NAMESPACE = shm_namespace("kv")

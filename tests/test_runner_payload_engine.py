@@ -32,7 +32,11 @@ from vllm_kvbridge.connectors.registry import create_connector
 from vllm_kvbridge.runner.payload_receiver import PayloadReceiver
 from vllm_kvbridge.runner.payload_stream import SEND_WORKERS, PayloadAborted
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.slow,
+    pytest.mark.long(300, "the module's vLLM engine starts in its first test"),
+]
 
 NS_FULL, NS_CHUNK = shm_namespace("pf"), shm_namespace("pc")
 CHUNK = 4

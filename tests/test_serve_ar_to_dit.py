@@ -22,7 +22,13 @@ from serve_fixtures import ROOT, Server, shm_names, start_serve, stop, wait_for
 from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 from vllm_kvbridge.pipeline.stage_handles import group_alive
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.slow,
+    pytest.mark.long(
+        300, "the module's server (vLLM engine + DiT) starts in its first test; a stage is restarted"
+    ),
+]
 CONFIG = ROOT / "stage_configs/ar_to_dit_shm.yaml"
 MODEL_NAME = "ar_to_dit_shm"
 

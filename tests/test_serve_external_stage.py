@@ -35,7 +35,13 @@ from vllm_kvbridge.config.cpu_kv_cache import cpu_kv_cache_bytes
 from vllm_kvbridge.connectors import shm_segments
 from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.slow,
+    pytest.mark.long(
+        300, "a stock vLLM server and a kvbridge server in front of it, started by the module's first test"
+    ),
+]
 API_KEY = "kvb-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 

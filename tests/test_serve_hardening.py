@@ -26,7 +26,11 @@ from serve_fixtures import ROOT, Server, start_serve, stop, wait_for
 
 from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.slow,
+    pytest.mark.long(300, "the module's server (vLLM engine + DiT) starts in its first test"),
+]
 CONFIG = ROOT / "stage_configs/ar_to_dit_cfg.yaml"
 IMAGES = "/v1/images/generations"
 KEY = "hardening-key"

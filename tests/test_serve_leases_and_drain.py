@@ -61,6 +61,7 @@ def _stage(srv: Server, sid: int) -> dict:
 
 
 @pytest.mark.engine
+@pytest.mark.long(300, "the module's server (vLLM engine + DiT) starts in its first engine test")
 @pytest.mark.slow
 def test_a_kv_nobody_renews_expires_and_is_counted(served) -> None:  # type: ignore[no-untyped-def]
     srv, gates = served
@@ -91,6 +92,7 @@ def test_a_kv_nobody_renews_expires_and_is_counted(served) -> None:  # type: ign
 
 
 @pytest.mark.engine
+@pytest.mark.long(300, "the module's server (vLLM engine + DiT) starts in its first engine test")
 @pytest.mark.slow
 def test_a_request_still_running_after_the_drain_is_answered_503(served) -> None:  # type: ignore[no-untyped-def]
     """The last test of the module: SIGTERM with a request held in the DiT. The server's

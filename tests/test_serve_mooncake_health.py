@@ -18,7 +18,13 @@ from serve_fixtures import ROOT, metric, start_serve, stop, wait_for
 from vllm_kvbridge.connectors.mooncake_master import MooncakeMaster
 from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.slow,
+    pytest.mark.long(
+        300, "a server (vLLM engine + DiT) over a Mooncake store whose master is killed and started again"
+    ),
+]
 IMAGES = "/v1/images/generations"
 
 

@@ -29,7 +29,11 @@ from serve_fixtures import ROOT, Gates, Server, metric, post_images, shm_names, 
 
 from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.slow,
+    pytest.mark.long(300, "a server with two DiT replicas, one SIGKILLed and restarted"),
+]
 
 
 @pytest.fixture(scope="module")

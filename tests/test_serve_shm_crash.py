@@ -21,7 +21,11 @@ from serve_fixtures import start_serve, wait_for
 from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 from vllm_kvbridge.pipeline import Pipeline
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.slow,
+    pytest.mark.long(300, "a server (vLLM engine + DiT) SIGKILLed, then a successor pipeline"),
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 

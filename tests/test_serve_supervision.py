@@ -24,7 +24,13 @@ from serve_fixtures import ROOT, Gates, Server, metric, post_images, shm_names, 
 from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 from vllm_kvbridge.pipeline.stage_handles import group_alive
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.slow,
+    pytest.mark.long(
+        300, "a server whose stages are killed, stopped and wedged, each restarted (a vLLM engine start)"
+    ),
+]
 HEARTBEAT_TIMEOUT_S = 6
 IMAGES = "/v1/images/generations"
 

@@ -35,7 +35,11 @@ from serve_fixtures import ROOT, Server, serve_edited, shm_names, stop, wait_for
 from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 from vllm_kvbridge.pipeline.stage_handles import group_alive
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.slow,
+    pytest.mark.long(300, "a server of two vLLM engines, started by the module's first test"),
+]
 CONFIG = ROOT / "stage_configs/thinker_talker_async_chunk_embeds.yaml"
 MODEL_NAME = "thinker_talker_async_chunk_embeds"
 TALKER_TOKENS = 128

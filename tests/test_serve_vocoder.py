@@ -36,7 +36,11 @@ from serve_fixtures import ROOT, Server, serve_edited
 
 from vllm_kvbridge.models.tiny_lm import ensure_tiny_model
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.slow,
+    pytest.mark.long(300, "a server of two vLLM engines and a vocoder, started by the module's first test"),
+]
 CONFIG = ROOT / "stage_configs/thinker_talker_vocoder.yaml"
 MODEL_NAME = "thinker_talker_vocoder"
 THINKER_TOKENS, TALKER_TOKENS = 256, 64
