@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # cores; an engine start keeps one busy); --dist loadfile keeps a module on one worker, so
 # the engines it shares start once. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+PYTEST = $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 BIN   := $(VENV)/bin
 # The stamp is keyed on pyproject.toml and the flavour: when neither changed,

@@ -28,6 +28,7 @@ _SUITE_TMP = suite_guard.use_private_tmp()
 _watcher: suite_guard.Watcher | None = None
 _seen: list[suite_guard.Seen] = []
 _problems: list[str] = []
+_leftovers: list[str] = []
 _cost: list[str] = []
 
 
@@ -124,6 +125,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _cost.extend(suite_guard.cost_table(_seen))
     verdict = suite_guard.judge(_seen, _SUITE_TMP)
     _problems.extend(verdict.problems)
+    if os.environ.get(suite_guard.STRICT_ENV) == "1":
+        _problems.extend(verdict.leftovers)
+    else:
+        _leftovers.extend(verdict.leftovers)
     if _problems and session.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     kept = suite_guard.clean(verdict, _SUITE_TMP)
@@ -135,6 +140,12 @@ def pytest_terminal_summary(terminalreporter) -> None:
     if _cost and len(_seen) and sum(len(s.cost) for s in _seen) > 50:  # a whole run, not one test
         terminalreporter.section("where the CPU went (tests/suite_guard.py)")
         for line in _cost:
+            terminalreporter.write_line(line)
+    if _leftovers:
+        terminalreporter.section(
+            f"what the suite left (removed now; fails the run with {suite_guard.STRICT_ENV}=1)", yellow=True
+        )
+        for line in _leftovers:
             terminalreporter.write_line(line)
     if _problems:
         terminalreporter.section("what the suite left or started unmarked (tests/suite_guard.py)", red=True)

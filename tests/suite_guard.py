@@ -49,6 +49,8 @@ from vllm_kvbridge.connectors import shm_owners
 SUITE_TMP_ENV = "KVBRIDGE_SUITE_TMP"
 #: Set to 1 to keep that directory after the run (pytest's ``tmp_path`` folders are in it).
 KEEP_TMP_ENV = "KVBRIDGE_KEEP_TMP"
+#: Set to 1 to fail the run on what it left (docs/testing.md lists what is left today).
+STRICT_ENV = "KVBRIDGE_STRICT_LEFTOVERS"
 SHM_DIR = "/dev/shm"
 #: vLLM's process title of an engine core (``VLLM_PROCESS_NAME_PREFIX`` is "VLLM" by default);
 #: tests/test_suite_guard.py gives its probe run another, so its stand-in engines are not
@@ -319,7 +321,11 @@ def _recorded_by(runs: set[str]) -> set[str]:
 
 @dataclass
 class Verdict:
+    #: what fails the run: engines started unmarked, a process left unfit for later tests
     problems: list[str] = field(default_factory=list)
+    #: what the run left behind: reported, and removed; it fails the run only with
+    #: ``KVBRIDGE_STRICT_LEFTOVERS=1`` until the leftovers docs/testing.md lists are fixed
+    leftovers: list[str] = field(default_factory=list)
     #: (name, inode) of the run's names still in /dev/shm
     shm: list[tuple[str, int]] = field(default_factory=list)
 
@@ -346,17 +352,17 @@ def judge(seen: list[Seen], tmp_root: Path) -> Verdict:
             ours[name] = (now[name], "(a name of one of the run's namespaces)")
     for name, (ino, test) in sorted(ours.items()):
         if now.get(name) == ino:
-            problems.append(f"left /dev/shm/{name}: {test}")
+            verdict.leftovers.append(f"left /dev/shm/{name}: {test}")
             verdict.shm.append((name, ino))
     for s in seen:
         for path, test in sorted(s.tmp.items()):
             if os.path.lexists(path):
-                problems.append(f"left {path}: {test}")
+                verdict.leftovers.append(f"left {path}: {test}")
     for entry in sorted(os.listdir(tmp_root)) if tmp_root.exists() else []:
         if entry.startswith(TMP_PREFIXES):  # not seen by a watcher: made by the controller
             path = str(tmp_root / entry)
             if not any(path in s.tmp for s in seen):
-                problems.append(f"left {path}")
+                verdict.leftovers.append(f"left {path}")
     return verdict
 
 

@@ -24,6 +24,7 @@ def test_the_guard_reports_what_a_run_leaves_and_only_that(tmp_path: Path, worke
     env = {k: v for k, v in os.environ.items() if k not in ("KVBRIDGE_SUITE_TMP", "PYTEST_XDIST_WORKER")}
     env.update(TMPDIR=str(tmp_path), PROBE_SHM_NAME=shm_name, PROBE_FOREIGN_NAME=foreign)
     env["KVBRIDGE_GUARD_ENGINE_TITLE"] = "KVBPROBE::EngineCore"  # not a real engine to this run
+    env["KVBRIDGE_STRICT_LEFTOVERS"] = "1"
     argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "python_files=probe_*.py"]
     argv += ["-n", str(workers), str(PROBE)]
     try:
