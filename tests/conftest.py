@@ -25,6 +25,7 @@ collect_ignore = [] if os.environ.get("KVBRIDGE_GPU_TESTS") == "1" else ["gpu"]
 # The run's own temp directory (tests/suite_guard.py): set before any test or fixture makes
 # a temp file, inherited by xdist workers and every subprocess.
 _SUITE_TMP = suite_guard.use_private_tmp()
+_SHM_AT_START = suite_guard._inodes()
 _watcher: suite_guard.Watcher | None = None
 _seen: list[suite_guard.Seen] = []
 _problems: list[str] = []
@@ -123,7 +124,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if hasattr(session.config, "workerinput"):
         return
     _cost.extend(suite_guard.cost_table(_seen))
-    verdict = suite_guard.judge(_seen, _SUITE_TMP)
+    verdict = suite_guard.judge(_seen, _SUITE_TMP, _SHM_AT_START)
     _problems.extend(verdict.problems)
     if os.environ.get(suite_guard.STRICT_ENV) == "1":
         _problems.extend(verdict.leftovers)

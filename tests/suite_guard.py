@@ -142,6 +142,8 @@ class Seen:
     cost: dict[str, list[float]] = field(default_factory=dict)
     #: what the process running the tests found wrong with itself after a test (conftest.py)
     problems: list[str] = field(default_factory=list)
+    #: every descendant pid the watcher saw (a segment's name carries its creator's pid)
+    pids: list[int] = field(default_factory=list)
 
 
 class _EngineCoreHook(importlib.abc.MetaPathFinder):
@@ -248,6 +250,7 @@ class Watcher:
         self._thread.join(timeout=5)
         with self._lock:
             self.scan()
+            self.seen.pids = sorted({self.root, *self._ticks})
         return self.seen
 
     def _loop(self) -> None:
@@ -261,7 +264,7 @@ class Watcher:
     def scan(self) -> None:
         test, marked = self._test
         every = procfs.descendants(self.root)
-        self._count_cpu(every, test)
+        self._count_cpu(every, test)  # also remembers every pid seen (self._ticks)
         pids = [p for p in every if procfs.state(p) not in (None, "Z")]
         for pid in pids:
             if pid not in self._engine_pids and _is_engine(pid):
@@ -330,7 +333,15 @@ class Verdict:
     shm: list[tuple[str, int]] = field(default_factory=list)
 
 
-def judge(seen: list[Seen], tmp_root: Path) -> Verdict:
+def _creator(name: str) -> int | None:
+    """The pid in a segment's name (``kvbridge.<namespace>.<kind>.<pid>.<tag>``), if any."""
+    parts = name.split(".")
+    if len(parts) == 5 and parts[0] == "kvbridge" and parts[3].isdigit():
+        return int(parts[3])
+    return None
+
+
+def judge(seen: list[Seen], tmp_root: Path, shm_at_start: dict[str, int] | None = None) -> Verdict:
     """The run's violations, one line each (none: the run left nothing and every engine was
     started by a test marked ``engine``)."""
     verdict = Verdict()
@@ -350,6 +361,13 @@ def judge(seen: list[Seen], tmp_root: Path) -> Verdict:
     for name in sorted(now):
         if _group(name) in runs and name not in ours:
             ours[name] = (now[name], "(a name of one of the run's namespaces)")
+    # A segment made by a process of the run that lived too briefly to be seen holding it
+    # (a killed child): its name says its creator's pid.
+    pids = {p for s in seen for p in s.pids}
+    start = shm_at_start or {}
+    for name, ino in sorted(now.items()):
+        if name not in ours and start.get(name) != ino and _creator(name) in pids:
+            ours[name] = (ino, f"(made by pid {_creator(name)}, a process of the run)")
     for name, (ino, test) in sorted(ours.items()):
         if now.get(name) == ino:
             verdict.leftovers.append(f"left /dev/shm/{name}: {test}")

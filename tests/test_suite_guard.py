@@ -22,7 +22,9 @@ def test_the_guard_reports_what_a_run_leaves_and_only_that(tmp_path: Path, worke
     shm_name = f"psm_{secrets.token_hex(6)}"
     foreign = f"psm_{secrets.token_hex(6)}"
     env = {k: v for k, v in os.environ.items() if k not in ("KVBRIDGE_SUITE_TMP", "PYTEST_XDIST_WORKER")}
+    namespace = f"gp{secrets.token_hex(4)}"
     env.update(TMPDIR=str(tmp_path), PROBE_SHM_NAME=shm_name, PROBE_FOREIGN_NAME=foreign)
+    env["PROBE_NAMESPACE"] = namespace
     env["KVBRIDGE_GUARD_ENGINE_TITLE"] = "KVBPROBE::EngineCore"  # not a real engine to this run
     env["KVBRIDGE_STRICT_LEFTOVERS"] = "1"
     argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-o", "python_files=probe_*.py"]
@@ -31,10 +33,13 @@ def test_the_guard_reports_what_a_run_leaves_and_only_that(tmp_path: Path, worke
         proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=80, cwd=PROBE.parents[2])
         out = proc.stdout + proc.stderr
         assert proc.returncode == 1, out  # every probe test passed: only the guard failed the run
-        assert "6 passed" in out, out
+        assert "7 passed" in out, out
         report = out.split("what the suite left or started unmarked")[1]
         lines = [line for line in report.splitlines() if line.startswith(("left ", "started "))]
-        assert len(lines) == 3, report
+        assert len(lines) == 4, report
+        assert any(
+            f"left /dev/shm/kvbridge.{namespace}.p." in ln and "a process of the run" in ln for ln in lines
+        )
         assert any(f"left /dev/shm/{shm_name}: " in ln and "test_leaves_a_shm_name" in ln for ln in lines)
         assert any("/kvb-probe-" in ln and ln.endswith("test_leaves_a_temp_dir") for ln in lines)
         assert any(
@@ -45,6 +50,9 @@ def test_the_guard_reports_what_a_run_leaves_and_only_that(tmp_path: Path, worke
         assert not os.path.exists(f"/dev/shm/{shm_name}")
         assert os.path.exists(f"/dev/shm/{foreign}")
         assert list(tmp_path.iterdir()) == []
+        assert not [n for n in os.listdir("/dev/shm") if namespace in n]  # reported, then removed
     finally:
         for name in (shm_name, foreign):
             Path(f"/dev/shm/{name}").unlink(missing_ok=True)
+        for name in [n for n in os.listdir("/dev/shm") if namespace in n]:
+            os.unlink(f"/dev/shm/{name}")

@@ -43,6 +43,20 @@ def test_leaves_a_shm_name() -> None:
     os.close(fd)
 
 
+#: A child seen by the guard (it lives 1.2 s) that then makes a segment-named file in one go
+#: and exits: never seen holding it, it is the run's by the creator pid in its name.
+BRIEF_CREATOR = """
+import os, sys, time
+time.sleep(1.2)
+name = f"/dev/shm/kvbridge.{sys.argv[1]}.p.{os.getpid()}.probe0"
+os.close(os.open(name, os.O_CREAT | os.O_RDWR, 0o600))
+"""
+
+
+def test_a_brief_child_leaves_a_segment() -> None:
+    subprocess.run([sys.executable, "-c", BRIEF_CREATOR, os.environ["PROBE_NAMESPACE"]], check=True)
+
+
 def test_leaves_a_temp_dir() -> None:
     tempfile.mkdtemp(prefix="kvb-probe-")
 
