@@ -79,7 +79,10 @@ def test_guided_request_end_to_end_and_failing_companion(tmp_path: Path) -> None
     dump = tmp_path  # pytest's own temp dir: it keeps only its newest few runs
     gate = dump / "companion-gate"
     env = {**STAGE_ENV, COMPANION_GATE_ENV: str(gate)}
-    pipe = Pipeline.from_config(ROOT / "stage_configs/ar_to_dit_cfg.yaml", model=str(model), env=env)
+    # its logs under tmp_path: a run with a failed request keeps them (RunLogDir)
+    pipe = Pipeline.from_config(
+        ROOT / "stage_configs/ar_to_dit_cfg.yaml", model=str(model), env=env, log_dir=dump / "logs"
+    )
     stages = [msgspec.structs.replace(s, debug_dump_dir=str(dump)) for s in pipe.plan.stages]
     stages[0] = msgspec.structs.replace(stages[0], worker_cls="pipeline_fixtures.FailCompanionWorker")
     pipe.plan = msgspec.structs.replace(pipe.plan, stages=stages)

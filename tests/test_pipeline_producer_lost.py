@@ -143,6 +143,10 @@ def shm_pipe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pipelin
         yield pipe, gates
     finally:
         pipe.close()
+        # A stage was lost: the run's own log directory stays for the post-mortem.
+        kept = (pipe.log_dir / "stage_0.log").exists()
+        shutil.rmtree(pipe.log_dir, ignore_errors=True)
+        assert kept
 
 
 def test_shm_request_whose_kv_outlives_its_producer_still_succeeds(shm_pipe) -> None:  # type: ignore[no-untyped-def]
