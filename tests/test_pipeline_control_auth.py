@@ -279,13 +279,16 @@ def test_a_stage_speaks_only_about_requests_it_was_given() -> None:
 
 
 def test_the_stage_process_gets_its_key_on_stdin_through_the_ray_actors_path(
-    control: ControlPlane, tmp_path: Path
+    control: ControlPlane, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``StageHost.start`` is what the Ray actor runs on its node (here without Ray): the key
     travels in the ``env`` of that call and reaches the process on stdin, not in its
     environment or command line."""
     from vllm_kvbridge.config.resolve import resolve
     from vllm_kvbridge.pipeline.ray_backend import StageHost
+
+    # the host keeps its stage's log under $RAY_TMPDIR/kvbridge-<run> (the node's): here, ours
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
 
     with FakeOpenAIServer() as server:
         [stage] = resolve(external_stage_config(tmp_path, server.url)).stages
