@@ -134,7 +134,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     kept = suite_guard.clean(verdict, _SUITE_TMP)
     if kept:
-        _problems.append(f"(kept, as {suite_guard.KEEP_TMP_ENV}=1 asks: {kept})")
+        _leftovers.append(f"(the run's temp directory is kept, as {suite_guard.KEEP_TMP_ENV}=1 asks: {kept})")
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

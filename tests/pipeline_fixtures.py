@@ -101,20 +101,13 @@ def run_names(run_id: str) -> set[str]:
     its processes' owner files and the names those recorded (vLLM's ``psm_*`` queues,
     ``sem.mp-*`` semaphores: connectors/shm_owners.py). Never another run's: a test that
     checks this is not failed by other runs on the host."""
-    from vllm_kvbridge.connectors.shm_owners import OWNER_PREFIX
+    from vllm_kvbridge.connectors.shm_owners import OWNER_PREFIX, owners
 
     names = set(os.listdir("/dev/shm"))
     own = {n for n in names if n.startswith((f"kvbridge.{run_id}-", f"{OWNER_PREFIX}{run_id}."))}
-    for owner in [n for n in own if n.startswith(OWNER_PREFIX)]:
-        try:
-            lines = Path("/dev/shm", owner).read_text(errors="replace").splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            try:
-                own.add(json.loads(line)["n"])
-            except (ValueError, KeyError, TypeError):
-                continue  # a torn last line
+    for owner in owners(prefix=run_id):
+        if owner.file in own:
+            own |= set(owner.names)
     return own & names
 
 

@@ -1,6 +1,6 @@
 """What the suite starts and leaves behind, watched while it runs (docs/testing.md).
 
-Three rules, each checked by ``conftest.py`` through :class:`SuiteGuard`:
+Three rules, each checked by ``conftest.py`` through a :class:`Watcher` and :func:`judge`:
 
 * **A test that starts a vLLM engine says so** (``@pytest.mark.engine``): the quick tier
   (``make test-quick``, ``-m "not engine and not slow"``) must start none. Every engine,
@@ -32,9 +32,9 @@ from __future__ import annotations
 import contextlib
 import importlib.abc
 import importlib.machinery
-import json
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -199,8 +199,6 @@ class Watcher:
         self._thread = threading.Thread(target=self._loop, name="suite-guard", daemon=True)
 
     def start(self) -> None:
-        import sys
-
         if _EngineCoreHook.MODULE in sys.modules:  # too late to see in-process engines
             raise RuntimeError(f"{_EngineCoreHook.MODULE} was imported before the suite guard")
         sys.meta_path.insert(0, _EngineCoreHook(self._in_process_engine))
@@ -311,15 +309,9 @@ class Watcher:
 
 def _recorded_by(runs: set[str]) -> set[str]:
     """Names the owner files of ``runs`` recorded (vLLM's queues and semaphores of a run)."""
-    names = set()
-    for owner in Path(SHM_DIR).glob(shm_owners.OWNER_PREFIX + "*"):
-        if _group(owner.name) not in runs:
-            continue
-        with contextlib.suppress(OSError):
-            for line in owner.read_text(errors="replace").splitlines()[1:]:
-                with contextlib.suppress(ValueError, KeyError, TypeError):
-                    names.add(json.loads(line)["n"])
-    return names
+    return {
+        name for owner in shm_owners.owners(SHM_DIR) if _group(owner.file) in runs for name in owner.names
+    }
 
 
 @dataclass
