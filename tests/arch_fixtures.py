@@ -220,15 +220,12 @@ def arch_row(root: Path, arch: str, dtype: str, tag: str) -> Iterator[ArchRow]:
     conn = create_connector("SharedMemoryConnector", {"namespace": ns_hs})
     kv_rx = kv_receiver(ns_kv, timeout=60)
     hs_rx = PayloadReceiver(conn, 0, 1, mode="full", recv_timeout_s=60)
-    row = ArchRow(arch, dtype, model_dir, llm, kv_rx, hs_rx)
-    del llm
     try:
-        yield row
+        yield ArchRow(arch, dtype, model_dir, llm, kv_rx, hs_rx)
     finally:
         hs_rx.close()
         conn.close()
         kv_rx.shutdown()
-        llm, row.llm = row.llm, None
         reaped = stop_in_process_engine(llm, settings)
     assert reaped == [], reaped  # a clean stop leaves nothing for the next start to reap
     assert shm_entries(ns_kv) == [] and shm_entries(ns_hs) == []

@@ -122,13 +122,9 @@ THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 def stop_in_process_engine(llm: Any, settings: dict[str, Any]) -> list[str]:
     """Stop an engine of :func:`start_engine`'s ``in_process``; the names of its stage's edges
     that the stop left (reaped as the next kvbridge process on them would: none expected)."""
-    import gc
-
     from vllm_kvbridge.runner.stage_runtime import reap_stage_leftovers
 
     llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
     return reap_stage_leftovers(settings)
 
 
