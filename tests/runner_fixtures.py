@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -297,6 +299,20 @@ def assert_kv_equal(data: Any, ref: list[tuple[torch.Tensor, torch.Tensor]], tol
         dk = (got_k.float() - k).abs().max().item()
         dv = (got_v.float() - v).abs().max().item()
         assert dk <= tol and dv <= tol, f"layer {layer}: max |dK| {dk}, max |dV| {dv}"
+
+
+def settled_status(
+    status: Callable[[list[str]], dict[str, dict[str, str]]], request_ids: list[str], timeout_s: float = 30.0
+) -> dict[str, dict[str, str]]:
+    """``status(request_ids)`` once none of them is pending (or at the deadline). A receiver
+    can read a send's last part before the sender's I/O thread settles it (its sender info is
+    written after the put): a test waits for the settle instead of for who wins that race."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = status(request_ids)
+        if time.monotonic() > deadline or all(s["kv"] != "pending" for s in got.values()):
+            return got
+        time.sleep(0.05)
 
 
 def kv_receiver(namespace: str, timeout: float = 30.0) -> Any:

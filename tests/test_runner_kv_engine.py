@@ -27,6 +27,7 @@ from runner_fixtures import (
     kv_receiver,
     kv_sender_settings,
     prompt_ids,
+    settled_status,
     shm_entries,
     shm_namespace,
     start_engine,
@@ -91,7 +92,8 @@ def test_on_finish_every_length_exact_without_follow_up_traffic(engine, hf) -> N
         assert nbytes > 0 and data.request_id == rid
         # The last sampled token is never fed back, so its KV does not exist.
         assert_kv_equal(data, hf.kv(ids + generated[:-1]))
-    status = llm.collective_rpc("kvbridge_transfer_status", args=([f"fin{n}" for n in LENGTHS],))[0]
+    rids = [f"fin{n}" for n in LENGTHS]
+    status = settled_status(lambda ids: llm.collective_rpc("kvbridge_transfer_status", args=(ids,))[0], rids)
     assert all(s["kv"] == "done" for s in status.values()), status
 
 

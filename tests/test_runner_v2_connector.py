@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 from kv_fixtures import reference_gather
-from runner_fixtures import kv_receiver, kv_sender_settings, shm_entries, shm_namespace
+from runner_fixtures import kv_receiver, kv_sender_settings, settled_status, shm_entries, shm_namespace
 from scheduler_fixtures import add_request, make_scheduler
 
 NAMESPACE = shm_namespace("v2")
@@ -197,7 +197,7 @@ def test_v2_wrapper_sends_the_cache_content_and_returns_the_blocks(
             del data
         assert sends["fin"][0].num_tokens == 37 + 4 - 1  # the last token is never fed back
         assert sends["pf"][0].num_tokens == 50
-        status = sender.status(["fin", "pf", "none"])
+        status = settled_status(sender.status, ["fin", "pf", "none"])
         assert [status[r]["kv"] for r in ("fin", "pf", "none")] == ["done", "done", "unknown"]
     finally:
         kv_transfer_state._KV_CONNECTOR_AGENT = None
