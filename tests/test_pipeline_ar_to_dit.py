@@ -133,58 +133,6 @@ def test_ar_to_dit_shm_end_to_end(tmp_path: Path) -> None:
     assert shm_segments(f"kvbridge.{pipe.run_id}") == []
 
 
-@pytest.mark.forked
-@pytest.mark.long(300, "`run` through the CLI: a pipeline start (vLLM engine + DiT)")
-def test_ar_to_dit_zmq_through_the_cli(tmp_path: Path) -> None:
-    model = ensure_tiny_model()
-    out_dir = tmp_path
-    t0 = time.monotonic()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "vllm_kvbridge.cli.main",
-            "run",
-            "--stage-config",
-            str(ROOT / "stage_configs/ar_to_dit_zmq.yaml"),
-            "--prompt",
-            "A cute cat",
-            "--model",
-            str(model),
-            "--output-dir",
-            str(out_dir),
-            "--debug-dump-dir",
-            str(out_dir / "dump"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert time.monotonic() - t0 < 240
-    assert "[stage 0 (llm_ar)] ready in" in proc.stdout and "[stage 1 (diffusion)] req-1 done" in proc.stdout
-    assert "0 -> 1 kv" in proc.stdout and "GB/s" in proc.stdout
-    result = json.loads((out_dir / "result.json").read_text())
-    req = result["requests"][0]
-    assert req["error"] is None and req["image_shape"] == [3, 32, 32]
-    assert req["transfers"][0]["what"] == "kv" and req["transfers"][0]["bytes"] > 0
-    # the connector each transfer used and the node each stage ran on (the local backend's)
-    assert req["transfers"][0]["connector"] == "ZmqConnector" and "edge 0 -> 1: ZmqConnector" in proc.stdout
-    assert [s["node_id"] for s in req["stages"]] == ["local", "local"]
-    png = Path(req["outputs"][0]).read_bytes()
-    assert png.startswith(b"\x89PNG\r\n\x1a\n") and b"IHDR" in png[:40] and png.endswith(b"IEND\xaeB`\x82")
-    dumped = load_dump(out_dir / "dump" / f"stage1_{encode_request_id('req-1')}_kv.safetensors")
-    layers = len([k for k in dumped if k.endswith(".k")])
-    kv = [(dumped[f"layer{i}.k"], dumped[f"layer{i}.v"]) for i in range(layers)]
-    # The PNG holds the image the DiT paints from exactly this KV (8-bit quantised).
-    import numpy as np
-
-    from vllm_kvbridge.pipeline.images import encode_png
-
-    assert png == encode_png(np.asarray(_expected_image(kv)))
-    assert processes_using(out_dir) == []
-
-
 def _run_cli(out_dir: Path, *args: str, prompt: str = "A cute cat") -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "vllm_kvbridge.cli.main", "run", "--stage-config"]
     argv += [str(ROOT / "stage_configs/ar_to_dit_shm.yaml"), "--prompt", prompt]
@@ -246,34 +194,48 @@ def test_run_adapts_the_dit_to_a_model_of_other_geometry_and_sliding_windows(tmp
 
 @pytest.mark.forked
 @pytest.mark.long(300, "`run` through the CLI: a pipeline start (vLLM engine + two DiT replicas)")
-def test_dit_replicas_share_concurrent_requests_through_the_cli(tmp_path: Path) -> None:
-    """Issue 41: ar_to_dit_shm.yaml with ``replicas: 2`` on the DiT, 4 requests at once through
-    `run`: each DiT replica is its own process, both serve requests (result.json says which
-    served each), and every image is the one the single-replica DiT paints for the same KV
-    and seed (recomputed from the KV it received: the DiT is deterministic in them).
+def test_dit_replicas_share_concurrent_requests_over_zmq_through_the_cli(tmp_path: Path) -> None:
+    """Issue 41: ar_to_dit_zmq.yaml (the cross-host transport, on loopback) with ``replicas: 2``
+    on the DiT, 4 requests at once through `run`: each DiT replica is its own process, both
+    serve requests (result.json says which served each), each pulls its requests' KV over
+    TCP from the LLM stage, and every PNG holds the image the single-replica DiT paints for
+    the same KV and seed (recomputed from the KV it received: the DiT is deterministic in
+    them); the run prints each edge's connector and rate.
 
     The DiT denoises one request at a time here (max_batch_size 1, so each image is exactly
     the unbatched one) in 48 steps: a request takes it 0.5-2 s on this machine, while the
     LLM stage finishes the 4 within a few ms of each other (seen: 2 ms), so the next ones
     reach the DiT while replica 0 holds the first and least-outstanding routing sends them
-    to replica 1 (seen: replicas 0, 1, 0, 1)."""
+    to replica 1 (seen: replicas 0, 1, 0, 1).
+
+    (The ZMQ run of one request and the shared-memory run of two replicas were two tests
+    of a pipeline start each; shared memory with DiT replicas is test_serve_replicas's.)"""
+    import numpy as np
     import yaml
 
+    from vllm_kvbridge.pipeline.images import encode_png
+
     steps = 48
-    config = yaml.safe_load((ROOT / "stage_configs/ar_to_dit_shm.yaml").read_text())
+    config = yaml.safe_load((ROOT / "stage_configs/ar_to_dit_zmq.yaml").read_text())
     dit = config["stages"][1]
     dit["replicas"] = 2
     dit["diffusion"].update(max_batch_size=1, num_steps=steps)
-    path = tmp_path / "ar_to_dit_replicas.yaml"
+    path = tmp_path / "ar_to_dit_zmq_replicas.yaml"
     path.write_text(yaml.safe_dump(config))
     out_dir = tmp_path / "out"
     prompts = [f"A cute cat number {i}" for i in range(4)]
     argv = [sys.executable, "-m", "vllm_kvbridge.cli.main", "run", "--stage-config", str(path)]
     for p in prompts:
         argv += ["--prompt", p]
+    argv += ["--model", str(ensure_tiny_model())]
     argv += ["--output-dir", str(out_dir), "--debug-dump-dir", str(out_dir / "dump")]
+    t0 = time.monotonic()
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert time.monotonic() - t0 < 240
+    assert "[stage 0 (llm_ar)] ready in" in proc.stdout
+    assert "0 -> 1 kv" in proc.stdout and "GB/s" in proc.stdout
+    assert "edge 0 -> 1: ZmqConnector" in proc.stdout
     # two DiT processes, each with its own log
     for k in (0, 1):
         assert f"[stage 1 (diffusion) replica {k}] ready in" in proc.stdout
@@ -282,21 +244,21 @@ def test_dit_replicas_share_concurrent_requests_through_the_cli(tmp_path: Path) 
     pids = {line.split("(pid ")[1].split(",")[0] for line in starts}
     assert len(pids) == 3, proc.stdout  # the LLM stage and the two DiT replicas
     reqs = json.loads((out_dir / "result.json").read_text())["requests"]
+    assert [r["request_id"] for r in reqs] == [f"req-{i + 1}" for i in range(4)]
     served = [next(s["replica"] for s in r["stages"] if s["stage_id"] == 1) for r in reqs]
     print(f"\nDiT replica per request: {served}")
     assert sorted(set(served)) == [0, 1], served
     assert all(r["stages"][0]["replica"] == 0 for r in reqs)  # the LLM stage has one
-    import numpy as np
-
-    from vllm_kvbridge.pipeline.images import encode_png
-
     model = TinyKVDiT(**DIT_KWARGS).eval()
     for r in reqs:
         assert r["error"] is None and r["image_shape"] == [3, 32, 32]
+        assert f"[stage 1 (diffusion) replica {served[reqs.index(r)]}] {r['request_id']} done" in proc.stdout
+        # the connector each transfer used and the node each stage ran on (the local backend's)
+        [kv_edge] = r["transfers"]
+        assert (kv_edge["what"], kv_edge["connector"]) == ("kv", "ZmqConnector") and kv_edge["bytes"] > 0
+        assert [s["node_id"] for s in r["stages"]] == ["local", "local"]
         dumped = load_dump(out_dir / "dump" / f"stage1_{encode_request_id(r['request_id'])}_kv.safetensors")
         layers = len([k for k in dumped if k.endswith(".k")])
         kv = [(dumped[f"layer{i}.k"], dumped[f"layer{i}.v"]) for i in range(layers)]
         png = Path(r["outputs"][0]).read_bytes()
         assert png == encode_png(np.asarray(denoise(model, kv, num_steps=steps, seed=0)[0])), r["request_id"]
-    assert "  replica 0" in proc.stdout and "  replica 1" in proc.stdout  # the summary's split
-    assert processes_using(out_dir) == []
