@@ -99,8 +99,10 @@ def test_runtime_settings_reach_the_plan_and_bad_ones_are_refused(tmp_path: Path
 
 
 def test_killing_a_stage_group_removes_the_shared_memory_only_it_mapped(tmp_path: Path) -> None:
-    """What a killed vLLM engine leaves (its ``psm_*`` queues) is removed with its group;
-    a name another live process still maps stays."""
+    """What a killed vLLM engine leaves (its ``psm_*`` queues, and the ``sem.mp-*`` of a
+    semaphore of Python's spawn context, mapped under glibc's temporary name and linked to
+    its own afterwards) is removed with its group; a name another live process still maps
+    stays."""
     own, shared = f"psm_kvbtest_{time.monotonic_ns()}", f"psm_kvbtest_shared_{time.monotonic_ns()}"
     code = (
         "import mmap, os, sys, time\n"
@@ -108,25 +110,33 @@ def test_killing_a_stage_group_removes_the_shared_memory_only_it_mapped(tmp_path
         "for n in sys.argv[1:]:\n"
         "    fd = os.open('/dev/shm/' + n, os.O_CREAT | os.O_RDWR, 0o600); os.ftruncate(fd, 4096)\n"
         "    maps.append(mmap.mmap(fd, 4096))\n"
-        "print('ready', flush=True); time.sleep(600)\n"
+        "import multiprocessing\n"
+        "sem = multiprocessing.get_context('spawn').Semaphore() if len(sys.argv) > 2 else None\n"
+        "print('ready', 'sem' + sem._semlock.name.replace('/', '.') if sem else '', flush=True)\n"
+        "time.sleep(600)\n"
     )
     group = subprocess.Popen(
         [sys.executable, "-c", code, own, shared], stdout=subprocess.PIPE, start_new_session=True
     )
     other = subprocess.Popen([sys.executable, "-c", code, shared], stdout=subprocess.PIPE)
+    sem = ""
     try:
-        assert group.stdout is not None and group.stdout.readline().strip() == b"ready"
-        assert other.stdout is not None and other.stdout.readline().strip() == b"ready"
+        assert group.stdout is not None and other.stdout is not None
+        ready, sem = group.stdout.readline().decode().split()
+        assert ready == "ready" and sem.startswith("sem.mp-") and Path(f"/dev/shm/{sem}").exists()
+        assert other.stdout.readline().strip() == b"ready"
         removed = kill_stage_group(group.pid)
         assert group.wait(timeout=10) == -9
-        assert removed == [own]
-        assert not Path(f"/dev/shm/{own}").exists() and Path(f"/dev/shm/{shared}").exists()
+        assert removed == sorted([own, sem])
+        assert not Path(f"/dev/shm/{own}").exists() and not Path(f"/dev/shm/{sem}").exists()
+        assert Path(f"/dev/shm/{shared}").exists()
     finally:
         for p in (group, other):
             p.kill()
             p.wait()
-        for n in (own, shared):
-            Path(f"/dev/shm/{n}").unlink(missing_ok=True)
+        for n in (own, shared, sem):
+            if n:
+                Path(f"/dev/shm/{n}").unlink(missing_ok=True)
 
 
 def test_the_exit_cause_is_the_signal_or_the_exception_never_a_stray_log_line() -> None:

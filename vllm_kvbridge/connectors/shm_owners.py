@@ -164,7 +164,7 @@ class ShmOwner:
         pids = [self._pid, *(procfs.descendants(self._pid) if descendants else [])]
         mapped: set[tuple[int, int]] = set()
         for pid in pids:
-            mapped |= _mapped_files(pid, self.shm_dir)
+            mapped |= mapped_files(pid, self.shm_dir)
         # By inode, not by the path in the maps: glibc's sem_open maps a temporary name that
         # it then links as sem.mp-* and unlinks, so the maps show "sem.XXXXXX (deleted)".
         found = {name: ino for name, (dev, ino) in _recordable(self.shm_dir).items() if (dev, ino) in mapped}
@@ -196,9 +196,9 @@ class ShmOwner:
         if self._fd < 0 or os.getpid() != self._pid:
             return []
         removed = []
-        mapped = _all_mapped(self.shm_dir) if self._recorded else set()
+        mapped = all_mapped(self.shm_dir) if self._recorded else set()
         for name, ino in self._recorded.items():
-            if _unlink_if_unused(self.shm_dir, name, ino, mapped) == "removed":
+            if unlink_if_unused(self.shm_dir, name, ino, mapped) == "removed":
                 removed.append(name)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # before dropping the lock: no reaper sees it unlocked
@@ -263,7 +263,7 @@ def _maps_lines(pid: int | str) -> list[bytes]:
         return []
 
 
-def _mapped_files(pid: int | str, shm_dir: str) -> set[tuple[int, int]]:
+def mapped_files(pid: int | str, shm_dir: str) -> set[tuple[int, int]]:
     """``(device, inode)`` of the files in ``shm_dir`` that process ``pid`` maps (named or
     not any more: a name may have been linked to the file after it was mapped)."""
     prefix = os.path.realpath(shm_dir).encode() + b"/"
@@ -278,16 +278,16 @@ def _mapped_files(pid: int | str, shm_dir: str) -> set[tuple[int, int]]:
     return found
 
 
-def _all_mapped(shm_dir: str) -> set[tuple[int, int]]:
+def all_mapped(shm_dir: str) -> set[tuple[int, int]]:
     """``(device, inode)`` of every file in ``shm_dir`` a process this one can see maps."""
     mapped: set[tuple[int, int]] = set()
     for entry in _listdir("/proc"):
         if entry.isdigit():
-            mapped |= _mapped_files(entry, shm_dir)
+            mapped |= mapped_files(entry, shm_dir)
     return mapped
 
 
-def _unlink_if_unused(shm_dir: str, name: str, ino: int, mapped: set[tuple[int, int]]) -> str:
+def unlink_if_unused(shm_dir: str, name: str, ino: int, mapped: set[tuple[int, int]]) -> str:
     """Unlink ``name`` if it still is inode ``ino`` and nothing maps it: ``"removed"``,
     ``"gone"`` (no such file any more) or ``"in use"`` (kept)."""
     path = os.path.join(shm_dir, name)
@@ -432,14 +432,14 @@ def reap_dead_runs(shm_dir: str = SHM_DIR, *, prefix: str = "", every_namespace:
             # run's orchestrator reaps its own edges.
             dead_runs = {_run_of(owner_file) for owner_file, _, _ in dead} - live_runs
             removed += _reap_segments(shm_dir, None if every_namespace else dead_runs)
-        mapped = _all_mapped(shm_dir) if any(names for _, _, names in dead) else set()
+        mapped = all_mapped(shm_dir) if any(names for _, _, names in dead) else set()
         segments_left = {_run_of_segment(n) for n in _listdir(shm_dir)}
         for owner_file, fd, names in dead:
             kept = {}
             for name, ino in names.items():
                 if name in live_names:
                     continue  # a live owner recorded it too: it is that owner's to reap
-                outcome = _unlink_if_unused(shm_dir, name, ino, mapped)
+                outcome = unlink_if_unused(shm_dir, name, ino, mapped)
                 if outcome == "removed":
                     removed.append(name)
                 elif outcome == "in use":

@@ -29,6 +29,7 @@ import msgspec
 
 from vllm_kvbridge.config.locality import ROUTED, NodeInfo, local_node, routed_config
 from vllm_kvbridge.config.resolve import ResolvedConnector, ResolvedStage
+from vllm_kvbridge.connectors import shm_owners
 from vllm_kvbridge.connectors.keys import edge_name
 from vllm_kvbridge.pipeline.control_auth import credentials_from
 from vllm_kvbridge.pipeline.results import StageError, stage_name
@@ -313,23 +314,27 @@ def _wait_exit(handles: Sequence[StageHandle], deadline: float) -> None:
             h.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
 
 
-def _shm_mapped(pids: list[int] | None = None) -> set[str]:
-    """Names under /dev/shm that ``pids`` (every process when None) map."""
-    maps = [Path(f"/proc/{p}/maps") for p in pids] if pids is not None else Path("/proc").glob("[0-9]*/maps")
-    names: set[str] = set()
-    for path in maps:
-        with contextlib.suppress(OSError):
-            for line in path.read_text().splitlines():
-                _, sep, name = line.partition("/dev/shm/")
-                if sep:
-                    names.add(name.split(" (deleted)")[0])
+def _shm_names() -> dict[tuple[int, int], str]:
+    """``{(device, inode): name}`` of the files in /dev/shm now."""
+    names = {}
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(shm_owners.SHM_DIR):
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(shm_owners.SHM_DIR, name))
+                names[(st.st_dev, st.st_ino)] = name
     return names
 
 
 def shm_mapped_by_group(pgid: int) -> set[str]:
-    """/dev/shm names the live processes of group ``pgid`` map, but our connectors' (their
-    reapers know the owners: see :mod:`vllm_kvbridge.connectors.leftovers`)."""
-    return {n for n in _shm_mapped(group_pids(pgid)) if not n.startswith("kvbridge.")}
+    """/dev/shm names whose files the live processes of group ``pgid`` map, but our
+    connectors' (their reapers know the owners: see :mod:`vllm_kvbridge.connectors.leftovers`).
+    Matched by inode, not by the name in ``/proc/<pid>/maps``: a POSIX semaphore
+    (``sem.mp-*`` of Python's multiprocessing in vLLM's processes) is mapped under the
+    temporary name glibc created it with, then linked to its own name."""
+    mapped: set[tuple[int, int]] = set()
+    for pid in group_pids(pgid):
+        mapped |= shm_owners.mapped_files(pid, shm_owners.SHM_DIR)
+    return {n for key, n in _shm_names().items() if key in mapped and not n.startswith("kvbridge.")}
 
 
 def kill_stage_group(
@@ -338,8 +343,8 @@ def kill_stage_group(
     """SIGKILL the process group of a stage (its vLLM engine-core children too), wait up to
     ``wait_s`` for it to go, and unlink the shared memory it mapped (now, or ``known``
     from earlier) that nothing maps any more: a killed vLLM engine cannot remove its own
-    message queues (``psm_*``, up to hundreds of MB), and a supervised stage restarted a
-    few times would fill /dev/shm. Returns the names removed."""
+    message queues (``psm_*``, up to hundreds of MB) or semaphores (``sem.mp-*``), and a
+    supervised stage restarted a few times would fill /dev/shm. Returns the names removed."""
     mapped = shm_mapped_by_group(pgid) | set(known)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
@@ -348,11 +353,13 @@ def kill_stage_group(
         time.sleep(0.05)
     if not mapped:
         return []
+    in_use = shm_owners.all_mapped(shm_owners.SHM_DIR)
     removed = []
-    for name in mapped - _shm_mapped():
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(f"/dev/shm/{name}")
-            removed.append(name)
+    for name in sorted(mapped):
+        with contextlib.suppress(OSError):
+            ino = os.lstat(os.path.join(shm_owners.SHM_DIR, name)).st_ino
+            if shm_owners.unlink_if_unused(shm_owners.SHM_DIR, name, ino, in_use) == "removed":
+                removed.append(name)
     return removed
 
 
