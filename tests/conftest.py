@@ -126,7 +126,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _cost.extend(suite_guard.cost_table(_seen))
     verdict = suite_guard.judge(_seen, _SUITE_TMP, _SHM_AT_START)
     _problems.extend(verdict.problems)
-    if os.environ.get(suite_guard.STRICT_ENV) == "1":
+    if os.environ.get(suite_guard.STRICT_ENV, "1") != "0":
         _problems.extend(verdict.leftovers)
     else:
         _leftovers.extend(verdict.leftovers)
@@ -144,7 +144,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
             terminalreporter.write_line(line)
     if _leftovers:
         terminalreporter.section(
-            f"what the suite left (removed now; fails the run with {suite_guard.STRICT_ENV}=1)", yellow=True
+            f"what the suite left (removed now; {suite_guard.STRICT_ENV}=0 let it pass)", yellow=True
         )
         for line in _leftovers:
             terminalreporter.write_line(line)

@@ -15,8 +15,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -42,7 +44,19 @@ def test_soak_with_aborts_a_kill_and_every_fault_accounts_for_every_request(tmp_
     argv += ["-m", "vllm_kvbridge.cli.main", "bench", "soak", "--stage-config", str(config)]
     argv += ["--requests", str(REQUESTS), "--concurrency", "4", "--abort-frac", "0.25", "--baseline", "2"]
     argv += ["--kill", "1@4", "--faults", "all", "--fault-gap", "2", "--json", str(out)]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=860, env={**os.environ, **SERVER_ENV})
+    # bench soak keeps its server's log (and that server its stages' logs: it kills one) in
+    # a temp dir for the user to read: here one this test removes. Not tmp_path: vLLM puts
+    # its engines' IPC sockets in TMPDIR, and tmp_path is longer than a socket path may be.
+    soak_tmp = tempfile.mkdtemp(prefix="soak-")
+    try:
+        env = {**os.environ, **SERVER_ENV, "TMPDIR": soak_tmp}
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=860, env=env)
+        _check(proc, out)
+    finally:
+        shutil.rmtree(soak_tmp, ignore_errors=True)
+
+
+def _check(proc: subprocess.CompletedProcess[str], out: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     # A failure says what the server saw too (its log: the stage losses, restarts, errors).

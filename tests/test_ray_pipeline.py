@@ -157,6 +157,7 @@ def test_serve_on_two_nodes_moves_kv_over_tcp_and_fails_the_request_of_a_killed_
     argv = [
         sys.executable, "-m", "vllm_kvbridge.cli.main", "serve", "--stage-config", str(config),
         "--port", str(port), "--model", str(model), "--ray-address", nodes.address,
+        "--log-dir", str(tmp_path / "logs"),  # kept (a stage is killed): not in the temp dir
     ]  # fmt: skip
     srv = start_process(argv, tmp_path / "serve.log", f"http://127.0.0.1:{port}", "/health", 300)
     try:
