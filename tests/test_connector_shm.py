@@ -362,3 +362,23 @@ def test_a_segment_whose_receiver_died_while_claiming_is_taken_back(token):
         pool = [n for n in seg.list_names(token) if ".p." in n]
         assert sender.put(0, 1, key(2), make_payload(1)).ok  # the segment is reused
         assert [n for n in seg.list_names(token) if ".p." in n] == pool
+
+
+def test_a_close_during_a_reserve_leaves_no_segment(token, monkeypatch):
+    """A reserve makes its new pool segment outside the connector's lock; a close() that
+    runs meanwhile must not leave that segment in /dev/shm (the reserve fails as closed)."""
+    from vllm_kvbridge.connectors import shm as shm_module
+    from vllm_kvbridge.errors import ConnectorClosed
+
+    conn = SHM.make(token)
+    real_segment = shm_module.seg.PoolSegment
+
+    def segment_then_close(*args, **kwargs):  # close() runs while the segment is being made
+        segment = real_segment(*args, **kwargs)
+        conn.close()
+        return segment
+
+    monkeypatch.setattr(shm_module.seg, "PoolSegment", segment_then_close)
+    with pytest.raises(ConnectorClosed):
+        conn.reserve(0, 1, key(), 1 << 16)
+    assert SHM.leftovers(token) == []

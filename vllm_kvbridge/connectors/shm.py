@@ -218,6 +218,10 @@ class SharedMemoryConnector(Connector):
                 return self._put_failed(f"cannot create a {nbytes}-byte shared-memory segment: {exc}")
         segment.begin_write()
         with self._lock:
+            if self._closed:  # close() ran while the segment was made: it never saw it
+                self._reserved -= reserved
+                segment.destroy()
+                self._check_open()
             self._writing.add(segment)
         return LentReservation(
             self, key, nbytes, segment.payload[:nbytes], _Lent(namespace, segment, reserved)
