@@ -55,7 +55,7 @@ import secrets
 import stat
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -69,9 +69,13 @@ __all__ = [
     "RUN_ID_ENV",
     "OwnerInfo",
     "ShmOwner",
+    "all_mapped",
     "hold_owner",
+    "mapped_files",
+    "names_mapped_by",
     "owners",
     "reap_dead_runs",
+    "unlink_if_unused",
 ]
 
 SHM_DIR = shm_segments.SHM_DIR
@@ -106,15 +110,33 @@ def _listdir(shm_dir: str) -> list[str]:
         return []
 
 
-def _recordable(shm_dir: str) -> dict[str, tuple[int, int]]:
-    """``{name: (device, inode)}`` of the names in ``shm_dir`` that owners may record."""
+def _names(shm_dir: str, wanted: Callable[[str], object]) -> dict[str, tuple[int, int]]:
+    """``{name: (device, inode)}`` of the names in ``shm_dir`` that ``wanted`` accepts."""
     found = {}
     for name in _listdir(shm_dir):
-        if RECORDED_NAME.fullmatch(name):
+        if wanted(name):
             with contextlib.suppress(OSError):
                 st = os.lstat(os.path.join(shm_dir, name))
                 found[name] = (st.st_dev, st.st_ino)
     return found
+
+
+def _recordable(shm_dir: str) -> dict[str, tuple[int, int]]:
+    """``{name: (device, inode)}`` of the names in ``shm_dir`` that owners may record."""
+    return _names(shm_dir, RECORDED_NAME.fullmatch)
+
+
+def names_mapped_by(
+    pids: Iterable[int | str], shm_dir: str, wanted: Callable[[str], object]
+) -> dict[str, int]:
+    """``{name: inode}`` of the names in ``shm_dir`` (those ``wanted`` accepts) whose files
+    ``pids`` map. By inode, not by the path in the maps: glibc's sem_open maps a temporary
+    name that it then links as ``sem.mp-*`` and unlinks, so the maps show
+    ``sem.XXXXXX (deleted)``."""
+    mapped: set[tuple[int, int]] = set()
+    for pid in pids:
+        mapped |= mapped_files(pid, shm_dir)
+    return {name: ino for name, (dev, ino) in _names(shm_dir, wanted).items() if (dev, ino) in mapped}
 
 
 class ShmOwner:
@@ -162,13 +184,7 @@ class ShmOwner:
         then every few seconds: a name created and lost between two calls is not recorded.
         """
         pids = [self._pid, *(procfs.descendants(self._pid) if descendants else [])]
-        mapped: set[tuple[int, int]] = set()
-        for pid in pids:
-            mapped |= mapped_files(pid, self.shm_dir)
-        # By inode, not by the path in the maps: glibc's sem_open maps a temporary name that
-        # it then links as sem.mp-* and unlinks, so the maps show "sem.XXXXXX (deleted)".
-        found = {name: ino for name, (dev, ino) in _recordable(self.shm_dir).items() if (dev, ino) in mapped}
-        return self._record(found)
+        return self._record(names_mapped_by(pids, self.shm_dir, RECORDED_NAME.fullmatch))
 
     def _record(self, found: dict[str, int]) -> list[str]:
         if os.getpid() != self._pid or self._fd < 0:

@@ -314,27 +314,16 @@ def _wait_exit(handles: Sequence[StageHandle], deadline: float) -> None:
             h.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
 
 
-def _shm_names() -> dict[tuple[int, int], str]:
-    """``{(device, inode): name}`` of the files in /dev/shm now."""
-    names = {}
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir(shm_owners.SHM_DIR):
-            with contextlib.suppress(OSError):
-                st = os.lstat(os.path.join(shm_owners.SHM_DIR, name))
-                names[(st.st_dev, st.st_ino)] = name
-    return names
-
-
 def shm_mapped_by_group(pgid: int) -> set[str]:
-    """/dev/shm names whose files the live processes of group ``pgid`` map, but our
-    connectors' (their reapers know the owners: see :mod:`vllm_kvbridge.connectors.leftovers`).
-    Matched by inode, not by the name in ``/proc/<pid>/maps``: a POSIX semaphore
-    (``sem.mp-*`` of Python's multiprocessing in vLLM's processes) is mapped under the
-    temporary name glibc created it with, then linked to its own name."""
-    mapped: set[tuple[int, int]] = set()
-    for pid in group_pids(pgid):
-        mapped |= shm_owners.mapped_files(pid, shm_owners.SHM_DIR)
-    return {n for key, n in _shm_names().items() if key in mapped and not n.startswith("kvbridge.")}
+    """/dev/shm names whose files the live processes of group ``pgid`` map (by inode:
+    :func:`~vllm_kvbridge.connectors.shm_owners.names_mapped_by`, so vLLM's ``sem.mp-*``
+    semaphores too), but our connectors' (their reapers know the owners: see
+    :mod:`vllm_kvbridge.connectors.leftovers`)."""
+    return set(shm_owners.names_mapped_by(group_pids(pgid), shm_owners.SHM_DIR, _not_a_connectors))
+
+
+def _not_a_connectors(name: str) -> bool:
+    return not name.startswith("kvbridge.")
 
 
 def kill_stage_group(
